@@ -1,0 +1,154 @@
+"""Engine configuration: frozen dataclasses, built once and never mutated."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+"""Bytes of KV cache on CPU when --kv-cache-memory is not given (pages are touched lazily)."""
+CUDA_MEMORY_UTILIZATION = 0.9
+"""Fraction of free GPU memory (after weights) given to the KV cache by default on CUDA."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs from a Hugging Face checkpoint's config.json."""
+
+    path: str
+    architecture: str
+    hf_config: dict = field(repr=False, hash=False, compare=False)
+    """The raw config.json; model classes read their own fields from it."""
+    dtype: torch.dtype
+    """Compute dtype (float32 on CPU unless asked otherwise; the checkpoint's on CUDA)."""
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int
+    """Longest sequence (prompt + output) a request may have."""
+    eos_token_ids: tuple[int, ...]
+
+    @staticmethod
+    def from_pretrained(
+        path: str | Path,
+        dtype: str | torch.dtype = "auto",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+    ) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"model: no config.json in {str(path)!r} (expected a Hugging Face checkpoint)")
+        hf = json.loads(config_file.read_text())
+        if "text_config" in hf and "num_hidden_layers" not in hf:
+            raise ValueError(f"model: multimodal checkpoints are not supported ({path})")
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ValueError(f"model: config.json in {str(path)!r} names no architectures")
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        derived_max_len = _derive_max_model_len(hf)
+        if max_model_len is None:
+            max_model_len = derived_max_len
+        elif max_model_len > derived_max_len:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's context length ({derived_max_len})"
+            )
+        return ModelConfig(
+            path=str(path),
+            architecture=archs[0],
+            hf_config=hf,
+            dtype=_resolve_dtype(dtype, hf, device),
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_model_len=max_model_len,
+            eos_token_ids=_eos_token_ids(path, hf),
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV block pool; None picks a default for the device (see module constants)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    """Token budget of one engine step (prefill chunks + decodes)."""
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    policy: str = "fcfs"
+    """'fcfs' or 'priority' (lower SamplingParams.priority first, then arrival)."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the remaining budget across steps."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str = "cpu"
+    seed: int | None = None
+    """Seed of the engine-wide generator used by unseeded requests."""
+    tokenizer: str | None = None
+    """Tokenizer path; defaults to the model path."""
+    skip_tokenizer_init: bool = False
+    """Run on token ids only (no text in or out)."""
+
+
+def _derive_max_model_len(hf: dict) -> int:
+    max_len = hf.get("max_position_embeddings")
+    if max_len is None:
+        raise ValueError("model: config.json has no max_position_embeddings")
+    return int(max_len)
+
+
+def _resolve_dtype(dtype: str | torch.dtype, hf: dict, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    if dtype == "auto":
+        if device == "cpu":
+            # This class of CPU runs bf16 matmul hundreds of times slower than fp32.
+            return torch.float32
+        name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        return names.get(name, torch.float32)
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {['auto', *names]}, got {dtype!r}")
+    return names[dtype]
+
+
+def _eos_token_ids(path: Path, hf: dict) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (which may list several) or config.json."""
+    eos = None
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        eos = json.loads(gen_file.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = hf.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)

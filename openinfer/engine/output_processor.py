@@ -1,0 +1,159 @@
+"""Turns engine-core outputs (token ids) into user-facing RequestOutputs.
+
+Runs in the front end (offline LLM now, the API server later): detokenizes
+incrementally, applies stop strings (asking the core to abort the request), fills
+decoded tokens into logprobs, and gathers the n samples of a request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from openinfer.engine.detokenizer import IncrementalDetokenizer
+from openinfer.engine.outputs import EngineCoreOutput
+from openinfer.outputs import (
+    CompletionOutput,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from openinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class _Sample:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: dict[str, _Sample]
+    """By engine-core request id (one per parallel sample)."""
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+        self._parent_of: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, child_ids: list[str], arrival_time: float) -> None:
+        samples = {
+            child_id: _Sample(i, IncrementalDetokenizer(self.tokenizer, params),
+                              logprobs=[] if params.logprobs is not None else None)
+            for i, child_id in enumerate(child_ids)
+        }
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = [None] * len(prompt_token_ids)
+        self._requests[request_id] = _RequestState(
+            request_id, prompt, prompt_token_ids, params, samples, prompt_logprobs,
+            RequestMetrics(arrival_time=arrival_time))
+        for child_id in child_ids:
+            self._parent_of[child_id] = request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (requests that finished, core request ids to abort for stop strings)."""
+        finished: list[RequestOutput] = []
+        to_abort: list[str] = []
+        now = time.monotonic()
+        for out in outputs:
+            parent_id = self._parent_of.get(out.request_id)
+            if parent_id is None:
+                continue  # already finished by a stop string
+            state = self._requests[parent_id]
+            sample = state.samples[out.request_id]
+            if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
+                self._store_prompt_logprobs(state, *out.prompt_logprobs)
+            if out.new_token_ids:
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                stop = self._append_tokens(sample, out)
+                if stop is not None and out.finish_reason is None:
+                    sample.finish_reason, sample.stop_reason = "stop", stop
+                    to_abort.append(out.request_id)
+            if out.finish_reason is not None and sample.finish_reason is None:
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            if sample.finish_reason is not None:
+                del self._parent_of[out.request_id]
+            if state.finished:
+                state.metrics.finished_time = now
+                finished.append(self._to_output(state))
+                del self._requests[parent_id]
+        return finished, to_abort
+
+    def abort(self, request_id: str) -> tuple[RequestOutput | None, list[str]]:
+        """End a request from outside; returns its final output and its core request ids."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None, []
+        child_ids = [cid for cid, s in state.samples.items() if s.finish_reason is None]
+        for cid in child_ids:
+            state.samples[cid].finish_reason = "abort"
+            self._parent_of.pop(cid, None)
+        state.metrics.finished_time = time.monotonic()
+        return self._to_output(state), child_ids
+
+    def _append_tokens(self, sample: _Sample, out: EngineCoreOutput) -> str | None:
+        sample.token_ids.extend(out.new_token_ids)
+        if sample.logprobs is not None and out.new_logprobs:
+            for entry in out.new_logprobs:
+                sample.logprobs.append(self._decode_logprobs(sample.detokenizer, entry))
+        return sample.detokenizer.update(out.new_token_ids)
+
+    def _store_prompt_logprobs(self, state: _RequestState, start: int,
+                               entries: list[PositionLogprobs]) -> None:
+        # Idempotent: a preempted request recomputes (and resends) the same positions.
+        detokenizer = next(iter(state.samples.values())).detokenizer
+        for i, entry in enumerate(entries):
+            state.prompt_logprobs[start + i] = self._decode_logprobs(detokenizer, entry)
+
+    def _decode_logprobs(self, detokenizer: IncrementalDetokenizer,
+                         entry: PositionLogprobs) -> PositionLogprobs:
+        if self.tokenizer is None:
+            return entry
+        for token_id, logprob in entry.items():
+            logprob.decoded_token = detokenizer.decode_token(token_id)
+        return entry
+
+    def _to_output(self, state: _RequestState) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detokenizer.output_text,
+                token_ids=list(s.token_ids),
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in sorted(state.samples.values(), key=lambda s: s.index)
+        ]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            prompt_logprobs=state.prompt_logprobs,
+            finished=True,
+            metrics=state.metrics,
+        )

@@ -1,0 +1,74 @@
+"""The contracts between scheduler, model runner and engine core (plain data, no tensors).
+
+The scheduler sends the runner only what changed: the full data of requests the
+runner has not seen (new, or resumed after preemption), and for the others just
+the blocks they gained. The runner keeps its own copy of each request's tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from openinfer.outputs import PositionLogprobs
+from openinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens generated before a preemption (empty for a new request)."""
+    sampling_params: SamplingParams
+    stop_token_ids: frozenset[int]
+    block_ids: list[list[int]]
+    """The request's whole block table, per layer group."""
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[list[int]]
+    """Blocks added since the last step, per layer group."""
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens of each request to compute this step (a prompt chunk, or 1 for a decode)."""
+    finished_request_ids: set[str] = field(default_factory=set)
+    """Requests that ended (or were preempted) since the last step: the runner drops them."""
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    """One new token for each request whose scheduled tokens reached its end."""
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+    """Per request: (first prompt position covered, logprobs of the positions computed)."""
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request (sent to the output processor)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: tuple[int, list[PositionLogprobs]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,78 @@
+"""A request as the engine core tracks it: token ids and progress counters, no tensors."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from openinfer.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    """Resolved output limit: min(params.max_tokens, max_model_len - prompt length)."""
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Tokens whose KV is in the cache (prompt first, then outputs)."""
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    all_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Tokens that end generation: EOS (unless ignore_eos) plus the request's own."""
+        params = self.sampling_params
+        own = frozenset(params.stop_token_ids or ())
+        return own if params.ignore_eos else own | self.eos_token_ids
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """Whether the last appended token ends the request (and why)."""
+        last = self.output_token_ids[-1]
+        num_out = len(self.output_token_ids)
+        if num_out >= self.sampling_params.min_tokens and last in self.stop_token_ids:
+            self.stop_reason = None if last in self.eos_token_ids and not (
+                last in (self.sampling_params.stop_token_ids or ())) else last
+            return RequestStatus.FINISHED_STOPPED
+        if num_out >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,171 @@
+"""The model runner: the one place where lists of ids become tensors.
+
+Each step it applies the scheduler's diff to its own copy of the requests, packs the
+scheduled tokens into one flat batch (decodes first), runs the model, and samples a
+token for every request whose scheduled tokens reached its end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from openinfer.engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from openinfer.kv.spec import LayerGroup
+from openinfer.layers.attention import build_attention_metadata
+from openinfer.layers.sampler import Sampler, SamplingRow, compute_logprobs
+from openinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class RunnerRequest:
+    request_id: str
+    token_ids: list[int]
+    """Prompt followed by the tokens sampled so far."""
+    num_prompt_tokens: int
+    params: SamplingParams
+    stop_token_ids: frozenset[int]
+    block_ids: list[list[int]]
+    num_computed_tokens: int
+
+    @staticmethod
+    def from_new(data: NewRequestData) -> RunnerRequest:
+        return RunnerRequest(
+            request_id=data.request_id,
+            token_ids=[*data.prompt_token_ids, *data.output_token_ids],
+            num_prompt_tokens=len(data.prompt_token_ids),
+            params=data.sampling_params,
+            stop_token_ids=data.stop_token_ids,
+            block_ids=[list(t) for t in data.block_ids],
+            num_computed_tokens=data.num_computed_tokens,
+        )
+
+
+def allocate_kv_caches(groups: list[LayerGroup], num_blocks: int, num_layers: int,
+                       dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    """One block-major tensor per group; returns a per-layer view into it.
+
+    A group's tensor is ``[num_blocks, layers_in_group, 2, block_size, kv_heads, head_dim]``:
+    a block of all the group's layers is contiguous, so moving a block between memory
+    tiers is one copy.
+    """
+    per_layer: list[torch.Tensor | None] = [None] * num_layers
+    for group in groups:
+        spec = group.spec
+        pool = torch.zeros(num_blocks, len(group.layers), 2, spec.block_size, spec.num_kv_heads,
+                           spec.head_dim, dtype=dtype, device=device)
+        for i, layer in enumerate(group.layers):
+            per_layer[layer] = pool[:, i]
+    assert all(c is not None for c in per_layer), "a layer has no KV cache"
+    return per_layer  # type: ignore[return-value]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, groups: list[LayerGroup], num_blocks: int,
+                 num_layers: int, dtype: torch.dtype, device: torch.device | str,
+                 seed: int | None = None) -> None:
+        # Only full-attention layers exist so far: one group, one attention metadata.
+        if len(groups) != 1:
+            raise NotImplementedError("models with several KV layer groups are not supported yet")
+        self.model = model
+        self.device = torch.device(device)
+        self.block_size = groups[0].spec.block_size
+        self.kv_caches = allocate_kv_caches(groups, num_blocks, num_layers, dtype, device)
+        self.sampler = Sampler(seed)
+        self.requests: dict[str, RunnerRequest] = {}
+
+    def _apply_diff(self, sched: SchedulerOutput) -> None:
+        for request_id in sched.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for data in sched.new_requests:
+            self.requests[data.request_id] = RunnerRequest.from_new(data)
+        for data in sched.cached_requests:
+            req = self.requests[data.request_id]
+            for table, new_blocks in zip(req.block_ids, data.new_block_ids):
+                table.extend(new_blocks)
+            req.num_computed_tokens = data.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_diff(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput()
+        counts = sched.num_scheduled_tokens
+        # Decodes (one query token) first: attention batches them together.
+        order = sorted(counts, key=lambda rid: counts[rid] != 1)
+        batch = [self.requests[rid] for rid in order]
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for req in batch:
+            start, end = req.num_computed_tokens, req.num_computed_tokens + counts[req.request_id]
+            input_ids.extend(req.token_ids[start:end])
+            positions.extend(range(start, end))
+        meta = build_attention_metadata(
+            query_lens=[counts[r.request_id] for r in batch],
+            seq_lens=[r.num_computed_tokens + counts[r.request_id] for r in batch],
+            block_tables=[r.block_ids[0] for r in batch],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        hidden = self.model(self._long(input_ids), self._long(positions), self.kv_caches, meta)
+
+        out = ModelRunnerOutput()
+        self._prompt_logprobs(batch, counts, hidden, out)
+        self._sample(batch, counts, hidden, out)
+        for req in batch:
+            req.num_computed_tokens += counts[req.request_id]
+        return out
+
+    def _sample(self, batch: list[RunnerRequest], counts: dict[str, int], hidden: torch.Tensor,
+                out: ModelRunnerOutput) -> None:
+        rows: list[SamplingRow] = []
+        last_positions: list[int] = []
+        sampling: list[RunnerRequest] = []
+        offset = 0
+        for req in batch:
+            n = counts[req.request_id]
+            if req.num_computed_tokens + n == len(req.token_ids):
+                last_positions.append(offset + n - 1)
+                sampling.append(req)
+                rows.append(SamplingRow(
+                    params=req.params,
+                    prompt_token_ids=req.token_ids[:req.num_prompt_tokens],
+                    output_token_ids=req.token_ids[req.num_prompt_tokens:],
+                    stop_token_ids=req.stop_token_ids,
+                ))
+            offset += n
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[self._long(last_positions)])
+        result = self.sampler(logits, rows)
+        for req, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
+            req.token_ids.append(token)
+            out.sampled_token_ids[req.request_id] = token
+            if logprobs is not None:
+                out.logprobs[req.request_id] = logprobs
+
+    def _prompt_logprobs(self, batch: list[RunnerRequest], counts: dict[str, int],
+                         hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Logprob of each prompt token given the tokens before it, for requests asking.
+
+        The hidden state at position j predicts token j + 1, so a chunk covering
+        positions [start, end) yields prompt positions start+1 .. min(end, prompt_len-1).
+        """
+        offset = 0
+        for req in batch:
+            n = counts[req.request_id]
+            start = req.num_computed_tokens
+            stop = min(start + n, req.num_prompt_tokens - 1)
+            if req.params.prompt_logprobs is not None and start < stop:
+                rows = self._long(list(range(offset, offset + stop - start)))
+                logits = self.model.compute_logits(hidden[rows])
+                targets = req.token_ids[start + 1:stop + 1]
+                entries = compute_logprobs(logits, targets, req.params.prompt_logprobs)
+                out.prompt_logprobs[req.request_id] = (start + 1, entries)
+            offset += n
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,53 @@
+"""Linear layers whose parameters know how to load Hugging Face checkpoint tensors.
+
+Projections that read the same input (q/k/v, gate/up) are merged into one matmul:
+fewer, larger GEMMs are faster on every device. The checkpoint still stores them
+apart, so a merged layer loads each shard into its slice of the weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
+                         f"{tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        # Uninitialized: every parameter is overwritten by the checkpoint loader.
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = default_weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked along the output dim."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(out_sizes), bias)
+        self.out_sizes = out_sizes
+        self.weight.weight_loader = self._load_shard
+        if bias:
+            self.bias.weight_loader = self._load_shard
+
+    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
+        start = sum(self.out_sizes[:shard])
+        default_weight_loader(param.data[start:start + self.out_sizes[shard]], loaded)
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return out.split(self.out_sizes, dim=-1)

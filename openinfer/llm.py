@@ -1,0 +1,106 @@
+"""The offline API: ``LLM(model_path).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from openinfer.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from openinfer.engine.llm_engine import LLMEngine, PromptInput
+from openinfer.outputs import RequestOutput
+from openinfer.sampling_params import SamplingParams
+
+
+class LLM:
+    """A model loaded in this process, generating for batches of prompts.
+
+    Args mirror the server's flags: ``dtype`` ('auto' = float32 on CPU, the
+    checkpoint's dtype on CUDA), ``max_model_len``, ``kv_cache_memory`` (bytes),
+    ``block_size``, ``max_num_batched_tokens`` (step token budget), ``max_num_seqs``,
+    ``scheduling_policy`` ('fcfs' | 'priority'), ``seed`` (for unseeded sampling).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+        kv_cache_memory: int | None = None,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        scheduling_policy: str = "fcfs",
+        enable_chunked_prefill: bool = True,
+        seed: int | None = None,
+        skip_tokenizer_init: bool = False,
+        progress: bool = True,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig.from_pretrained(model, dtype=dtype, device=device,
+                                              max_model_len=max_model_len),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                      max_num_seqs=max_num_seqs, policy=scheduling_policy,
+                                      enable_chunked_prefill=enable_chunked_prefill),
+            device=device,
+            seed=seed,
+            tokenizer=tokenizer,
+            skip_tokenizer_init=skip_tokenizer_init,
+        )
+        self.engine = LLMEngine(config, progress=progress)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        ``prompts`` is a string, a list of token ids, or a list of either. Every prompt
+        is validated before any is queued, so a ValueError leaves the engine idle.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"sampling_params: got {len(params_list)} for "
+                                 f"{len(prompt_list)} prompts")
+        engine = self.engine
+        processed = [engine.process_prompt(prompt) for prompt in prompt_list]
+        for (_, token_ids), params in zip(processed, params_list):
+            engine.validate(token_ids, params)
+
+        ids = [f"gen-{next(self._counter)}" for _ in prompt_list]
+        for request_id, (text, token_ids), params in zip(ids, processed, params_list):
+            engine.add_tokenized_request(request_id, text, token_ids, params)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    results[output.request_id] = output
+                    bar.update(1)
+        return [results[i] for i in ids]
+
+
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if isinstance(prompts, Sequence) and not prompts:
+        raise ValueError("prompt must not be empty")
+    return list(prompts)

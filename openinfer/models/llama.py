@@ -1,0 +1,147 @@
+"""Llama: a pre-norm decoder of (GQA attention with RoPE) + (gated SiLU MLP) blocks.
+
+Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each head's q and k) are variants of the
+same block, expressed as two flags rather than copies of this file.
+
+    x ─ embed ─┬─ RMSNorm ─ Attention ─(+)─┬─ RMSNorm ─ MLP ─(+)─ ... ─ RMSNorm ─ LM head
+               └────────────────────────────┘└──────────────────┘
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from openinfer.layers.attention import Attention, AttentionMetadata
+from openinfer.layers.embedding import LMHead, VocabEmbedding
+from openinfer.layers.linear import Linear, MergedLinear
+from openinfer.layers.mlp import GatedMLP
+from openinfer.layers.norm import RMSNorm
+from openinfer.layers.rotary import get_rope
+
+
+@dataclass(frozen=True)
+class BlockVariant:
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf: dict, variant: BlockVariant, max_position: int) -> None:
+        super().__init__()
+        hidden = hf["hidden_size"]
+        self.num_heads = hf["num_attention_heads"]
+        self.num_kv_heads = hf.get("num_key_value_heads") or self.num_heads
+        self.head_dim = hf.get("head_dim") or hidden // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(hidden, [q_size, kv_size, kv_size], bias=variant.qkv_bias)
+        self.o_proj = Linear(q_size, hidden, bias=variant.o_bias)
+        if variant.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, hf.get("rms_norm_eps", 1e-6))
+            self.k_norm = RMSNorm(self.head_dim, hf.get("rms_norm_eps", 1e-6))
+        self.qk_norm = variant.qk_norm
+        self.rotary = get_rope(
+            self.head_dim,
+            max_position,
+            rope_theta(hf),
+            rope_scaling(hf),
+            hf.get("partial_rotary_factor", 1.0),
+        )
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, cache, meta)
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf: dict, variant: BlockVariant, max_position: int) -> None:
+        super().__init__()
+        eps = hf.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
+        self.self_attn = LlamaAttention(hf, variant, max_position)
+        self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
+        self.mlp = GatedMLP(hf["hidden_size"], hf["intermediate_size"], bias=variant.mlp_bias)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf: dict, variant: BlockVariant, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(hf["vocab_size"], hf["hidden_size"])
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf, variant, max_position) for _ in range(hf["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    variant = BlockVariant(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+
+    # Checkpoint names that load into a slice of one of our merged parameters.
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, hf: dict, max_position: int) -> None:
+        super().__init__()
+        self.model = LlamaModel(hf, self.block_variant(hf), max_position)
+        tied = self.model.embed_tokens if hf.get("tie_word_embeddings", False) else None
+        self.lm_head = LMHead(hf["vocab_size"], hf["hidden_size"], tied)
+
+    @classmethod
+    def block_variant(cls, hf: dict) -> BlockVariant:
+        bias = bool(hf.get("attention_bias", False))
+        return BlockVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)),
+                            qk_norm=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of the step's tokens, [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+def rope_theta(hf: dict) -> float:
+    params = hf.get("rope_parameters") or {}
+    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def rope_scaling(hf: dict) -> dict | None:
+    """RoPE scaling from config.json: `rope_scaling` (transformers v4) or `rope_parameters` (v5)."""
+    return hf.get("rope_scaling") or hf.get("rope_parameters")

@@ -1,0 +1,96 @@
+"""Builds a model from a Hugging Face checkpoint directory (config.json + *.safetensors)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from openinfer.config import ModelConfig
+from openinfer.layers.linear import default_weight_loader
+from openinfer.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+# Checkpoint tensors that carry no weights (older checkpoints saved RoPE buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def load_model(config: ModelConfig, device: str | torch.device = "cpu",
+               progress: bool = True) -> nn.Module:
+    cls = get_model_class(config.architecture)
+    with torch.device(device), _default_dtype(config.dtype):
+        model = cls(config.hf_config, max_position=config.max_model_len)
+    load_weights(model, Path(config.path), progress=progress)
+    return model.eval()
+
+
+def load_weights(model: nn.Module, path: Path, progress: bool = True) -> None:
+    params = dict(model.named_parameters())  # shared (tied) weights appear once
+    packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in _iter_checkpoint(path, progress):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        target, shard = _map_name(name, packed)
+        param = params.get(target)
+        if param is None:
+            unexpected.append(name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        with torch.no_grad():
+            if shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+        loaded.add(target)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} lacks weights for: {', '.join(missing[:8])}"
+                         + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    if unexpected:
+        logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s",
+                       len(unexpected), unexpected[:4])
+
+
+def _map_name(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            merged, shard = packed[part]
+            return ".".join([*parts[:i], merged, *parts[i + 1:]]), shard
+    return name, None
+
+
+def _iter_checkpoint(path: Path, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {str(path)!r}")
+    for file in tqdm(files, desc="Loading safetensors shards", disable=not progress,
+                     unit="shard"):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                yield name, f.get_tensor(name)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

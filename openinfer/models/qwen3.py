@@ -1,0 +1,12 @@
+"""Qwen3: Llama blocks with RMSNorm applied to every head's q and k before RoPE."""
+
+from __future__ import annotations
+
+from openinfer.models.llama import BlockVariant, LlamaForCausalLM
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def block_variant(cls, hf: dict) -> BlockVariant:
+        bias = bool(hf.get("attention_bias", False))
+        return BlockVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)

@@ -1,0 +1,25 @@
+"""Maps a checkpoint's `architectures[0]` to the class that implements it."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from openinfer.models.llama import LlamaForCausalLM
+from openinfer.models.qwen2 import Qwen2ForCausalLM
+from openinfer.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        supported = ", ".join(sorted(MODEL_REGISTRY))
+        raise ValueError(
+            f"model architecture {architecture!r} is not supported; supported: {supported}"
+        ) from None

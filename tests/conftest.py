@@ -1,0 +1,101 @@
+"""Shared fixtures: small random-weight Hugging Face checkpoints built with transformers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from openinfer.demo import build_demo_tokenizer
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_demo_tokenizer(1024)
+
+
+def _hf_classes(arch: str):
+    family = arch.removesuffix("ForCausalLM")
+    return getattr(transformers, f"{family}Config"), getattr(transformers, arch)
+
+
+def build_checkpoint(
+    path: Path,
+    arch: str,
+    tokenizer,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = False,
+    rope_scaling: dict | None = None,
+    max_position_embeddings: int = 512,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
+    seed: int = 0,
+    vocab_size: int | None = None,
+) -> Path:
+    """A random-weight checkpoint (GQA, a few layers) plus tokenizer, saved to ``path``."""
+    config_cls, model_cls = _hf_classes(arch)
+    vocab = vocab_size or -(-len(tokenizer) // 64) * 64
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    kwargs = dict(
+        vocab_size=vocab, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=eos, bos_token_id=pad, pad_token_id=pad, initializer_range=0.05,
+    )
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = dict(rope_scaling)
+    config = config_cls(**kwargs)
+    config.architectures = [arch]
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    with torch.no_grad():  # non-unit norm weights, so a forgotten norm weight shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+    model = model.to(dtype)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **save_kwargs)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def make_checkpoint(tmp_path, tokenizer) -> Callable[..., Path]:
+    counter = iter(range(1000))
+
+    def make(arch: str = "Qwen3ForCausalLM", **kwargs) -> Path:
+        return build_checkpoint(tmp_path / f"ckpt{next(counter)}", arch, tokenizer, **kwargs)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(tmp_path_factory, tokenizer) -> Path:
+    """One shared tiny Qwen3 checkpoint for tests that do not care about architecture."""
+    return build_checkpoint(tmp_path_factory.mktemp("qwen3"), "Qwen3ForCausalLM", tokenizer,
+                            num_layers=2)
+
+
+def load_hf_model(path: Path) -> torch.nn.Module:
+    _, model_cls = _hf_classes(transformers.AutoConfig.from_pretrained(path).architectures[0])
+    return model_cls.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def hf_model_loader() -> Callable[[Path], torch.nn.Module]:
+    return load_hf_model
