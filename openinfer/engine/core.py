@@ -69,6 +69,7 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._release_if_idle()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -76,7 +77,15 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduled = self.scheduler.schedule()
         result = self.runner.execute(scheduled)
-        return self.scheduler.update_from_output(scheduled, result)
+        outputs = self.scheduler.update_from_output(scheduled, result)
+        self._release_if_idle()
+        return outputs
+
+    def _release_if_idle(self) -> None:
+        # The runner learns of finished requests at the next step; with no next step
+        # in sight, send it an empty one so it drops their state now.
+        if not self.scheduler.has_unfinished_requests():
+            self.runner.execute(self.scheduler.schedule())
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -41,10 +41,7 @@ class _RequestState:
     """By engine-core request id (one per parallel sample)."""
     prompt_logprobs: list[PositionLogprobs | None] | None
     metrics: RequestMetrics
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples.values())
+    num_unfinished: int = 0
 
 
 class OutputProcessor:
@@ -56,7 +53,7 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, child_ids: list[str], arrival_time: float) -> None:
         samples = {
-            child_id: _Sample(i, IncrementalDetokenizer(self.tokenizer, params),
+            child_id: _Sample(i, IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids),
                               logprobs=[] if params.logprobs is not None else None)
             for i, child_id in enumerate(child_ids)
         }
@@ -65,7 +62,7 @@ class OutputProcessor:
             prompt_logprobs = [None] * len(prompt_token_ids)
         self._requests[request_id] = _RequestState(
             request_id, prompt, prompt_token_ids, params, samples, prompt_logprobs,
-            RequestMetrics(arrival_time=arrival_time))
+            RequestMetrics(arrival_time=arrival_time), num_unfinished=len(samples))
         for child_id in child_ids:
             self._parent_of[child_id] = request_id
 
@@ -94,9 +91,11 @@ class OutputProcessor:
                     to_abort.append(out.request_id)
             if out.finish_reason is not None and sample.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-            if sample.finish_reason is not None:
-                del self._parent_of[out.request_id]
-            if state.finished:
+            if sample.finish_reason is None:
+                continue
+            del self._parent_of[out.request_id]
+            state.num_unfinished -= 1
+            if state.num_unfinished == 0:
                 state.metrics.finished_time = now
                 finished.append(self._to_output(state))
                 del self._requests[parent_id]

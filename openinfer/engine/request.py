@@ -69,9 +69,10 @@ class Request:
         """Whether the last appended token ends the request (and why)."""
         last = self.output_token_ids[-1]
         num_out = len(self.output_token_ids)
-        if num_out >= self.sampling_params.min_tokens and last in self.stop_token_ids:
-            self.stop_reason = None if last in self.eos_token_ids and not (
-                last in (self.sampling_params.stop_token_ids or ())) else last
+        params = self.sampling_params
+        if num_out >= params.min_tokens and last in self.stop_token_ids:
+            # As in vLLM: stop_reason names a stop token the user asked for; EOS leaves it None.
+            self.stop_reason = last if last in (params.stop_token_ids or ()) else None
             return RequestStatus.FINISHED_STOPPED
         if num_out >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH

@@ -19,7 +19,7 @@ from openinfer.layers.embedding import LMHead, VocabEmbedding
 from openinfer.layers.linear import Linear, MergedLinear
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.norm import RMSNorm
-from openinfer.layers.rotary import get_rope
+from openinfer.layers.rotary import RotaryEmbedding, get_rope
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class BlockVariant:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf: dict, variant: BlockVariant, max_position: int) -> None:
+    def __init__(self, hf: dict, variant: BlockVariant, rotary: RotaryEmbedding) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
         self.num_heads = hf["num_attention_heads"]
@@ -44,13 +44,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, hf.get("rms_norm_eps", 1e-6))
             self.k_norm = RMSNorm(self.head_dim, hf.get("rms_norm_eps", 1e-6))
         self.qk_norm = variant.qk_norm
-        self.rotary = get_rope(
-            self.head_dim,
-            max_position,
-            rope_theta(hf),
-            rope_scaling(hf),
-            hf.get("partial_rotary_factor", 1.0),
-        )
+        self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
@@ -67,11 +61,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf: dict, variant: BlockVariant, max_position: int) -> None:
+    def __init__(self, hf: dict, variant: BlockVariant, rotary: RotaryEmbedding) -> None:
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.self_attn = LlamaAttention(hf, variant, max_position)
+        self.self_attn = LlamaAttention(hf, variant, rotary)
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
         self.mlp = GatedMLP(hf["hidden_size"], hf["intermediate_size"], bias=variant.mlp_bias)
 
@@ -90,8 +84,12 @@ class LlamaModel(nn.Module):
     def __init__(self, hf: dict, variant: BlockVariant, max_position: int) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(hf["vocab_size"], hf["hidden_size"])
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        # One cos/sin table shared by all layers.
+        rotary = get_rope(head_dim, max_position, rope_theta(hf), rope_scaling(hf),
+                          hf.get("partial_rotary_factor", 1.0))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf, variant, max_position) for _ in range(hf["num_hidden_layers"])
+            LlamaDecoderLayer(hf, variant, rotary) for _ in range(hf["num_hidden_layers"])
         )
         self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
 

@@ -1,0 +1,124 @@
+"""`openinfer generate | demo-model` (the server and router commands join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2147483648', '2GiB', '512MB', '1.5G' -> bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 2GiB, 512MB, 1000000)")
+    number, unit = match.groups()
+    unit = (unit or "").lower().removesuffix("b")
+    return int(float(number) * _UNITS[unit])
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that runs an engine."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    g.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (float32 on CPU, checkpoint dtype on CUDA), float32, bfloat16, float16")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
+    g.add_argument("--kv-cache-memory", type=parse_bytes,
+                   help="bytes for the KV block pool, e.g. 4GiB (default: 2GiB on CPU, "
+                        "90%% of free memory on CUDA)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    g.add_argument("--seed", type=int, help="seed for unseeded sampling")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy, seed=args.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from openinfer import LLM, SamplingParams
+
+    if (Path(args.model) / "demo_spec.json").is_file():
+        print("Note: this is openinfer's demo model. ITS WEIGHTS ARE RANDOM: the text is gibberish.",
+              file=sys.stderr)
+    params = SamplingParams(
+        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens, seed=args.sample_seed, ignore_eos=args.ignore_eos,
+        stop=args.stop or None,
+    )
+    llm = LLM(args.model, **engine_kwargs(args))
+    start = time.perf_counter()
+    outputs = llm.generate(args.prompt, params)
+    elapsed = time.perf_counter() - start
+    num_tokens = 0
+    for out in outputs:
+        print(f"=== prompt ({len(out.prompt_token_ids)} tokens): {out.prompt!r}")
+        for c in out.outputs:
+            num_tokens += len(c.token_ids)
+            print(f"--- output {c.index} ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
+            print(c.text)
+    print(f"=== {num_tokens} tokens in {elapsed:.2f}s ({num_tokens / elapsed:.1f} tokens/s)",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from openinfer.demo import build_demo_model, get_demo_spec
+
+    path = build_demo_model(args.out_dir, get_demo_spec(args.preset))
+    print(f"Wrote the demo model ({args.preset}) to {path}.")
+    print("ITS WEIGHTS ARE RANDOM: it exercises the engine; its output is gibberish.")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="openinfer", description="An open LLM inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline for one or more prompts")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--sample-seed", type=int, help="per-request sampling seed")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo-model", help="build the random-weight demo checkpoint")
+    demo.add_argument("out_dir")
+    demo.add_argument("--preset", default="tiny", help="tiny (default) or bench-0.3b")
+    demo.set_defaults(func=cmd_demo_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input: a clear message, not a traceback
+        print(f"openinfer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

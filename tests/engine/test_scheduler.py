@@ -1,0 +1,173 @@
+"""Scheduler behaviour over integers only: budgets, chunking, preemption, fairness."""
+
+from __future__ import annotations
+
+from openinfer.config import SchedulerConfig
+from openinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from openinfer.engine.request import Request, RequestStatus
+from openinfer.engine.scheduler import Scheduler
+from openinfer.kv.kv_manager import KVCacheManager
+from openinfer.kv.spec import FullAttentionSpec, group_layers
+from openinfer.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+def _scheduler(num_blocks: int = 64, budget: int = 64, max_seqs: int = 16,
+               policy: str = "fcfs") -> Scheduler:
+    spec = FullAttentionSpec(BLOCK, 1, 8, "float32")
+    kv = KVCacheManager(group_layers([spec]), num_blocks)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                     policy=policy), kv)
+
+
+def _request(rid: str, prompt_len: int, max_tokens: int = 4, arrival: float = 0.0,
+             priority: int = 0) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, priority=priority, ignore_eos=True)
+    return Request(rid, list(range(1, prompt_len + 1)), params, max_tokens, arrival_time=arrival)
+
+
+class FakeRunner:
+    """Mirrors what the model runner tracks: samples token 7 when a request's tokens are done."""
+
+    def __init__(self) -> None:
+        self.known: dict[str, list[int]] = {}  # request -> [num_tokens, num_computed]
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in out.finished_request_ids:
+            self.known.pop(rid)
+        for new in out.new_requests:
+            assert new.request_id not in self.known
+            self.known[new.request_id] = [len(new.prompt_token_ids) + len(new.output_token_ids),
+                                          new.num_computed_tokens]
+        for cached in out.cached_requests:
+            assert self.known[cached.request_id][1] == cached.num_computed_tokens
+        result = ModelRunnerOutput()
+        for rid, n in out.num_scheduled_tokens.items():
+            state = self.known[rid]
+            state[1] += n
+            assert state[1] <= state[0]
+            if state[1] == state[0]:
+                result.sampled_token_ids[rid] = 7
+                state[0] += 1
+        return result
+
+
+def _run(s: Scheduler, steps: int = 1000) -> list[SchedulerOutput]:
+    runner, outs = FakeRunner(), []
+    for _ in range(steps):
+        if not s.has_unfinished_requests():
+            break
+        out = s.schedule()
+        s.update_from_output(out, runner.execute(out))
+        s.check_integrity()
+        outs.append(out)
+    assert not s.has_unfinished_requests(), "requests left unfinished"
+    return outs
+
+
+def test_decodes_and_prefills_share_the_token_budget():
+    s = _scheduler(budget=10)
+    s.add_request(_request("a", 6))
+    first = s.schedule()
+    assert first.num_scheduled_tokens == {"a": 6}
+    s.update_from_output(first, ModelRunnerOutput(sampled_token_ids={"a": 7}))
+    s.add_request(_request("b", 20))
+    second = s.schedule()
+    # a decodes (1 token); b's prompt is chunked into the remaining 9.
+    assert second.num_scheduled_tokens == {"a": 1, "b": 9}
+    assert [r.request_id for r in second.cached_requests] == ["a"]
+    assert [r.request_id for r in second.new_requests] == ["b"]
+
+
+def test_long_prompts_are_chunked_and_finish():
+    s = _scheduler(budget=8)
+    s.add_request(_request("a", 30, max_tokens=3))
+    outs = _run(s)
+    assert [o.num_scheduled_tokens["a"] for o in outs] == [8, 8, 8, 6, 1, 1]
+
+
+def test_chunking_disabled_waits_for_budget():
+    s = _scheduler(budget=8)
+    s.config = SchedulerConfig(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    s.add_request(_request("a", 3))
+    s.add_request(_request("b", 7))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 3}  # b (7 > 5 left) waits whole
+
+
+def test_max_num_seqs_caps_running():
+    s = _scheduler(max_seqs=2)
+    for i in range(4):
+        s.add_request(_request(f"r{i}", 3, arrival=i))
+    outs = _run(s)
+    assert set(outs[0].num_scheduled_tokens) == {"r0", "r1"}
+    assert all(len(o.num_scheduled_tokens) <= 2 for o in outs)
+
+
+def test_preemption_frees_newest_and_everyone_finishes():
+    # 6 blocks of 4 = 24 tokens; three requests of 8-token prompts + 12 outputs cannot coexist.
+    s = _scheduler(num_blocks=6, budget=64)
+    for i in range(3):
+        s.add_request(_request(f"r{i}", 8, max_tokens=12, arrival=i))
+    finished_order = []
+    runner = FakeRunner()
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        for core_out in s.update_from_output(out, runner.execute(out)):
+            if core_out.finish_reason:
+                finished_order.append(core_out.request_id)
+        s.check_integrity()
+    assert s.num_preemptions > 0
+    assert finished_order[0] == "r0"  # the oldest is never the victim
+    assert sorted(finished_order) == ["r0", "r1", "r2"]
+    assert s.kv.pools[0].num_free == 6
+
+
+def test_preempted_request_resumes_with_its_outputs():
+    s = _scheduler(num_blocks=4, budget=64)  # 16 tokens
+    s.add_request(_request("old", 4, max_tokens=10, arrival=0))
+    s.add_request(_request("new", 4, max_tokens=10, arrival=1))
+    runner = FakeRunner()
+    resumed = None
+    for _ in range(100):
+        if not s.has_unfinished_requests():
+            break
+        out = s.schedule()
+        for new in out.new_requests:
+            if new.request_id == "new" and new.output_token_ids:
+                resumed = new
+        s.update_from_output(out, runner.execute(out))
+        s.check_integrity()
+    assert resumed is not None and resumed.num_computed_tokens == 0
+    assert resumed.output_token_ids == [7] * len(resumed.output_token_ids)
+
+
+def test_priority_policy_runs_urgent_first_and_preempts_least_urgent():
+    s = _scheduler(budget=4, policy="priority")
+    s.add_request(_request("low", 4, arrival=0, priority=5))
+    s.add_request(_request("high", 4, arrival=1, priority=-1))
+    outs = _run(s)
+    assert outs[0].num_scheduled_tokens == {"high": 4}
+
+
+def test_abort_frees_blocks_and_tells_runner():
+    s = _scheduler()
+    s.add_request(_request("a", 5))
+    s.add_request(_request("b", 5))
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput())
+    s.finish_requests(["a", "b", "unknown"], RequestStatus.FINISHED_ABORTED)
+    s.check_integrity()
+    assert not s.has_unfinished_requests()
+    assert s.schedule().finished_request_ids == {"a", "b"}
+
+
+def test_abort_while_waiting():
+    s = _scheduler(max_seqs=1)
+    s.add_request(_request("a", 5))
+    s.add_request(_request("b", 5))
+    s.schedule()
+    s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    s.check_integrity()
+    assert s.num_waiting == 0 and s.num_running == 1
