@@ -26,7 +26,7 @@ serve: $(VENV)/.installed $(if $(MODEL),,$(DEMO_MODEL)/config.json)
 	$(VENV)/bin/openinfer generate --model $(if $(MODEL),$(MODEL),$(DEMO_MODEL)) --prompt "$(PROMPT)"
 
 test: $(VENV)/.installed
-	$(PY) -m ruff check openinfer tests benchmarks
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
