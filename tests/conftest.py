@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+import openinfer.llm
 from openinfer.demo import build_demo_tokenizer
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -99,3 +100,23 @@ def load_hf_model(path: Path) -> torch.nn.Module:
 @pytest.fixture
 def hf_model_loader() -> Callable[[Path], torch.nn.Module]:
     return load_hf_model
+
+
+@pytest.fixture(autouse=True)
+def check_block_pools_after_test(monkeypatch):
+    """After every test, every engine it built is idle: no request left, no block held."""
+    engines: list[openinfer.llm.LLM] = []
+    original_init = openinfer.llm.LLM.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        engines.append(self)
+
+    monkeypatch.setattr(openinfer.llm.LLM, "__init__", recording_init)
+    yield
+    for llm in engines:
+        core = llm.engine.core
+        core.check_integrity()
+        assert not core.has_unfinished_requests(), "a request was left in the engine"
+        assert all(p.num_free == p.num_blocks for p in core.kv.pools), "KV blocks leaked"
+        assert not core.runner.requests, "the runner kept a finished request"

@@ -33,11 +33,11 @@ def gather_kv(
     cache: torch.Tensor, block_table: torch.Tensor, length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one sequence's first ``length`` tokens, as [length, H, D] each."""
-    block_size = cache.shape[2]
+    block_size, num_heads, head_dim = cache.shape[2:]
     num_blocks = -(-length // block_size)
-    blocks = cache[block_table[:num_blocks]]  # [nb, 2, bs, H, D]
-    k = blocks[:, 0].flatten(0, 1)[:length]
-    v = blocks[:, 1].flatten(0, 1)[:length]
+    # Gather K and V separately: each lands contiguous, so merging (block, offset) is free.
+    k = cache[:, 0][block_table[:num_blocks]].view(-1, num_heads, head_dim)[:length]
+    v = cache[:, 1][block_table[:num_blocks]].view(-1, num_heads, head_dim)[:length]
     return k, v
 
 
@@ -54,13 +54,14 @@ def decode_attention(
     q: [B, Hq, D]; block_tables: [B, max_blocks]; seq_lens: [B] (context incl. the
     query token, whose KV is already written). Returns [B, Hq, D].
     """
-    batch, num_heads, head_dim = q.shape
-    block_size = cache.shape[2]
+    batch = q.shape[0]
+    block_size, num_kv_heads, head_dim = cache.shape[2:]
     num_blocks = -(-max_seq_len // block_size)
-    blocks = cache[block_tables[:, :num_blocks]]  # [B, nb, 2, bs, H, D]
+    tables = block_tables[:, :num_blocks]
     length = num_blocks * block_size
-    k = blocks[:, :, 0].reshape(batch, length, -1, head_dim).transpose(1, 2)  # [B, H, L, D]
-    v = blocks[:, :, 1].reshape(batch, length, -1, head_dim).transpose(1, 2)
+    # [B, nb, bs, H, D] -> [B, H, L, D] (a view: SDPA takes strided inputs)
+    k = cache[:, 0][tables].view(batch, length, num_kv_heads, head_dim).transpose(1, 2)
+    v = cache[:, 1][tables].view(batch, length, num_kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(length, device=q.device)
     mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(
