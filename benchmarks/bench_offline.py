@@ -25,8 +25,11 @@ share a process, allocator state or peak RSS; each worker warms up with a short 
 one run and prints its result as JSON on the last line of stdout. The parent prints a table and
 replaces the section between the bench_offline markers of docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/bench_offline.py            # full run (~10 min on 2 cores)
+    .venv/bin/python benchmarks/bench_offline.py            # full run (~8 min on 2 idle cores)
     .venv/bin/python benchmarks/bench_offline.py --quick    # tiny model, end to end in ~1 min
+
+The CPUs may be shared: the report includes the CPU time other processes used during each phase,
+and `--wait-quiet SECONDS` waits (up to SECONDS) for them to go quiet before each phase.
 """
 
 from __future__ import annotations
@@ -71,6 +74,10 @@ class Workload:
     latency_output_len: int
     matmul_shapes: tuple[tuple[int, int, int], ...]
     """(M, K, N): [M x K] @ [K x N]."""
+    prefill_gemm: tuple[int, int, int]
+    """The one of matmul_shapes that stands for a prefill step's GEMMs."""
+    decode_gemm: tuple[int, int, int]
+    """The one that stands for a decode step's GEMMs (M = the batch of decoding sequences)."""
     matmul_seconds: float
     copy_bytes: int
     seed: int = 0
@@ -80,12 +87,14 @@ FULL = Workload(
     preset="bench-0.3b", num_prompts=32, prompt_len=256, output_len=128,
     latency_prompt_len=512, latency_output_len=128,
     matmul_shapes=((2048, 2048, 2048), (2048, 1024, 3072), (256, 1024, 3072), (32, 1024, 3072)),
+    prefill_gemm=(2048, 1024, 3072), decode_gemm=(32, 1024, 3072),
     matmul_seconds=2.0, copy_bytes=GiB,
 )
 QUICK = Workload(
     preset="tiny", num_prompts=4, prompt_len=32, output_len=16,
     latency_prompt_len=32, latency_output_len=16,
     matmul_shapes=((1024, 1024, 1024), (32, 1024, 3072)),
+    prefill_gemm=(1024, 1024, 1024), decode_gemm=(32, 1024, 3072),
     matmul_seconds=0.3, copy_bytes=GiB // 8,
 )
 
@@ -151,14 +160,28 @@ def worker_build(args: argparse.Namespace, wl: Workload) -> dict:
 def worker_limits(args: argparse.Namespace, wl: Workload) -> dict:
     import torch
 
-    matmul = {f"{m}x{k}x{n}": matmul_flops(m, k, n, wl.matmul_seconds) for m, k, n in wl.matmul_shapes}
+    matmul = {shape_key(s): matmul_flops(*s, wl.matmul_seconds) for s in wl.matmul_shapes}
     return {
         "threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "matmul_flops": matmul,
         "copy_read_bytes_per_s": copy_read_bandwidth(wl.copy_bytes),
+        "sum_read_bytes_per_s": sum_read_bandwidth(wl.copy_bytes),
         "gemv_read_bytes_per_s": gemv_read_bandwidth(wl.copy_bytes // 4),
     }
+
+
+def best_limits(runs: list[dict]) -> dict:
+    """Per measure, the best of several limits runs (contention only ever lowers a rate)."""
+    best = dict(runs[0])
+    best["matmul_flops"] = {k: max(r["matmul_flops"][k] for r in runs) for k in runs[0]["matmul_flops"]}
+    for key in ("copy_read_bytes_per_s", "sum_read_bytes_per_s", "gemv_read_bytes_per_s"):
+        best[key] = max(r[key] for r in runs)
+    return best
+
+
+def shape_key(shape: tuple[int, int, int]) -> str:
+    return "x".join(map(str, shape))
 
 
 def matmul_flops(m: int, k: int, n: int, seconds: float) -> float:
@@ -187,6 +210,16 @@ def copy_read_bandwidth(nbytes: int, repeats: int = 5) -> float:
     return nbytes / best
 
 
+def sum_read_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes read per second by `src.sum()` of a float32 tensor of nbytes: reads, no writes."""
+    import torch
+
+    src = torch.ones(nbytes // 4)
+    src.sum()
+    best = min(_timed(lambda: src.sum()) for _ in range(repeats))
+    return nbytes / best
+
+
 def gemv_read_bandwidth(nbytes: int, repeats: int = 5) -> float:
     """Weight bytes read per second by a one-token F.linear over a float32 matrix of nbytes."""
     import torch
@@ -208,6 +241,18 @@ def cpu_busy_seconds() -> float:
         return 0.0
     idle = values[3] + values[4]  # idle + iowait
     return (sum(values) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_quiet(max_wait_s: float, threshold: float = 0.2, window_s: float = 2.0) -> float:
+    """Wait (up to max_wait_s) until other processes use under `threshold` cores; returns seconds waited."""
+    start = time.perf_counter()
+    while True:
+        busy = cpu_busy_seconds()
+        time.sleep(window_s)
+        load = (cpu_busy_seconds() - busy) / window_s
+        waited = time.perf_counter() - start
+        if load < threshold or waited >= max_wait_s:
+            return waited
 
 
 def children_cpu_seconds() -> float:
@@ -262,7 +307,17 @@ def worker_openinfer_latency(args: argparse.Namespace, wl: Workload) -> dict:
     return {"ttft_s": m.first_token_time - m.arrival_time,
             "decode_s": m.finished_time - m.first_token_time,
             "output_token_ids": [output.outputs[0].token_ids],
-            "peak_rss_bytes": peak_rss_bytes()}
+            "peak_rss_bytes": peak_rss_bytes(), "kv_pool_bytes": _kv_pool_bytes(llm)}
+
+
+def _kv_pool_bytes(llm) -> int | None:
+    """Bytes of the engine's KV block pool(s), read from engine internals (None if they moved)."""
+    runner = getattr(getattr(llm.engine, "core", None), "runner", None)
+    caches = getattr(runner, "kv_caches", None)
+    if not caches:
+        return None
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in caches}
+    return sum(storages.values())
 
 
 def _load_hf(model_dir: str, warmup_len: int = 16):
@@ -318,7 +373,7 @@ WORKERS: dict[str, Callable[[argparse.Namespace, Workload], dict]] = {
 }
 
 
-def run_worker(name: str, args: argparse.Namespace) -> dict:
+def run_worker(name: str, args: argparse.Namespace, label: str | None = None) -> dict:
     """Run this file as `--worker name` in a fresh process; its stdout's last line is the JSON."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--model", args.model]
     if args.quick:
@@ -337,7 +392,7 @@ def run_worker(name: str, args: argparse.Namespace) -> dict:
     # CPU time the machine spent busy beyond our worker's own: other processes' load.
     others = max(0.0, (cpu_busy_seconds() - busy) - (children_cpu_seconds() - ours)) / wall
     result["phase"] = {"wall_s": wall, "other_cores": others}
-    log(f"{name}: done in {wall:.1f} s (other processes used {others:.2f} cores meanwhile)")
+    log(f"{label or name}: done in {wall:.1f} s (other processes used {others:.2f} cores meanwhile)")
     return result
 
 
@@ -431,8 +486,11 @@ class Figures:
     matmul_gflops: dict[str, float]
     peak_gflops: float
     copy_read_gbs: float
+    sum_read_gbs: float
     gemv_read_gbs: float
     compute_limit_tps: float
+    shape_ceiling_tps: float
+    """Throughput with prefill GEMMs at the prefill shape's rate and decode at the decode shape's."""
     bandwidth_bound_tps: float
     oi_total_tps: float
     oi_output_tps: float
@@ -440,6 +498,7 @@ class Figures:
     oi_ttft_s: float
     oi_decode_tps: float
     oi_rss_bytes: int
+    oi_kv_pool_bytes: int | None
     hf_total_tps: float | None = None
     hf_output_tps: float | None = None
     hf_wall_s: float | None = None
@@ -461,8 +520,10 @@ def derive(wl: Workload, facts: ModelFacts, limits: dict, results: dict[str, dic
         matmul_gflops={k: v / 1e9 for k, v in limits["matmul_flops"].items()},
         peak_gflops=peak / 1e9,
         copy_read_gbs=limits["copy_read_bytes_per_s"] / 1e9,
+        sum_read_gbs=limits["sum_read_bytes_per_s"] / 1e9,
         gemv_read_gbs=limits["gemv_read_bytes_per_s"] / 1e9,
         compute_limit_tps=peak / (2 * facts.matmul_params),
+        shape_ceiling_tps=shape_ceiling(wl, facts, limits["matmul_flops"]),
         bandwidth_bound_tps=limits["copy_read_bytes_per_s"] / facts.decode_read_bytes,
         oi_total_tps=total_tokens / oi_t["elapsed_s"],
         oi_output_tps=output_tokens / oi_t["elapsed_s"],
@@ -470,6 +531,7 @@ def derive(wl: Workload, facts: ModelFacts, limits: dict, results: dict[str, dic
         oi_ttft_s=oi_l["ttft_s"],
         oi_decode_tps=decode_steps / oi_l["decode_s"],
         oi_rss_bytes=oi_l["peak_rss_bytes"],
+        oi_kv_pool_bytes=oi_l.get("kv_pool_bytes"),
     )
     if "hf-throughput" in results:
         hf_t, hf_l = results["hf-throughput"], results["hf-latency"]
@@ -485,6 +547,15 @@ def derive(wl: Workload, facts: ModelFacts, limits: dict, results: dict[str, dic
         fig.first_divergence = [_first_difference(a, b) for a, b in pairs if a != b]
         fig.identical_latency = oi_l["output_token_ids"] == hf_l["output_token_ids"]
     return fig
+
+
+def shape_ceiling(wl: Workload, facts: ModelFacts, matmul_flops: dict[str, float]) -> float:
+    """Tokens/s of the throughput workload if it did nothing but its GEMMs, prompt tokens at the
+    prefill shape's measured rate and output tokens at the decode shape's (same 2 x P per token)."""
+    flops_per_token = 2 * facts.matmul_params
+    seconds = (wl.num_prompts * wl.prompt_len * flops_per_token / matmul_flops[shape_key(wl.prefill_gemm)]
+               + wl.num_prompts * wl.output_len * flops_per_token / matmul_flops[shape_key(wl.decode_gemm)])
+    return wl.num_prompts * (wl.prompt_len + wl.output_len) / seconds
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -514,17 +585,25 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def limits_section(fig: Figures, facts: ModelFacts) -> str:
+def limits_section(fig: Figures, facts: ModelFacts, wl: Workload) -> str:
     rows = [[f"float32 matmul {_shape_label(shape)}", f"{_num(gflops)} GFLOP/s"]
             for shape, gflops in fig.matmul_gflops.items()]
     rows += [
-        ["**compute limit** (best matmul rate)", f"**{_num(fig.peak_gflops)} GFLOP/s**"],
+        ["**compute limit** (best matmul rate; each measure is the best of a run at the start "
+         "and one at the end)", f"**{_num(fig.peak_gflops)} GFLOP/s**"],
         ["memory bandwidth: bytes read per second of `dst.copy_(src)` (read+write = 2x)",
          f"**{_num(fig.copy_read_gbs, 2)} GB/s** ({_num(2 * fig.copy_read_gbs, 2)} GB/s r+w)"],
+        ["(context) read-only stream: bytes read per second of `src.sum()`",
+         f"{_num(fig.sum_read_gbs, 2)} GB/s"],
         ["(context) one-token `F.linear` over a large weight, weight bytes read per second",
          f"{_num(fig.gemv_read_gbs, 2)} GB/s"],
         [f"=> throughput limit: compute limit / (2 x {facts.matmul_params / 1e6:.1f}M matmul params)",
          f"{_num(fig.compute_limit_tps)} tokens/s"],
+        [f"(context) the throughput workload if it ran only GEMMs: prompt tokens at the "
+         f"{_shape_label(shape_key(wl.prefill_gemm))} rate, output tokens at the "
+         f"{_shape_label(shape_key(wl.decode_gemm))} rate",
+         f"{_num(fig.shape_ceiling_tps)} tokens/s ({fig.shape_ceiling_tps / fig.compute_limit_tps:.2f} "
+         "of the limit)"],
         [f"=> decode bound: bandwidth / {facts.decode_read_bytes / GiB:.2f} GiB of weights per step",
          f"{_num(fig.bandwidth_bound_tps, 2)} tokens/s"],
     ]
@@ -587,6 +666,9 @@ def memory_section(fig: Figures, facts: ModelFacts) -> str:
          "n/a" if fig.hf_rss_bytes is None else _num(fig.hf_rss_bytes / GiB, 2)],
         ["peak RSS / float32 weights", f"{fig.oi_rss_bytes / weights:.2f}",
          "n/a" if fig.hf_rss_bytes is None else f"{fig.hf_rss_bytes / weights:.2f}"],
+        ["of which KV cache pool, allocated up front (GiB)",
+         "n/a" if fig.oi_kv_pool_bytes is None else _num(fig.oi_kv_pool_bytes / GiB, 2),
+         "grows with the sequences"],
     ]
     text = (f"**Peak memory** of the process that loads the engine and runs the single request "
             f"(ru_maxrss); float32 weights = {weights / GiB:.2f} GiB\n\n")
@@ -619,6 +701,7 @@ class RunInfo:
     load_after: float
     duration_s: float
     quick: bool
+    command: str
 
 
 def header_section(info: RunInfo, facts: ModelFacts) -> str:
@@ -632,7 +715,7 @@ def header_section(info: RunInfo, facts: ModelFacts) -> str:
     return "\n".join([
         f"## Offline benchmark{kind}",
         "",
-        f"- Date: {info.date}; the whole run took {info.duration_s / 60:.1f} min.",
+        f"- Date: {info.date}; the whole run (`{info.command}`) took {info.duration_s / 60:.1f} min.",
         f"- Machine: {info.nproc} CPUs ({info.cpu}), torch {info.torch_version}, "
         f"{info.threads} torch threads; no GPU.",
         f"- Model: {model}.",
@@ -652,7 +735,7 @@ def noise_section(results: dict[str, dict], nproc: int) -> str:
             + _table(["Phase (own process)", "Wall time (s)", "Other processes' CPU (cores)"], rows))
 
 
-def conventions_section(facts: ModelFacts) -> str:
+def conventions_section(facts: ModelFacts, fig: Figures) -> str:
     return "\n".join([
         "Conventions:",
         f"- Compute limit in tokens/s = best measured float32 matmul FLOP/s / (2 x "
@@ -662,7 +745,11 @@ def conventions_section(facts: ModelFacts) -> str:
         "- Bandwidth = bytes READ per second of a large `dst.copy_(src)` (the copy moves twice "
         "that); a decode step streams each weight once, so reads are what bound it. Decode bound "
         f"= bandwidth / {facts.decode_read_bytes:,} bytes (float32 bytes of every parameter but the "
-        "embedding table, of which a step reads only one row per sequence).",
+        "embedding table, of which a step reads only one row per sequence). The copy's read rate "
+        f"({fig.copy_read_gbs:.1f} GB/s) is close to what a one-token `F.linear` reads "
+        f"({fig.gemv_read_gbs:.1f} GB/s), the kernel a decode step runs; a pure read stream "
+        f"(`src.sum()`) reaches {fig.sum_read_gbs:.1f} GB/s, against which the decode fractions "
+        f"would be {fig.copy_read_gbs / fig.sum_read_gbs:.2f}x as large.",
         "- TTFT of openinfer = first_token_time - arrival_time of the request; decode tokens/s = "
         "(output tokens - 1) / (finished_time - first_token_time). For transformers, TTFT is the "
         "wall time of a max_new_tokens=1 generate, and decode time is the full generate minus it.",
@@ -675,13 +762,13 @@ def render(info: RunInfo, facts: ModelFacts, fig: Figures, wl: Workload,
            results: dict[str, dict]) -> str:
     parts = [
         header_section(info, facts),
-        limits_section(fig, facts),
+        limits_section(fig, facts, wl),
         throughput_section(fig, wl),
         latency_section(fig, wl),
         memory_section(fig, facts),
         goals_section(fig),
         noise_section(results, info.nproc),
-        conventions_section(facts),
+        conventions_section(facts, fig),
         "How to reproduce: `make bench` (runs `.venv/bin/python benchmarks/bench_offline.py`; "
         "`--quick` for a one-minute smoke run, `--skip-hf` to skip the transformers baseline).",
     ]
@@ -719,14 +806,22 @@ def ensure_model(args: argparse.Namespace, wl: Workload) -> None:
 
 
 def run_all(args: argparse.Namespace, wl: Workload) -> dict[str, dict]:
-    phases = ["limits", "openinfer-throughput", "openinfer-latency"]
+    """Every phase in its own process, keyed by label; limits are measured first and last."""
+    phases = [("limits", "limits"), ("openinfer-throughput", "openinfer-throughput")]
     if not args.skip_hf:
-        phases[2:2] = ["hf-throughput"]
-        phases.append("hf-latency")
+        phases.append(("hf-throughput", "hf-throughput"))
+    phases.append(("openinfer-latency", "openinfer-latency"))
+    if not args.skip_hf:
+        phases.append(("hf-latency", "hf-latency"))
+    phases.append(("limits (end)", "limits"))
     results = {}
-    for i, phase in enumerate(phases, 1):
-        log(f"phase {i}/{len(phases)}: {phase}")
-        results[phase] = run_worker(phase, args)
+    for i, (label, worker) in enumerate(phases, 1):
+        if args.wait_quiet:
+            waited = wait_until_quiet(args.wait_quiet)
+            if waited > 3:
+                log(f"waited {waited:.0f} s for other processes to leave the CPUs")
+        log(f"phase {i}/{len(phases)}: {label}")
+        results[label] = run_worker(worker, args, label)
     return results
 
 
@@ -736,12 +831,13 @@ def main_parent(args: argparse.Namespace) -> None:
     ensure_model(args, wl)
     facts = model_facts(Path(args.model))
     results = run_all(args, wl)
-    limits = results["limits"]
+    limits = best_limits([results["limits"], results["limits (end)"]])
     fig = derive(wl, facts, limits, results)
     info = RunInfo(
         date=dt.datetime.now().strftime("%Y-%m-%d %H:%M"), nproc=os.cpu_count() or 0, cpu=cpu_model(),
         torch_version=limits["torch_version"], threads=limits["threads"], load_before=load_before,
         load_after=os.getloadavg()[0], duration_s=time.perf_counter() - started, quick=args.quick,
+        command=" ".join(["benchmarks/bench_offline.py", *sys.argv[1:]]),
     )
     report = render(info, facts, fig, wl, results)
     print(report)
@@ -764,6 +860,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--json", help="also write the figures as JSON here")
     parser.add_argument("--profile-dir", help="cProfile each worker's timed section into DIR/NAME.prof")
+    parser.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
+                        help="before each phase, wait up to SECONDS for other processes to use "
+                        "under 0.2 cores (for shared machines)")
     parser.add_argument("--threads", type=int, help="torch threads in the workers (default: torch's)")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
