@@ -50,11 +50,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from doc_sections import write_section  # benchmarks/ is on sys.path when run as a script
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = REPO / "docs" / "benchmarks.md"
 QUICK_OUTPUT = REPO / ".cache" / "bench_offline_quick.md"
-START_MARKER = "<!-- bench_offline:start -->"
-END_MARKER = "<!-- bench_offline:end -->"
+SECTION = "bench_offline"
 
 GOAL_THROUGHPUT_VS_HF = 1.5
 GOAL_COMPUTE_FRACTION = 0.7
@@ -775,22 +776,6 @@ def render(info: RunInfo, facts: ModelFacts, fig: Figures, wl: Workload,
     return "\n\n".join(parts)
 
 
-def write_section(path: Path, body: str) -> None:
-    """Replace the text between the markers in path, keeping the rest (create it if missing)."""
-    section = f"{START_MARKER}\n{body}\n{END_MARKER}"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"# Benchmarks\n\n{section}\n")
-        return
-    text = path.read_text()
-    start, end = text.find(START_MARKER), text.find(END_MARKER)
-    if start != -1 and end > start:
-        text = text[:start] + section + text[end + len(END_MARKER):]
-    else:
-        text = text.rstrip("\n") + f"\n\n{section}\n"
-    path.write_text(text)
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -842,7 +827,7 @@ def main_parent(args: argparse.Namespace) -> None:
     report = render(info, facts, fig, wl, results)
     print(report)
     output = Path(args.output) if args.output else (QUICK_OUTPUT if args.quick else DEFAULT_OUTPUT)
-    write_section(output, report)
+    write_section(output, SECTION, report)
     if args.json:
         Path(args.json).write_text(json.dumps({"figures": asdict(fig), "facts": asdict(facts),
                                                "info": asdict(info)}, indent=2) + "\n")

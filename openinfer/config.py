@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
-"""Bytes of KV cache on CPU when --kv-cache-memory is not given (pages are touched lazily)."""
+"""Bytes of KV cache on CPU when --kv-cache-memory is not given (allocated, zeroed, at start)."""
 CUDA_MEMORY_UTILIZATION = 0.9
 """Fraction of free GPU memory (after weights) given to the KV cache by default on CUDA."""
 

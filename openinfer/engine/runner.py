@@ -45,19 +45,18 @@ class RunnerRequest:
 
 def allocate_kv_caches(groups: list[LayerGroup], num_blocks: int, num_layers: int,
                        dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
-    """One block-major tensor per group; returns a per-layer view into it.
+    """One ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer.
 
-    A group's tensor is ``[num_blocks, layers_in_group, 2, block_size, kv_heads, head_dim]``:
-    a block of all the group's layers is contiguous, so moving a block between memory
-    tiers is one copy.
+    K and V of a layer are each one contiguous pool, so gathering a sequence's blocks
+    is a row copy (attention's hot path). Zero-filled: padded block-table entries are
+    read (then masked), and garbage there could be NaN, which masking does not cancel.
     """
     per_layer: list[torch.Tensor | None] = [None] * num_layers
     for group in groups:
         spec = group.spec
-        pool = torch.zeros(num_blocks, len(group.layers), 2, spec.block_size, spec.num_kv_heads,
-                           spec.head_dim, dtype=dtype, device=device)
-        for i, layer in enumerate(group.layers):
-            per_layer[layer] = pool[:, i]
+        for layer in group.layers:
+            per_layer[layer] = torch.zeros(2, num_blocks, spec.block_size, spec.num_kv_heads,
+                                           spec.head_dim, dtype=dtype, device=device)
     assert all(c is not None for c in per_layer), "a layer has no KV cache"
     return per_layer  # type: ignore[return-value]
 

@@ -39,16 +39,15 @@ class PrefillSeq:
 
 @dataclass
 class AttentionMetadata:
-    slot_block: torch.Tensor
-    """[T] block id of each token's KV slot."""
-    slot_offset: torch.Tensor
-    """[T] offset of each token's KV slot inside its block."""
+    slot_mapping: torch.Tensor
+    """[T] cache slot (block id * block_size + offset) of each token's K/V."""
     num_decodes: int
     """The first ``num_decodes`` tokens are single-token queries of distinct sequences."""
     decode_block_tables: torch.Tensor
-    """[num_decodes, max_blocks] int64, padded with 0 (masked by seq_lens)."""
-    decode_seq_lens: torch.Tensor
-    decode_max_seq_len: int
+    """[num_decodes, max_blocks] int64, padded with 0."""
+    decode_mask: torch.Tensor
+    """[num_decodes, 1, 1, max_blocks * block_size]: True for key positions inside the
+    sequence (built once per step, shared by every layer)."""
     prefills: list[PrefillSeq]
 
 
@@ -63,15 +62,13 @@ def build_attention_metadata(
 
     Sequences must be ordered decodes (query_len == 1) first.
     """
-    slot_block: list[int] = []
-    slot_offset: list[int] = []
+    slots: list[int] = []
     num_decodes = 0
     prefills: list[PrefillSeq] = []
     start = 0
     for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
         for pos in range(seq_len - query_len, seq_len):
-            slot_block.append(table[pos // block_size])
-            slot_offset.append(pos % block_size)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
         if query_len == 1 and not prefills:
             num_decodes += 1
         else:
@@ -86,13 +83,13 @@ def build_attention_metadata(
     def as_long(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
+    positions = torch.arange(max_blocks * block_size, device=device)
+    decode_mask = positions[None, :] < as_long(decode_lens)[:, None]
     return AttentionMetadata(
-        slot_block=as_long(slot_block),
-        slot_offset=as_long(slot_offset),
+        slot_mapping=as_long(slots),
         num_decodes=num_decodes,
         decode_block_tables=as_long(padded).view(num_decodes, max_blocks),
-        decode_seq_lens=as_long(decode_lens),
-        decode_max_seq_len=max(decode_lens, default=0),
+        decode_mask=decode_mask[:, None, None, :],
         prefills=prefills,
     )
 
@@ -115,13 +112,13 @@ class Attention(nn.Module):
         cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, H, D]; cache: this layer's [num_blocks, 2, bs, H, D]."""
-        write_kv(cache, k, v, meta.slot_block, meta.slot_offset)
+        """q: [T, Hq, D], k/v: [T, H, D]; cache: this layer's [2, num_blocks, bs, H, D]."""
+        write_kv(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = decode_attention(q[:nd], cache, meta.decode_block_tables,
-                                        meta.decode_seq_lens, meta.decode_max_seq_len, self.scale)
+            out[:nd] = decode_attention(q[:nd], cache, meta.decode_block_tables, meta.decode_mask,
+                                        self.scale)
         for seq in meta.prefills:
             s, n = seq.query_start, seq.query_len
             if seq.seq_len == n:

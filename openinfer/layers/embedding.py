@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openinfer.layers.linear import default_weight_loader
+from openinfer.layers.linear import default_weight_loader, linear
 
 
 class VocabEmbedding(nn.Module):
@@ -31,4 +31,4 @@ class LMHead(nn.Module):
             self.weight.weight_loader = default_weight_loader
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        return linear(hidden, self.weight).float()

@@ -144,7 +144,6 @@ def get_rope(
     rope_theta: float,
     rope_scaling: dict | None,
     partial_rotary_factor: float = 1.0,
-    dtype: torch.dtype = torch.float32,
 ) -> RotaryEmbedding:
     """Build the RotaryEmbedding described by a Hugging Face config.
 
@@ -155,10 +154,7 @@ def get_rope(
         rope_scaling: the config's ``rope_scaling`` / ``rope_parameters`` dict, or None. Its
             ``rope_type`` (or legacy ``type``) must be one of ``SUPPORTED_ROPE_TYPES``.
         partial_rotary_factor: fraction of head_dim that is rotated (the leading dims).
-        dtype: the model's activation dtype. Accepted for interface stability only: the cache is
-            always float32 and outputs take the dtype of q and k.
     """
-    del dtype  # see docstring
     scaling = rope_scaling or {}
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     rotary_dim = int(head_dim * partial_rotary_factor)

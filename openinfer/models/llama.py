@@ -81,12 +81,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf: dict, variant: BlockVariant, max_position: int) -> None:
+    def __init__(self, hf: dict, variant: BlockVariant) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(hf["vocab_size"], hf["hidden_size"])
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-        # One cos/sin table shared by all layers.
-        rotary = get_rope(head_dim, max_position, rope_theta(hf), rope_scaling(hf),
+        # One cos/sin table shared by all layers. It spans the model's trained context:
+        # llama3/yarn scaling read max_position_embeddings, whatever max_model_len is.
+        rotary = get_rope(head_dim, hf["max_position_embeddings"], rope_theta(hf), rope_scaling(hf),
                           hf.get("partial_rotary_factor", 1.0))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf, variant, rotary) for _ in range(hf["num_hidden_layers"])
@@ -114,9 +115,9 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, hf: dict, max_position: int) -> None:
+    def __init__(self, hf: dict) -> None:
         super().__init__()
-        self.model = LlamaModel(hf, self.block_variant(hf), max_position)
+        self.model = LlamaModel(hf, self.block_variant(hf))
         tied = self.model.embed_tokens if hf.get("tie_word_embeddings", False) else None
         self.lm_head = LMHead(hf["vocab_size"], hf["hidden_size"], tied)
 

@@ -27,7 +27,7 @@ def load_model(config: ModelConfig, device: str | torch.device = "cpu",
                progress: bool = True) -> nn.Module:
     cls = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(config.dtype):
-        model = cls(config.hf_config, max_position=config.max_model_len)
+        model = cls(config.hf_config)
     load_weights(model, Path(config.path), progress=progress)
     return model.eval()
 

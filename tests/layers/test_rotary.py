@@ -154,7 +154,7 @@ def test_rope_theta_inside_dict_is_ignored():
 
 def test_low_precision_dtype_preserved():
     positions, q, k = _random_qk(dtype=torch.bfloat16)
-    rope = get_rope(HEAD_DIM, MAX_POS, THETA, CASES["yarn"], dtype=torch.bfloat16)
+    rope = get_rope(HEAD_DIM, MAX_POS, THETA, CASES["yarn"])
     q_out, k_out = rope(positions, q, k)
     assert q_out.dtype == torch.bfloat16 and k_out.dtype == torch.bfloat16
     assert rope.cos_cache.dtype == torch.float32
