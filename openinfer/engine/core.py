@@ -60,10 +60,6 @@ class EngineCore:
                 memory = DEFAULT_CPU_KV_CACHE_MEMORY
         return memory // bytes_per_block
 
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.runner.model
-
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)
 

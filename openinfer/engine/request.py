@@ -17,10 +17,6 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
-
 
 @dataclass
 class Request:

@@ -32,11 +32,6 @@ class KVCacheManager:
     def usage(self) -> float:
         return max(pool.usage for pool in self.pools)
 
-    @property
-    def capacity_tokens(self) -> int:
-        """Most tokens one request can hold (the whole pool)."""
-        return self.num_blocks * self.block_size
-
     def block_table(self, request_id: str) -> list[list[int]]:
         """The request's block ids, one list per layer group."""
         return self._tables.get(request_id) or [[] for _ in self.groups]
@@ -57,11 +52,6 @@ class KVCacheManager:
             table.extend(blocks)
         self._tables[request_id] = tables
         return new_blocks
-
-    def can_fit(self, num_tokens: int) -> bool:
-        """Whether an empty request of ``num_tokens`` tokens could get blocks right now."""
-        return all(g.spec.blocks_for(num_tokens) <= pool.num_free
-                   for g, pool in zip(self.groups, self.pools))
 
     def free(self, request_id: str) -> None:
         """Release all of the request's blocks (last block first)."""

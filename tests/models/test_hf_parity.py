@@ -26,8 +26,8 @@ def _prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
 class PagedModel:
     """Runs our model on hand-made steps over a paged cache (block ids handed out in order)."""
 
-    def __init__(self, path, num_blocks: int = 256) -> None:
-        self.config = ModelConfig.from_pretrained(path)
+    def __init__(self, path, num_blocks: int = 256, max_model_len: int | None = None) -> None:
+        self.config = ModelConfig.from_pretrained(path, max_model_len=max_model_len)
         self.model = load_model(self.config, progress=False)
         c = self.config
         spec = FullAttentionSpec(BLOCK, c.num_kv_heads, c.head_dim, "float32")
@@ -121,6 +121,20 @@ def test_greedy_generation_matches_transformers(arch, tied, make_checkpoint, hf_
 def test_rope_scaling_matches_transformers(arch, scaling, make_checkpoint, hf_model_loader):
     path = make_checkpoint(arch, rope_scaling=scaling)
     ours, hf = PagedModel(path), hf_model_loader(path)
+    (prompt,) = _prompts(ours.config.vocab_size, [150])
+    torch.testing.assert_close(ours.step([(0, prompt, 0)]), _hf_logits(hf, prompt),
+                               atol=5e-5, rtol=1e-4)
+
+
+def test_rope_scaling_ignores_a_shorter_max_model_len(make_checkpoint, hf_model_loader):
+    """Scaling reads the trained context (max_position_embeddings), not the serving limit."""
+    path = make_checkpoint("Qwen3ForCausalLM")
+    config = json.loads((path / "config.json").read_text())
+    # As older configs say it: no original_max_position_embeddings (transformers 5 adds one).
+    config.pop("rope_parameters", None)
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (path / "config.json").write_text(json.dumps(config))
+    ours, hf = PagedModel(path, max_model_len=160), hf_model_loader(path)
     (prompt,) = _prompts(ours.config.vocab_size, [150])
     torch.testing.assert_close(ours.step([(0, prompt, 0)]), _hf_logits(hf, prompt),
                                atol=5e-5, rtol=1e-4)
