@@ -117,6 +117,37 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     """Run on token ids only (no text in or out)."""
 
+    @staticmethod
+    def create(
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+        kv_cache_memory: int | None = None,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        scheduling_policy: str = "fcfs",
+        enable_chunked_prefill: bool = True,
+        seed: int | None = None,
+        skip_tokenizer_init: bool = False,
+    ) -> EngineConfig:
+        """Build the whole config from flat options (the offline API's and the CLI's)."""
+        return EngineConfig(
+            model=ModelConfig.from_pretrained(model, dtype=dtype, device=device,
+                                              max_model_len=max_model_len),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                      max_num_seqs=max_num_seqs, policy=scheduling_policy,
+                                      enable_chunked_prefill=enable_chunked_prefill),
+            device=device,
+            seed=seed,
+            tokenizer=tokenizer,
+            skip_tokenizer_init=skip_tokenizer_init,
+        )
+
 
 def _derive_max_model_len(hf: dict) -> int:
     max_len = hf.get("max_position_embeddings")

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from openinfer.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from openinfer.config import EngineConfig
 from openinfer.engine.llm_engine import LLMEngine, PromptInput
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
@@ -16,43 +16,16 @@ from openinfer.sampling_params import SamplingParams
 class LLM:
     """A model loaded in this process, generating for batches of prompts.
 
-    Args mirror the server's flags: ``dtype`` ('auto' = float32 on CPU, the
-    checkpoint's dtype on CUDA), ``max_model_len``, ``kv_cache_memory`` (bytes),
-    ``block_size``, ``max_num_batched_tokens`` (step token budget), ``max_num_seqs``,
-    ``scheduling_policy`` ('fcfs' | 'priority'), ``seed`` (for unseeded sampling).
+    ``engine_options`` are those of ``EngineConfig.create`` and mirror the server's
+    flags: ``dtype`` ('auto' = float32 on CPU, the checkpoint's dtype on CUDA),
+    ``max_model_len``, ``kv_cache_memory`` (bytes), ``block_size``,
+    ``max_num_batched_tokens`` (step token budget), ``max_num_seqs``,
+    ``scheduling_policy`` ('fcfs' | 'priority'), ``enable_chunked_prefill``, ``seed``
+    (for unseeded sampling), ``tokenizer``, ``skip_tokenizer_init``.
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        device: str = "cpu",
-        max_model_len: int | None = None,
-        kv_cache_memory: int | None = None,
-        block_size: int = 16,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        scheduling_policy: str = "fcfs",
-        enable_chunked_prefill: bool = True,
-        seed: int | None = None,
-        skip_tokenizer_init: bool = False,
-        progress: bool = True,
-    ) -> None:
-        config = EngineConfig(
-            model=ModelConfig.from_pretrained(model, dtype=dtype, device=device,
-                                              max_model_len=max_model_len),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                      max_num_seqs=max_num_seqs, policy=scheduling_policy,
-                                      enable_chunked_prefill=enable_chunked_prefill),
-            device=device,
-            seed=seed,
-            tokenizer=tokenizer,
-            skip_tokenizer_init=skip_tokenizer_init,
-        )
-        self.engine = LLMEngine(config, progress=progress)
+    def __init__(self, model: str, *, progress: bool = True, **engine_options) -> None:
+        self.engine = LLMEngine(EngineConfig.create(model, **engine_options), progress=progress)
         self._counter = itertools.count()
 
     def get_tokenizer(self):

@@ -8,6 +8,7 @@ It speaks token ids only; text lives in the front end (offline LLM or API server
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -23,6 +24,7 @@ from openinfer.engine.scheduler import Scheduler
 from openinfer.kv.kv_manager import KVCacheManager
 from openinfer.kv.spec import FullAttentionSpec, LayerGroup, group_layers
 from openinfer.models.loader import load_model
+from openinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +62,14 @@ class EngineCore:
                 memory = DEFAULT_CPU_KV_CACHE_MEMORY
         return memory // bytes_per_block
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queue a validated request; its output is capped by the context length."""
+        room = self.config.model.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        req = Request(request_id, prompt_token_ids, params, max_tokens,
+                      frozenset(self.config.model.eos_token_ids),
+                      arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:

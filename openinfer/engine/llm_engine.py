@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from openinfer.config import EngineConfig
 from openinfer.engine.core import EngineCore
 from openinfer.engine.output_processor import OutputProcessor
-from openinfer.engine.request import Request
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
 
@@ -35,17 +34,15 @@ class LLMEngine:
 
     def add_tokenized_request(self, request_id: str, text: str | None, token_ids: list[int],
                               params: SamplingParams) -> None:
-        max_tokens = self.validate(token_ids, params)
+        self.validate(token_ids, params)
         if request_id in self.output_processor._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         arrival = time.monotonic()
         self.output_processor.add_request(request_id, text, token_ids, params, child_ids, arrival)
-        eos = frozenset(self.config.model.eos_token_ids)
         for i, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else params.child(i)
-            self.core.add_request(Request(child_id, token_ids, child_params, max_tokens, eos,
-                                          arrival_time=arrival))
+            self.core.add_request(child_id, token_ids, child_params, arrival)
 
     def process_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -72,8 +69,8 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> int:
-        """Check the request against the model; returns its resolved max_tokens."""
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Check the request against the model (raises ValueError naming the field)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         max_len = self.config.model.max_model_len
@@ -84,8 +81,6 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > self.vocab_size:
                 raise ValueError(f"{name} ({value}) exceeds the vocabulary size ({self.vocab_size})")
-        room = max_len - len(token_ids)
-        return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         output, child_ids = self.output_processor.abort(request_id)
