@@ -1,0 +1,148 @@
+"""The front end's handle on an engine-core process (asyncio, msgpack over ZMQ IPC).
+
+    client = EngineCoreClient(engine_options)
+    await client.start()                      # spawns the process, waits for "ready"
+    queue = client.add_request(rid, token_ids, params)
+    out = await queue.get()                   # EngineCoreOutput, until finish_reason is set
+    client.abort([rid]); await client.shutdown()
+
+One background task reads the core's output socket and routes each output to the
+queue of its request, so no request ever waits on another's consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import tempfile
+import time
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from openinfer.engine import protocol
+from openinfer.engine.core_proc import run_engine_core
+from openinfer.engine.outputs import EngineCoreOutput
+from openinfer.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process failed; its requests cannot complete."""
+
+
+class EngineCoreClient:
+    def __init__(self, engine_options: dict, startup_timeout_s: float = 600.0) -> None:
+        self.engine_options = engine_options
+        self.startup_timeout_s = startup_timeout_s
+        self.info: dict = {}
+        """What the core reported when ready: num_blocks, block_size, max_model_len."""
+        self.stats: dict = {}
+        """The core's latest scheduler stats (running, waiting, KV usage, preemptions)."""
+        self._queues: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}
+        self._dead: str | None = None
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="openinfer-")
+        self._ctx = zmq.asyncio.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._receiver: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        base = Path(self._tmpdir.name)
+        input_addr, output_addr = f"ipc://{base}/input", f"ipc://{base}/output"
+        self._input.bind(input_addr)
+        self._output.bind(output_addr)
+        # spawn, not fork: the core owns its own torch/ZMQ state from a clean interpreter.
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(self.engine_options, input_addr, output_addr),
+            name="openinfer-engine-core", daemon=True)
+        self._process.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if await self._output.poll(500):
+                kind, body = protocol.decode(await self._output.recv())
+                if kind == protocol.READY:
+                    self.info = body
+                    break
+                raise EngineDeadError(f"engine core failed to start: {body}")
+            if not self._process.is_alive():
+                raise EngineDeadError(f"engine core exited during startup "
+                                      f"(exit code {self._process.exitcode})")
+            if time.monotonic() > deadline:
+                raise EngineDeadError("engine core did not start in time")
+        self._receiver = asyncio.create_task(self._receive_loop())
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float | None = None,
+                    ) -> asyncio.Queue[EngineCoreOutput | Exception]:
+        """Send a validated request; its outputs (or an EngineDeadError) arrive on the queue."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        queue: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
+        self._queues[request_id] = queue
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._send(protocol.ADD, protocol.add_body(request_id, prompt_token_ids, params, arrival))
+        return queue
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests (client gone, stop string); their blocks are freed in the core."""
+        for request_id in request_ids:
+            self._queues.pop(request_id, None)
+        if request_ids and self._dead is None:
+            self._send(protocol.ABORT, list(request_ids))
+
+    def _send(self, kind: str, body: object) -> None:
+        # PUSH to a connected peer queues without blocking; the frame leaves in order.
+        self._input.send(protocol.encode(kind, body), copy=False)
+
+    async def _receive_loop(self) -> None:
+        try:
+            while True:
+                kind, body = protocol.decode(await self._output.recv())
+                if kind == protocol.ERROR:
+                    self._fail(f"engine core died: {body}")
+                    return
+                self.stats = body["stats"]
+                for packed in body["outputs"]:
+                    out = protocol.unpack_output(packed)
+                    queue = self._queues.get(out.request_id)
+                    if queue is None:
+                        continue  # aborted meanwhile
+                    if out.finish_reason is not None:
+                        del self._queues[out.request_id]
+                    queue.put_nowait(out)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a broken frame must not leave requests hanging
+            self._fail(f"engine output stream broke: {e}")
+
+    def _fail(self, reason: str) -> None:
+        self._dead = reason
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(reason))
+        self._queues.clear()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the core process (it finishes nothing further) and release sockets."""
+        if self._receiver is not None:
+            self._receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._receiver
+        if self._process is not None and self._process.is_alive():
+            self._send(protocol.SHUTDOWN, None)
+            await asyncio.get_running_loop().run_in_executor(None, self._process.join, timeout_s)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._ctx.term()
+        self._tmpdir.cleanup()

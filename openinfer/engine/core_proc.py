@@ -1,0 +1,82 @@
+"""The engine-core process: an EngineCore driven by messages from a front end.
+
+The loop never waits on a client: it drains whatever messages are queued, runs a
+step when there is work, and sends that step's outputs. It blocks on its input only
+when idle, waking every second to exit if its parent died (no orphan processes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+
+import zmq
+
+from openinfer.config import EngineConfig
+from openinfer.engine import protocol
+from openinfer.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+IDLE_POLL_MS = 1000
+
+
+def run_engine_core(engine_options: dict, input_addr: str, output_addr: str) -> None:
+    """Process entry point: connect, load the model, report ready, serve until shutdown."""
+    # Ctrl-C reaches the whole process group; the front end decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(input_addr)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.connect(output_addr)
+    try:
+        core = EngineCore(EngineConfig.create(**engine_options), progress=False)
+        outputs.send(protocol.encode(protocol.READY, {
+            "num_blocks": core.kv.num_blocks,
+            "block_size": core.kv.block_size,
+            "max_model_len": core.config.model.max_model_len,
+        }))
+        _serve(core, inputs, outputs, os.getppid())
+    except Exception as e:  # report, so the front end fails requests instead of hanging
+        logger.error("engine core failed: %s", traceback.format_exc())
+        outputs.send(protocol.encode(protocol.ERROR, f"{type(e).__name__}: {e}"))
+    finally:
+        outputs.close(linger=1000)
+        inputs.close(linger=0)
+        ctx.term()
+
+
+def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+    while True:
+        busy = core.has_unfinished_requests()
+        if not busy and not inputs.poll(IDLE_POLL_MS):
+            if os.getppid() != parent_pid:
+                return  # the front end is gone
+            continue
+        while inputs.poll(0):
+            kind, body = protocol.decode(inputs.recv())
+            if kind == protocol.SHUTDOWN:
+                return
+            if kind == protocol.ADD:
+                core.add_request(body["request_id"], body["prompt_token_ids"],
+                                 protocol.params_from_body(body), body["arrival_time"])
+            elif kind == protocol.ABORT:
+                core.abort_requests(body)
+        if core.has_unfinished_requests() or busy:
+            step_outputs = core.step() if core.has_unfinished_requests() else []
+            outputs.send(protocol.encode(protocol.OUTPUTS, {
+                "outputs": [protocol.pack_output(o) for o in step_outputs],
+                "stats": _stats(core),
+            }))
+
+
+def _stats(core: EngineCore) -> dict:
+    scheduler = core.scheduler
+    return {
+        "num_running": scheduler.num_running,
+        "num_waiting": scheduler.num_waiting,
+        "kv_cache_usage": core.kv.usage,
+        "num_preemptions": scheduler.num_preemptions,
+    }

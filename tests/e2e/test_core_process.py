@@ -1,0 +1,67 @@
+"""The engine core in its own process, driven over ZMQ by the asyncio client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from openinfer import LLM, SamplingParams
+from openinfer.engine.core_client import EngineCoreClient, EngineDeadError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+PROMPTS = [[5, 9, 200, 31], list(range(40, 90)), [7] * 19]
+
+
+async def _collect(queue: asyncio.Queue) -> list[int]:
+    tokens: list[int] = []
+    while True:
+        out = await asyncio.wait_for(queue.get(), timeout=120)
+        if isinstance(out, Exception):
+            raise out
+        tokens += out.new_token_ids
+        assert out.new_logprobs is not None and out.new_token_ids[0] in out.new_logprobs[0]
+        if out.finish_reason is not None:
+            return tokens
+
+
+@pytest.mark.slow
+def test_core_process_serves_aborts_and_shuts_down(qwen3_checkpoint):
+    expected = [o.outputs[0].token_ids for o in LLM(str(qwen3_checkpoint), progress=False)
+                .generate(PROMPTS, GREEDY)]
+
+    async def scenario() -> None:
+        client = EngineCoreClient({"model": str(qwen3_checkpoint), "kv_cache_memory": 1 << 24})
+        await client.start()
+        try:
+            assert client.info["max_model_len"] == 512
+            queues = [client.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+            # A long request, aborted after its first tokens, frees its blocks in the core.
+            doomed = client.add_request("doomed", [1, 2, 3], SamplingParams(
+                temperature=0, max_tokens=400, ignore_eos=True))
+            assert (await asyncio.wait_for(doomed.get(), 120)).new_token_ids
+            client.abort(["doomed"])
+            got = await asyncio.gather(*(_collect(q) for q in queues))
+            assert got == expected
+            for _ in range(200):
+                if client.stats.get("num_running") == 0 and client.stats["kv_cache_usage"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert client.stats["num_running"] == 0 and client.stats["num_waiting"] == 0
+            assert client.stats["kv_cache_usage"] == 0
+            assert client.num_unfinished == 0
+        finally:
+            await client.shutdown()
+        assert not client._process.is_alive()
+
+    asyncio.run(scenario())
+
+
+def test_core_process_startup_failure_is_reported(tmp_path):
+    async def scenario() -> None:
+        client = EngineCoreClient({"model": str(tmp_path / "missing")})
+        with pytest.raises(EngineDeadError, match="no config.json"):
+            await client.start()
+        await client.shutdown()
+
+    asyncio.run(scenario())
