@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from openinfer.config import EngineConfig
-from openinfer.engine.llm_engine import LLMEngine, PromptInput
+from openinfer.engine.input_processor import PromptInput
+from openinfer.engine.llm_engine import LLMEngine
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
 
@@ -53,9 +54,9 @@ class LLM:
                 raise ValueError(f"sampling_params: got {len(params_list)} for "
                                  f"{len(prompt_list)} prompts")
         engine = self.engine
-        processed = [engine.process_prompt(prompt) for prompt in prompt_list]
+        processed = [engine.inputs.process_prompt(prompt) for prompt in prompt_list]
         for (_, token_ids), params in zip(processed, params_list):
-            engine.validate(token_ids, params)
+            engine.inputs.validate(token_ids, params)
 
         ids = [f"gen-{next(self._counter)}" for _ in prompt_list]
         for request_id, (text, token_ids), params in zip(ids, processed, params_list):

@@ -76,13 +76,15 @@ class EngineCoreClient:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float | None = None,
+                    queue: asyncio.Queue[EngineCoreOutput | Exception] | None = None,
                     ) -> asyncio.Queue[EngineCoreOutput | Exception]:
-        """Send a validated request; its outputs (or an EngineDeadError) arrive on the queue."""
+        """Send a validated request; its outputs (or an EngineDeadError) arrive on ``queue``
+        (a new one unless given: several requests may share one)."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        queue: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
+        queue = asyncio.Queue() if queue is None else queue
         self._queues[request_id] = queue
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._send(protocol.ADD, protocol.add_body(request_id, prompt_token_ids, params, arrival))
@@ -122,7 +124,7 @@ class EngineCoreClient:
 
     def _fail(self, reason: str) -> None:
         self._dead = reason
-        for queue in self._queues.values():
+        for queue in {id(q): q for q in self._queues.values()}.values():
             queue.put_nowait(EngineDeadError(reason))
         self._queues.clear()
 

@@ -29,6 +29,35 @@ class _Sample:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_streamed: int = 0
+    """Tokens already sent in deltas (streaming requests)."""
+    streamed_finish: bool = False
+
+    def delta(self) -> CompletionOutput | None:
+        """What is new since the last delta, or None if nothing is."""
+        finished = self.finish_reason is not None
+        if self.num_streamed == len(self.token_ids) and (self.streamed_finish or not finished):
+            return None
+        start, self.num_streamed = self.num_streamed, len(self.token_ids)
+        self.streamed_finish = finished
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.get_delta(finished=finished),
+            token_ids=self.token_ids[start:],
+            logprobs=None if self.logprobs is None else self.logprobs[start:],
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class ProcessedOutputs:
+    finished: list[RequestOutput] = field(default_factory=list)
+    """Requests that ended, each with its whole output."""
+    deltas: list[RequestOutput] = field(default_factory=list)
+    """For streaming requests: what each one gained this step (text, tokens, logprobs)."""
+    to_abort: list[str] = field(default_factory=list)
+    """Core request ids ended here by a stop string: the core must drop them."""
 
 
 @dataclass
@@ -42,6 +71,7 @@ class _RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None
     metrics: RequestMetrics
     num_unfinished: int = 0
+    stream: bool = False
 
 
 class OutputProcessor:
@@ -51,7 +81,8 @@ class OutputProcessor:
         self._parent_of: dict[str, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, child_ids: list[str], arrival_time: float) -> None:
+                    params: SamplingParams, child_ids: list[str], arrival_time: float,
+                    stream: bool = False) -> None:
         samples = {
             child_id: _Sample(i, IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids),
                               logprobs=[] if params.logprobs is not None else None)
@@ -62,23 +93,28 @@ class OutputProcessor:
             prompt_logprobs = [None] * len(prompt_token_ids)
         self._requests[request_id] = _RequestState(
             request_id, prompt, prompt_token_ids, params, samples, prompt_logprobs,
-            RequestMetrics(arrival_time=arrival_time), num_unfinished=len(samples))
+            RequestMetrics(arrival_time=arrival_time), num_unfinished=len(samples), stream=stream)
         for child_id in child_ids:
             self._parent_of[child_id] = request_id
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (requests that finished, core request ids to abort for stop strings)."""
-        finished: list[RequestOutput] = []
-        to_abort: list[str] = []
+    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        result = ProcessedOutputs()
+        to_abort, finished = result.to_abort, result.finished
+        streaming: dict[str, _RequestState] = {}
         now = time.monotonic()
         for out in outputs:
             parent_id = self._parent_of.get(out.request_id)
             if parent_id is None:
                 continue  # already finished by a stop string
             state = self._requests[parent_id]
+            if state.stream:
+                streaming[parent_id] = state
             sample = state.samples[out.request_id]
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 self._store_prompt_logprobs(state, *out.prompt_logprobs)
@@ -99,7 +135,11 @@ class OutputProcessor:
                 state.metrics.finished_time = now
                 finished.append(self._to_output(state))
                 del self._requests[parent_id]
-        return finished, to_abort
+        for state in streaming.values():
+            deltas = [d for s in state.samples.values() if (d := s.delta()) is not None]
+            if deltas:
+                result.deltas.append(self._to_output(state, deltas))
+        return result
 
     def abort(self, request_id: str) -> tuple[RequestOutput | None, list[str]]:
         """End a request from outside; returns its final output and its core request ids."""
@@ -135,7 +175,15 @@ class OutputProcessor:
             logprob.decoded_token = detokenizer.decode_token(token_id)
         return entry
 
-    def _to_output(self, state: _RequestState) -> RequestOutput:
+    def _to_output(self, state: _RequestState,
+                   deltas: list[CompletionOutput] | None = None) -> RequestOutput:
+        finished = state.num_unfinished == 0
+        if deltas is not None:  # a streaming step: only what is new, prompt data at the end
+            return RequestOutput(
+                request_id=state.request_id, prompt=state.prompt,
+                prompt_token_ids=state.prompt_token_ids, outputs=deltas,
+                prompt_logprobs=state.prompt_logprobs if finished else None,
+                finished=finished, metrics=state.metrics)
         completions = [
             CompletionOutput(
                 index=s.index,

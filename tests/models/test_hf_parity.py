@@ -102,7 +102,7 @@ def test_greedy_generation_matches_transformers(arch, tied, make_checkpoint, hf_
     path = make_checkpoint(arch, tie_word_embeddings=tied)
     llm = LLM(str(path), block_size=BLOCK, progress=False)
     hf = hf_model_loader(path)
-    prompts = _prompts(llm.engine.vocab_size, [3, 17, 40, 8, 25], seed=7)
+    prompts = _prompts(llm.engine.inputs.vocab_size, [3, 17, 40, 8, 25], seed=7)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
     for prompt, out in zip(prompts, outs):
         ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),

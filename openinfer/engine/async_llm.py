@@ -1,0 +1,103 @@
+"""The asyncio engine the API server runs on: front end here, engine core in its own process.
+
+    llm = AsyncLLM(model_path, **engine_options); await llm.start()
+    async for delta in llm.generate(prompt, SamplingParams(...), request_id):
+        ...   # RequestOutput with only what is new; the last has finished=True
+
+Tokenization, validation and detokenization run in this process; the core only
+sees token ids. A consumer that stops iterating (a client that went away) aborts
+its request, so the core frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from openinfer.config import EngineConfig
+from openinfer.engine.core_client import EngineCoreClient
+from openinfer.engine.input_processor import InputProcessor, PromptInput, fan_out
+from openinfer.engine.output_processor import OutputProcessor
+from openinfer.engine.outputs import EngineCoreOutput
+from openinfer.outputs import RequestOutput
+from openinfer.sampling_params import SamplingParams
+
+
+class AsyncLLM:
+    def __init__(self, model: str, **engine_options) -> None:
+        self.config = EngineConfig.create(model, **engine_options)
+        self.inputs = InputProcessor(self.config)
+        self.tokenizer = self.inputs.tokenizer
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.client = EngineCoreClient({"model": model, **engine_options})
+        self._core_outputs: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._pump: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.client.start()
+        self._pump = asyncio.create_task(self._pump_outputs())
+
+    async def shutdown(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+        await self.client.shutdown()
+
+    async def generate(self, prompt: PromptInput, params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Stream a request's progress. Bad input raises ValueError before anything is queued."""
+        text, token_ids = self.inputs.process_prompt(prompt)
+        self.inputs.validate(token_ids, params)
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._streams[request_id] = stream
+        children = fan_out(request_id, params)
+        arrival = time.monotonic()
+        self.output_processor.add_request(request_id, text, token_ids, params,
+                                          [cid for cid, _ in children], arrival, stream=True)
+        try:
+            for child_id, child_params in children:
+                self.client.add_request(child_id, token_ids, child_params, arrival,
+                                        queue=self._core_outputs)
+            while True:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if self._streams.pop(request_id, None) is not None:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """End a request early (its consumer is gone); the core frees its blocks."""
+        self._streams.pop(request_id, None)
+        _, child_ids = self.output_processor.abort(request_id)
+        self.client.abort(child_ids)
+
+    async def _pump_outputs(self) -> None:
+        """Feed core outputs through the output processor to each request's stream."""
+        while True:
+            batch = [await self._core_outputs.get()]
+            while not self._core_outputs.empty():
+                batch.append(self._core_outputs.get_nowait())
+            errors = [o for o in batch if isinstance(o, Exception)]
+            if errors:
+                for stream in self._streams.values():
+                    stream.put_nowait(errors[0])
+                continue
+            processed = self.output_processor.process(batch)  # type: ignore[arg-type]
+            if processed.to_abort:
+                self.client.abort(processed.to_abort)
+            for delta in processed.deltas:
+                stream = self._streams.get(delta.request_id)
+                if stream is not None:
+                    stream.put_nowait(delta)
+                    if delta.finished:
+                        del self._streams[delta.request_id]
