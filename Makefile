@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEMO_MODEL := .cache/demo-model
 MODEL ?=
-PROMPT ?= The quick brown fox
+PORT ?= 8000
 
 .PHONY: install serve test lint bench clean
 
@@ -21,9 +21,10 @@ install: $(VENV)/.installed
 $(DEMO_MODEL)/config.json: | $(VENV)/.installed
 	$(VENV)/bin/openinfer demo-model $(DEMO_MODEL)
 
-# Until the OpenAI server lands, `make serve` runs one generation on the model.
+# The OpenAI-compatible server on localhost:$(PORT): the demo model unless MODEL=path.
 serve: $(VENV)/.installed $(if $(MODEL),,$(DEMO_MODEL)/config.json)
-	$(VENV)/bin/openinfer generate --model $(if $(MODEL),$(MODEL),$(DEMO_MODEL)) --prompt "$(PROMPT)"
+	$(VENV)/bin/openinfer serve --model $(if $(MODEL),$(MODEL),$(DEMO_MODEL)) \
+		--served-model-name $(if $(MODEL),$(notdir $(MODEL)),demo) --port $(PORT)
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check .

@@ -1,4 +1,4 @@
-"""`openinfer generate | demo-model` (the server and router commands join as they land)."""
+"""`openinfer serve | generate | demo-model` (the router and bench commands join as they land)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from openinfer.engine.async_llm import AsyncLLM
+    from openinfer.server.app import build_app
+
+    if (Path(args.model) / "demo_spec.json").is_file():
+        print("Note: serving openinfer's demo model. ITS WEIGHTS ARE RANDOM: the text is gibberish.",
+              file=sys.stderr)
+    llm = AsyncLLM(args.model, **engine_kwargs(args))
+    app = build_app(llm, args.served_model_name or args.model)
+    print(f"openinfer: serving {args.model} on http://{args.host}:{args.port}", file=sys.stderr)
+    # SIGINT/SIGTERM: uvicorn stops accepting, waits for in-flight requests (bounded), then
+    # the app's lifespan shuts the engine-core process down.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0
+
+
 def cmd_demo_model(args: argparse.Namespace) -> int:
     from openinfer.demo import build_demo_model, get_demo_spec
 
@@ -103,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample-seed", type=int, help="per-request sampling seed")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", help="model name clients use (default: --model)")
+    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--shutdown-timeout", type=int, default=30,
+                       help="seconds to let in-flight requests finish on SIGTERM/Ctrl-C")
+    serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo-model", help="build the random-weight demo checkpoint")
     demo.add_argument("out_dir")

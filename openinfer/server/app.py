@@ -1,0 +1,263 @@
+"""The OpenAI-compatible HTTP API over an AsyncLLM (engine core in its own process)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+
+import openinfer
+from openinfer.engine.async_llm import AsyncLLM
+from openinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from openinfer.sampling_params import SamplingParams
+from openinfer.server.errors import APIError, install_error_handlers
+from openinfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+
+def build_app(llm: AsyncLLM, served_model_name: str) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await llm.start()
+        try:
+            yield
+        finally:
+            await llm.shutdown()
+
+    app = FastAPI(title="openinfer", version=openinfer.__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    max_model_len = llm.config.model.max_model_len
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "model",
+                           code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": openinfer.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": 0, "owned_by": "openinfer",
+            "max_model_len": max_model_len}]}
+
+    def tokenized(prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+        text, token_ids = llm.inputs.process_prompt(prompt)
+        llm.inputs.validate(token_ids, params)
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_model_len:
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; "
+                           f"the prompt has {len(token_ids)} and max_tokens asks for "
+                           f"{params.max_tokens}.", "max_tokens", code="context_length_exceeded")
+        return text, token_ids
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        check_model(body.model)
+        if body.suffix is not None:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo together with logprobs is not supported yet", "echo")
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        prompts = [tokenized(p, params) for p in _prompt_list(body.prompt)]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        header = {"id": request_id, "object": "text_completion", "created": created,
+                  "model": served_model_name}
+
+        def choice(prompt_index: int, c: CompletionOutput, echo_text: str) -> dict:
+            return {"index": prompt_index * params.n + c.index, "text": echo_text + c.text,
+                    "logprobs": _completion_logprobs(c), "finish_reason": c.finish_reason}
+
+        streams = [llm.generate(ids, params, f"{request_id}-{i}") for i, (_, ids) in
+                   enumerate(prompts)]
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                completion_tokens, echoed = 0, set()
+                async for i, delta in _merged(streams):
+                    for c in delta.outputs:
+                        completion_tokens += len(c.token_ids)
+                        key = (i, c.index)
+                        echo = ""
+                        if body.echo and key not in echoed:  # the prompt leads the first chunk
+                            echo = prompts[i][0] or llm.tokenizer.decode(prompts[i][1])
+                            echoed.add(key)
+                        yield _sse({**header, "choices": [choice(i, c, echo)]})
+                if body.include_usage:
+                    usage = _usage(sum(len(ids) for _, ids in prompts), completion_tokens)
+                    yield _sse({**header, "choices": [], "usage": usage})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        finals = await asyncio.gather(*(_final(s) for s in streams))
+        echoes = [(text or llm.tokenizer.decode(ids)) if body.echo else "" for text, ids in prompts]
+        choices = [choice(i, c, echoes[i])
+                   for i, out in enumerate(finals) for c in out.outputs]
+        usage = _usage(sum(len(ids) for _, ids in prompts),
+                       sum(len(c.token_ids) for out in finals for c in out.outputs))
+        return JSONResponse({**header, "choices": choices, "usage": usage})
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest):
+        check_model(body.model)
+        if llm.tokenizer is None:
+            raise APIError(400, "chat needs a tokenizer", "messages")
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            text = llm.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+                **(body.chat_template_kwargs or {}))
+        except Exception as e:  # a template that rejects these messages
+            raise APIError(400, f"chat template failed: {e}", "messages") from e
+        token_ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        top = body.top_logprobs or 0
+        params = body.sampling_params(max_tokens, top if body.logprobs else None)
+        _, token_ids = tokenized(token_ids, params)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                  "model": served_model_name}
+        stream = llm.generate(token_ids, params, request_id)
+
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                chunk = {**header, "object": "chat.completion.chunk"}
+                started: set[int] = set()
+                completion_tokens = 0
+                async for _, delta in _merged([stream]):
+                    for c in delta.outputs:
+                        completion_tokens += len(c.token_ids)
+                        message = {"content": c.text}
+                        if c.index not in started:
+                            started.add(c.index)
+                            message["role"] = "assistant"
+                        yield _sse({**chunk, "choices": [{
+                            "index": c.index, "delta": message, "finish_reason": c.finish_reason,
+                            "logprobs": _chat_logprobs(c, top) if body.logprobs else None}]})
+                if body.include_usage:
+                    yield _sse({**chunk, "choices": [],
+                                "usage": _usage(len(token_ids), completion_tokens)})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        final = await _final(stream)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _chat_logprobs(c, top) if body.logprobs else None,
+                    "finish_reason": c.finish_reason} for c in final.outputs]
+        usage = _usage(len(token_ids), sum(len(c.token_ids) for c in final.outputs))
+        return JSONResponse({**header, "choices": choices, "usage": usage})
+
+    return app
+
+
+def _prompt_list(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    return list(prompt)
+
+
+async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """Drain a delta stream into one whole output per sample."""
+    merged: dict[int, CompletionOutput] = {}
+    async with contextlib.aclosing(stream):
+        async for delta in stream:
+            for c in delta.outputs:
+                whole = merged.setdefault(c.index, CompletionOutput(
+                    c.index, "", [], [] if c.logprobs is not None else None))
+                whole.text += c.text
+                whole.token_ids += c.token_ids
+                if c.logprobs is not None:
+                    whole.logprobs += c.logprobs
+                whole.finish_reason, whole.stop_reason = c.finish_reason, c.stop_reason
+            last = delta
+    last.outputs = [merged[i] for i in sorted(merged)]
+    return last
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]],
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several delta streams as they produce; closing this closes them all
+    (so a client that disconnects aborts every one of its requests)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for delta in stream:
+                    await queue.put((i, delta))
+        except Exception as e:
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    # Prefix caching has not landed: nothing is served from cache yet.
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": 0},
+            "prompt_cache_hit_tokens": 0, "prompt_cache_miss_tokens": prompt_tokens}
+
+
+def _completion_logprobs(c: CompletionOutput) -> dict | None:
+    if c.logprobs is None:
+        return None
+    tokens, token_logprobs, top = [], [], []
+    for token_id, entry in zip(c.token_ids, c.logprobs):
+        tokens.append(_token_text(entry, token_id))
+        token_logprobs.append(entry[token_id].logprob)
+        top.append({_token_text(entry, t): lp.logprob for t, lp in entry.items()})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": []}
+
+
+def _chat_logprobs(c: CompletionOutput, top: int) -> dict | None:
+    if c.logprobs is None:
+        return None
+    content = []
+    for token_id, entry in zip(c.token_ids, c.logprobs):
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]
+        content.append({**_logprob_item(entry, token_id),
+                        "top_logprobs": [_logprob_item(entry, t) for t, _ in ranked]})
+    return {"content": content}
+
+
+def _logprob_item(entry: PositionLogprobs, token_id: int) -> dict:
+    text = _token_text(entry, token_id)
+    return {"token": text, "logprob": entry[token_id].logprob, "bytes": list(text.encode())}
+
+
+def _token_text(entry: PositionLogprobs, token_id: int) -> str:
+    return entry[token_id].decoded_token or ""

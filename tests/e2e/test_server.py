@@ -1,0 +1,183 @@
+"""The OpenAI-compatible server as a real process on loopback, driven by the openai client."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from openinfer import LLM, SamplingParams
+
+MODEL = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_checkpoint):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "openinfer.cli", "serve", "--model", str(qwen3_checkpoint),
+         "--port", str(port), "--served-model-name", MODEL, "--kv-cache-memory", "16MiB",
+         "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/health", timeout=2)
+            break
+        except (urllib.error.URLError, ConnectionError):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"server did not start:\n{proc.stdout.read()}")
+            time.sleep(0.3)
+    yield base, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(qwen3_checkpoint) -> LLM:
+    return LLM(str(qwen3_checkpoint), progress=False)
+
+
+def _stream_text(stream) -> tuple[str, str | None, dict | None]:
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for choice in chunk.choices:
+            piece = choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+            text += piece
+            finish = choice.finish_reason or finish
+    return text, finish, usage
+
+
+@pytest.mark.slow
+def test_completions_stream_and_not_give_the_offline_text(client, offline):
+    prompt = "The quick brown fox"
+    expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=12,
+                                                       ignore_eos=True))[0]
+    args = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args)
+    assert whole.choices[0].text == expected.outputs[0].text
+    assert whole.choices[0].finish_reason == "length"
+    usage = whole.usage.model_dump()
+    assert usage["prompt_tokens"] == len(expected.prompt_token_ids)
+    assert usage["completion_tokens"] == 12 and usage["total_tokens"] == usage["prompt_tokens"] + 12
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usage["prompt_cache_miss_tokens"] == usage["prompt_tokens"]
+    text, finish, stream_usage = _stream_text(client.completions.create(
+        **args, stream=True, stream_options={"include_usage": True}))
+    assert (text, finish) == (expected.outputs[0].text, "length")
+    assert stream_usage["completion_tokens"] == 12
+
+
+@pytest.mark.slow
+def test_chat_stream_n_logprobs_stop_and_seed(client, offline):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    tok = offline.get_tokenizer()
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    expected = offline.generate([ids], SamplingParams(temperature=0, max_tokens=10,
+                                                      ignore_eos=True))[0].outputs[0]
+    args = dict(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0,
+                extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**args, logprobs=True, top_logprobs=2)
+    assert whole.choices[0].message.content == expected.text
+    assert whole.choices[0].message.role == "assistant"
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 10 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+    text, finish, _ = _stream_text(client.chat.completions.create(**args, stream=True))
+    assert (text, finish) == (expected.text, "length")
+
+    stop = expected.text[3:6]
+    stopped = client.chat.completions.create(**args, stop=[stop])
+    assert stopped.choices[0].message.content == expected.text[:expected.text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+    sampled = dict(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=7, n=2)
+    a = client.chat.completions.create(**sampled)
+    b = client.chat.completions.create(**sampled)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+
+
+def _post(base: str, path: str, body: bytes | dict) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": "nope", "prompt": "hi"}, 404, "model"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "stop": 3}, 400, "stop"),
+    (b"{not json", 400, None),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, param):
+    base, _ = server
+    code, payload = _post(base, "/v1/completions", body)
+    assert code == status, payload
+    error = payload["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] is not None and error["param"].startswith(param)
+    code, ok = _post(base, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert code == 200 and ok["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.slow
+def test_models_health_and_clean_shutdown(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    base, proc = server
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    child_pids = [int(p) for p in children.stdout.split()]
+    assert child_pids, "the engine core runs in a child process"
+    proc.send_signal(signal.SIGTERM)
+    # uvicorn shuts down gracefully, then re-raises the signal so the exit status tells it.
+    assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    time.sleep(0.5)
+    for pid in child_pids:
+        assert not _running(pid), f"child {pid} outlived the server"
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child waits to be reaped by whoever adopted it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
