@@ -83,12 +83,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from openinfer.engine.async_llm import AsyncLLM
     from openinfer.server.app import build_app
+    from openinfer.server.limits import ServerLimits
 
     if (Path(args.model) / "demo_spec.json").is_file():
         print("Note: serving openinfer's demo model. ITS WEIGHTS ARE RANDOM: the text is gibberish.",
               file=sys.stderr)
     llm = AsyncLLM(args.model, **engine_kwargs(args))
-    app = build_app(llm, args.served_model_name or args.model)
+    limits = ServerLimits(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                          max_waiting_requests=args.max_waiting_requests)
+    app = build_app(llm, args.served_model_name or args.model, limits)
     print(f"openinfer: serving {args.model} on http://{args.host}:{args.port}", file=sys.stderr)
     # SIGINT/SIGTERM: uvicorn stops accepting, waits for in-flight requests (bounded), then
     # the app's lifespan shuts the engine-core process down.
@@ -128,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", help="model name clients use (default: --model)")
+    serve.add_argument("--api-key", help="require this key (Authorization: Bearer KEY)")
+    serve.add_argument("--max-body-bytes", type=parse_bytes, default=8 * 1024 * 1024,
+                       help="larger request bodies get 413 (default 8MiB)")
+    serve.add_argument("--max-waiting-requests", type=int,
+                       help="answer 503 + Retry-After while more requests than this wait")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--shutdown-timeout", type=int, default=30,
                        help="seconds to let in-flight requests finish on SIGTERM/Ctrl-C")

@@ -18,10 +18,17 @@ from openinfer.engine.async_llm import AsyncLLM
 from openinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.errors import APIError, install_error_handlers
-from openinfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from openinfer.server.limits import ServerLimits, install_limits
+from openinfer.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 
-def build_app(llm: AsyncLLM, served_model_name: str) -> FastAPI:
+def build_app(llm: AsyncLLM, served_model_name: str,
+              limits: ServerLimits | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await llm.start()
@@ -32,6 +39,7 @@ def build_app(llm: AsyncLLM, served_model_name: str) -> FastAPI:
 
     app = FastAPI(title="openinfer", version=openinfer.__version__, lifespan=lifespan)
     install_error_handlers(app)
+    install_limits(app, limits or ServerLimits(), num_waiting=lambda: llm.client.stats.get("num_waiting", 0))
     max_model_len = llm.config.model.max_model_len
 
     def check_model(name: str | None) -> None:
@@ -52,6 +60,41 @@ def build_app(llm: AsyncLLM, served_model_name: str) -> FastAPI:
         return {"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": 0, "owned_by": "openinfer",
             "max_model_len": max_model_len}]}
+
+    def chat_prompt_ids(messages: list, add_generation_prompt: bool,
+                        template_kwargs: dict | None = None) -> list[int]:
+        if llm.tokenizer is None:
+            raise APIError(400, "chat needs a tokenizer", "messages")
+        dumped = [m.model_dump(exclude_none=True) for m in messages]
+        try:
+            text = llm.tokenizer.apply_chat_template(
+                dumped, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}))
+        except Exception as e:  # a template that rejects these messages
+            raise APIError(400, f"chat template failed: {e}", "messages") from e
+        # The rendered template already holds its special tokens.
+        return llm.tokenizer.encode(text, add_special_tokens=False)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(body.model)
+        if body.messages is not None:
+            tokens = chat_prompt_ids(body.messages, body.add_generation_prompt)
+        elif body.prompt is not None and llm.tokenizer is not None:
+            tokens = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise APIError(400, "give a prompt or messages (and a model with a tokenizer)", "prompt")
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(body.model)
+        if llm.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", "tokens")
+        bad = [t for t in body.tokens if not 0 <= t < llm.inputs.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary", "tokens")
+        return {"prompt": llm.tokenizer.decode(body.tokens)}
 
     def tokenized(prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
         text, token_ids = llm.inputs.process_prompt(prompt)
@@ -111,16 +154,8 @@ def build_app(llm: AsyncLLM, served_model_name: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest):
         check_model(body.model)
-        if llm.tokenizer is None:
-            raise APIError(400, "chat needs a tokenizer", "messages")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            text = llm.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
-                **(body.chat_template_kwargs or {}))
-        except Exception as e:  # a template that rejects these messages
-            raise APIError(400, f"chat template failed: {e}", "messages") from e
-        token_ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        token_ids = chat_prompt_ids(body.messages, body.add_generation_prompt,
+                                    body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = body.top_logprobs or 0
         params = body.sampling_params(max_tokens, top if body.logprobs else None)

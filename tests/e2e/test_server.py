@@ -27,23 +27,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(qwen3_checkpoint):
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "openinfer.cli", "serve", "--model", str(qwen3_checkpoint),
-         "--port", str(port), "--served-model-name", MODEL, "--kv-cache-memory", "16MiB",
-         "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            urllib.request.urlopen(f"{base}/health", timeout=2)
-            break
-        except (urllib.error.URLError, ConnectionError):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"server did not start:\n{proc.stdout.read()}")
-            time.sleep(0.3)
+    base, proc = _start(qwen3_checkpoint, "--kv-cache-memory", "16MiB")
     yield base, proc
     if proc.poll() is None:
         proc.kill()
@@ -160,9 +144,10 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, bod
 
 
 @pytest.mark.slow
-def test_models_health_and_clean_shutdown(server, client):
+def test_models_and_clean_shutdown(qwen3_checkpoint):
+    base, proc = _start(qwen3_checkpoint)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == [MODEL]
-    base, proc = server
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
     child_pids = [int(p) for p in children.stdout.split()]
     assert child_pids, "the engine core runs in a child process"
@@ -181,3 +166,73 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.slow
+def test_tokenize_and_detokenize(server, offline):
+    base, _ = server
+    code, out = _post(base, "/tokenize", {"model": MODEL, "prompt": "Hello world"})
+    assert code == 200 and out["tokens"] == offline.get_tokenizer().encode("Hello world")
+    code, chat = _post(base, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})
+    tok = offline.get_tokenizer()
+    expected = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                                  tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+    assert code == 200 and chat["tokens"] == expected and chat["count"] == len(expected)
+    code, text = _post(base, "/detokenize", {"tokens": out["tokens"]})
+    assert code == 200 and text["prompt"] == "Hello world"
+    code, err = _post(base, "/detokenize", {"tokens": [10**9]})
+    assert code == 400 and err["error"]["param"] == "tokens"
+
+
+def _start(checkpoint, *flags: str) -> tuple[str, subprocess.Popen]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "openinfer.cli", "serve", "--model", str(checkpoint), "--port",
+         str(port), "--served-model-name", MODEL, "--log-level", "warning", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/health", timeout=2)
+            return base, proc
+        except (urllib.error.URLError, ConnectionError):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"server did not start:\n{proc.stdout.read()}")
+            time.sleep(0.3)
+
+
+@pytest.mark.slow
+def test_api_key_body_size_and_queue_limits(qwen3_checkpoint):
+    base, proc = _start(qwen3_checkpoint, "--api-key", "sekrit", "--max-body-bytes", "2000",
+                        "--max-num-seqs", "1", "--max-waiting-requests", "0")
+    try:
+        assert urllib.request.urlopen(f"{base}/health").status == 200  # probes need no key
+        code, err = _post(base, "/v1/completions", {"model": MODEL, "prompt": "hi"})
+        assert code == 401 and err["error"]["type"] == "authentication_error"
+        keyed = openai.OpenAI(base_url=f"{base}/v1", api_key="sekrit", max_retries=0)
+        assert keyed.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+        with pytest.raises(openai.APIStatusError) as big:
+            keyed.completions.create(model=MODEL, prompt="x" * 5000, max_tokens=2)
+        assert big.value.status_code == 413
+        # One long request runs, five wait: the next one is turned away with Retry-After.
+        long = dict(model=MODEL, prompt="hi", max_tokens=450, extra_body={"ignore_eos": True},
+                    stream=True)
+        streams = [keyed.completions.create(**long) for _ in range(6)]  # returns at the headers
+        refused = None
+        for _ in range(100):
+            try:
+                keyed.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+            except openai.APIStatusError as e:
+                refused = e
+                break
+            time.sleep(0.05)
+        assert refused is not None and refused.status_code == 503
+        assert refused.response.headers["retry-after"] == "1"
+        for s in streams:
+            s.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
