@@ -217,19 +217,19 @@ def test_api_key_body_size_and_queue_limits(qwen3_checkpoint):
         with pytest.raises(openai.APIStatusError) as big:
             keyed.completions.create(model=MODEL, prompt="x" * 5000, max_tokens=2)
         assert big.value.status_code == 413
-        # One long request runs, five wait: the next one is turned away with Retry-After.
+        # With one request running, more than zero waiting is too many: long streams are
+        # admitted until the queue is seen non-empty, then a request gets 503 + Retry-After.
         long = dict(model=MODEL, prompt="hi", max_tokens=450, extra_body={"ignore_eos": True},
                     stream=True)
-        streams = [keyed.completions.create(**long) for _ in range(6)]  # returns at the headers
-        refused = None
+        streams, refused = [], None
         for _ in range(100):
             try:
-                keyed.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+                streams.append(keyed.completions.create(**long))  # returns at the headers
             except openai.APIStatusError as e:
                 refused = e
                 break
             time.sleep(0.05)
-        assert refused is not None and refused.status_code == 503
+        assert refused is not None and refused.status_code == 503 and len(streams) >= 2
         assert refused.response.headers["retry-after"] == "1"
         for s in streams:
             s.close()
