@@ -14,14 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from openinfer.config import EngineConfig
 from openinfer.engine.core_client import EngineCoreClient
 from openinfer.engine.input_processor import InputProcessor, PromptInput, fan_out
 from openinfer.engine.output_processor import OutputProcessor
 from openinfer.engine.outputs import EngineCoreOutput
-from openinfer.outputs import RequestOutput
+from openinfer.outputs import CompletionOutput, RequestOutput
 from openinfer.sampling_params import SamplingParams
 
 
@@ -35,6 +35,8 @@ class AsyncLLM:
         self._core_outputs: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self._pump: asyncio.Task | None = None
+        self.observers: list[Callable[[RequestOutput], None]] = []
+        """Called with every delta and with the final output of an aborted request (metrics)."""
 
     async def start(self) -> None:
         await self.client.start()
@@ -78,8 +80,14 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """End a request early (its consumer is gone); the core frees its blocks."""
         self._streams.pop(request_id, None)
-        _, child_ids = self.output_processor.abort(request_id)
+        final, child_ids = self.output_processor.abort(request_id)
         self.client.abort(child_ids)
+        if final is not None:
+            # As a delta: the samples it ended, with no new tokens.
+            final.outputs = [CompletionOutput(c.index, "", [], finish_reason="abort")
+                             for c in final.outputs if c.finish_reason == "abort"]
+            for observe in self.observers:
+                observe(final)
 
     async def _pump_outputs(self) -> None:
         """Feed core outputs through the output processor to each request's stream."""
@@ -96,6 +104,8 @@ class AsyncLLM:
             if processed.to_abort:
                 self.client.abort(processed.to_abort)
             for delta in processed.deltas:
+                for observe in self.observers:
+                    observe(delta)
                 stream = self._streams.get(delta.request_id)
                 if stream is not None:
                     stream.put_nowait(delta)

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import openinfer
 from openinfer.engine.async_llm import AsyncLLM
@@ -19,6 +19,7 @@ from openinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.errors import APIError, install_error_handlers
 from openinfer.server.limits import ServerLimits, install_limits
+from openinfer.server.metrics import ServerMetrics
 from openinfer.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,6 +42,8 @@ def build_app(llm: AsyncLLM, served_model_name: str,
     install_error_handlers(app)
     install_limits(app, limits or ServerLimits(), num_waiting=lambda: llm.client.stats.get("num_waiting", 0))
     max_model_len = llm.config.model.max_model_len
+    metrics = ServerMetrics(lambda: llm.client.stats)
+    llm.observers.append(metrics.observe)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
@@ -50,6 +53,10 @@ def build_app(llm: AsyncLLM, served_model_name: str,
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/version")
     async def version() -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import socket
@@ -13,6 +14,7 @@ import urllib.request
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from openinfer import LLM, SamplingParams
 
@@ -236,3 +238,52 @@ def test_api_key_body_size_and_queue_limits(qwen3_checkpoint):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def _metrics(base: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + "".join(f"[{v}]" for v in sample.labels.values())
+            values[key] = sample.value
+    return values
+
+
+@pytest.mark.slow
+def test_metrics_move_and_dropped_streams_are_aborted(server, client):
+    base, _ = server
+    before = _metrics(base)
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=5,
+                              extra_body={"ignore_eos": True})
+    after = _metrics(base)
+    assert after["openinfer:generation_tokens_total"] - before["openinfer:generation_tokens_total"] == 5
+    assert after["openinfer:request_success_total[length]"] >= 1
+    assert after["openinfer:time_to_first_token_seconds_count"] > before.get(
+        "openinfer:time_to_first_token_seconds_count", 0)
+    assert after["openinfer:e2e_request_latency_seconds_count"] >= 1
+    assert "openinfer:kv_cache_usage_perc" in after and "openinfer:prefix_cache_hits_total" in after
+
+    # 50 clients read the start of a long stream, then hang up.
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "prompt": "tell me a long story", "max_tokens": 400,
+                       "ignore_eos": True, "stream": True})
+    for _ in range(50):
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.read1(64).startswith(b"data:")
+        conn.close()
+    for _ in range(200):
+        m = _metrics(base)
+        if (m["openinfer:num_requests_running"] == 0 and m["openinfer:kv_cache_usage_perc"] == 0
+                and m.get("openinfer:request_success_total[abort]", 0)
+                - before.get("openinfer:request_success_total[abort]", 0) >= 50):
+            break
+        time.sleep(0.1)
+    assert m["openinfer:num_requests_running"] == 0
+    assert m["openinfer:kv_cache_usage_perc"] == 0
+    assert m["openinfer:request_success_total[abort]"] - before.get(
+        "openinfer:request_success_total[abort]", 0) >= 50
+    # ... and the server still answers.
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices

@@ -1,0 +1,76 @@
+"""Prometheus metrics of the server (names follow vLLM's, prefixed ``openinfer:``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from openinfer.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self, engine_stats: Callable[[], dict]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def stat(name: str) -> Callable[[], float]:
+            return lambda: float(engine_stats().get(name, 0))
+
+        Gauge("openinfer:num_requests_running", "Requests running in the engine",
+              registry=r).set_function(stat("num_running"))
+        Gauge("openinfer:num_requests_waiting", "Requests waiting in the engine",
+              registry=r).set_function(stat("num_waiting"))
+        Gauge("openinfer:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)",
+              registry=r).set_function(stat("kv_cache_usage"))
+        Gauge("openinfer:num_preemptions", "Preemptions since start",
+              registry=r).set_function(stat("num_preemptions"))
+        self.prompt_tokens = Counter("openinfer:prompt_tokens", "Prompt tokens of finished "
+                                     "requests", registry=r)
+        self.generation_tokens = Counter("openinfer:generation_tokens", "Generated tokens",
+                                         registry=r)
+        self.requests = Counter("openinfer:request_success", "Finished requests by reason",
+                                ["finished_reason"], registry=r)
+        # Prefix caching has not landed: queried and hit stay 0 until it does.
+        self.prefix_cache_queries = Counter("openinfer:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache",
+                                            registry=r)
+        self.prefix_cache_hits = Counter("openinfer:prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache", registry=r)
+        self.ttft = Histogram("openinfer:time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("openinfer:inter_token_latency_seconds",
+                             "Time between consecutive tokens of a request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("openinfer:e2e_request_latency_seconds", "Arrival to finish",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self._last_token_time: dict[str, float] = {}
+
+    def observe(self, out: RequestOutput) -> None:
+        """Account one streaming delta (or an aborted request's final output)."""
+        now = time.monotonic()
+        new_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if new_tokens:
+            self.generation_tokens.inc(new_tokens)
+            last = self._last_token_time.get(out.request_id)
+            if last is None and out.metrics is not None:
+                self.ttft.observe(now - out.metrics.arrival_time)
+            elif last is not None:
+                # Several tokens in one delta share the gap.
+                for _ in range(new_tokens):
+                    self.itl.observe((now - last) / new_tokens)
+            self._last_token_time[out.request_id] = now
+        if out.finished:
+            self._last_token_time.pop(out.request_id, None)
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            reasons = {c.finish_reason for c in out.outputs} or {"abort"}
+            for reason in reasons:
+                self.requests.labels(finished_reason=reason or "abort").inc()
+            if out.metrics is not None:
+                self.e2e.observe(now - out.metrics.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
