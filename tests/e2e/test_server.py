@@ -156,7 +156,9 @@ def test_models_and_clean_shutdown(qwen3_checkpoint):
     proc.send_signal(signal.SIGTERM)
     # uvicorn shuts down gracefully, then re-raises the signal so the exit status tells it.
     assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10  # helpers (e.g. multiprocessing's tracker) exit on EOF
+    while any(_running(pid) for pid in child_pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
     for pid in child_pids:
         assert not _running(pid), f"child {pid} outlived the server"
 
@@ -274,16 +276,21 @@ def test_metrics_move_and_dropped_streams_are_aborted(server, client):
         resp = conn.getresponse()
         assert resp.status == 200 and resp.read1(64).startswith(b"data:")
         conn.close()
+    def ended(m: dict, reason: str) -> float:
+        key = f"openinfer:request_success_total[{reason}]"
+        return m.get(key, 0) - before.get(key, 0)
+
     for _ in range(200):
         m = _metrics(base)
         if (m["openinfer:num_requests_running"] == 0 and m["openinfer:kv_cache_usage_perc"] == 0
-                and m.get("openinfer:request_success_total[abort]", 0)
-                - before.get("openinfer:request_success_total[abort]", 0) >= 50):
+                and ended(m, "abort") + ended(m, "length") >= 51):
             break
         time.sleep(0.1)
-    assert m["openinfer:num_requests_running"] == 0
+    assert m["openinfer:num_requests_running"] == 0 and m["openinfer:num_requests_waiting"] == 0
     assert m["openinfer:kv_cache_usage_perc"] == 0
-    assert m["openinfer:request_success_total[abort]"] - before.get(
-        "openinfer:request_success_total[abort]", 0) >= 50
+    # Every dropped stream ended; nearly all as aborts (on a loaded machine a stream can
+    # reach max_tokens before the server sees its client gone).
+    assert ended(m, "abort") + ended(m, "length") >= 51  # + the first request
+    assert ended(m, "abort") >= 40
     # ... and the server still answers.
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
