@@ -1,8 +1,7 @@
-"""In-process engine: validation and tokenization in front of an EngineCore.
+"""In-process engine (the offline API's): InputProcessor -> EngineCore -> OutputProcessor.
 
-``add_request`` checks everything a request could get wrong before anything is
-queued, so a bad request raises ``ValueError`` (naming the field) and leaves the
-engine serving everyone else.
+``add_request`` validates before anything is queued (see ``input_processor``), so a bad
+request raises ``ValueError`` naming the field and leaves the engine serving everyone else.
 """
 
 from __future__ import annotations
