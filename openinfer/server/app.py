@@ -17,6 +17,7 @@ import openinfer
 from openinfer.engine.async_llm import AsyncLLM
 from openinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from openinfer.sampling_params import SamplingParams
+from openinfer.server.anthropic_api import install_anthropic_routes
 from openinfer.server.errors import APIError, install_error_handlers
 from openinfer.server.limits import ServerLimits, install_limits
 from openinfer.server.metrics import ServerMetrics
@@ -68,14 +69,13 @@ def build_app(llm: AsyncLLM, served_model_name: str,
             "id": served_model_name, "object": "model", "created": 0, "owned_by": "openinfer",
             "max_model_len": max_model_len}]}
 
-    def chat_prompt_ids(messages: list, add_generation_prompt: bool,
+    def chat_prompt_ids(messages: list[dict], add_generation_prompt: bool,
                         template_kwargs: dict | None = None) -> list[int]:
         if llm.tokenizer is None:
             raise APIError(400, "chat needs a tokenizer", "messages")
-        dumped = [m.model_dump(exclude_none=True) for m in messages]
         try:
             text = llm.tokenizer.apply_chat_template(
-                dumped, tokenize=False, add_generation_prompt=add_generation_prompt,
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                 **(template_kwargs or {}))
         except Exception as e:  # a template that rejects these messages
             raise APIError(400, f"chat template failed: {e}", "messages") from e
@@ -86,7 +86,7 @@ def build_app(llm: AsyncLLM, served_model_name: str,
     async def tokenize(body: TokenizeRequest) -> dict:
         check_model(body.model)
         if body.messages is not None:
-            tokens = chat_prompt_ids(body.messages, body.add_generation_prompt)
+            tokens = chat_prompt_ids(_dump(body.messages), body.add_generation_prompt)
         elif body.prompt is not None and llm.tokenizer is not None:
             tokens = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
@@ -161,7 +161,7 @@ def build_app(llm: AsyncLLM, served_model_name: str,
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest):
         check_model(body.model)
-        token_ids = chat_prompt_ids(body.messages, body.add_generation_prompt,
+        token_ids = chat_prompt_ids(_dump(body.messages), body.add_generation_prompt,
                                     body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = body.top_logprobs or 0
@@ -200,7 +200,13 @@ def build_app(llm: AsyncLLM, served_model_name: str,
         usage = _usage(len(token_ids), sum(len(c.token_ids) for c in final.outputs))
         return JSONResponse({**header, "choices": choices, "usage": usage})
 
+    install_anthropic_routes(app, llm, served_model_name, check_model, chat_prompt_ids,
+                             tokenized, _final)
     return app
+
+
+def _dump(messages: list) -> list[dict]:
+    return [m.model_dump(exclude_none=True) for m in messages]
 
 
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:

@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 
+import anthropic
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -294,3 +295,26 @@ def test_metrics_move_and_dropped_streams_are_aborted(server, client):
     assert ended(m, "abort") >= 40
     # ... and the server still answers.
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+
+
+@pytest.mark.slow
+def test_anthropic_messages_and_streaming(server, offline):
+    base, _ = server
+    client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+    tok = offline.get_tokenizer()
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    ids = tok.encode(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    expected = offline.generate([ids], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    args = dict(model=MODEL, max_tokens=8, system="Be brief.", extra_body={"temperature": 0},
+                messages=[{"role": "user", "content": "Hello"}])
+    message = client.messages.create(**args)
+    assert message.content[0].text == expected.text
+    assert message.usage.input_tokens == len(ids)
+    assert message.usage.output_tokens == len(expected.token_ids)
+    assert message.stop_reason == ("max_tokens" if expected.finish_reason == "length"
+                                   else "end_turn")
+    with client.messages.stream(**args) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == expected.text and final.stop_reason == message.stop_reason

@@ -1,0 +1,106 @@
+"""Anthropic's Messages API (``POST /v1/messages``) over the same engine."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from openinfer.engine.async_llm import AsyncLLM
+from openinfer.outputs import CompletionOutput
+from openinfer.sampling_params import SamplingParams
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stream: bool = False
+
+
+def _text(content: str | list[dict[str, Any]]) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+
+
+def _stop(c: CompletionOutput) -> tuple[str, str | None]:
+    if c.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(c.stop_reason, str):
+        return "stop_sequence", c.stop_reason
+    return "end_turn", None
+
+
+def _event(kind: str, payload: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
+
+
+def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str,
+                             check_model: Callable, chat_prompt_ids: Callable,
+                             tokenized: Callable, final: Callable) -> None:
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest):
+        check_model(body.model)
+        chat = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+        if body.system is not None:
+            chat.insert(0, {"role": "system", "content": _text(body.system)})
+        token_ids = chat_prompt_ids(chat, True)
+        params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature,
+                                top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences)
+        _, token_ids = tokenized(token_ids, params)
+        message_id = f"msg_{uuid.uuid4().hex}"
+        stream = llm.generate(token_ids, params, message_id)
+        message = {"id": message_id, "type": "message", "role": "assistant",
+                   "model": served_model_name}
+
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                yield _event("message_start", {"message": {
+                    **message, "content": [], "stop_reason": None, "stop_sequence": None,
+                    "usage": {"input_tokens": len(token_ids), "output_tokens": 0}}})
+                yield _event("content_block_start", {"index": 0, "content_block": {
+                    "type": "text", "text": ""}})
+                output_tokens, last = 0, None
+                async with contextlib.aclosing(stream):
+                    async for delta in stream:
+                        for c in delta.outputs:
+                            output_tokens += len(c.token_ids)
+                            last = c
+                            if c.text:
+                                yield _event("content_block_delta", {"index": 0, "delta": {
+                                    "type": "text_delta", "text": c.text}})
+                yield _event("content_block_stop", {"index": 0})
+                stop_reason, stop_sequence = _stop(last)
+                yield _event("message_delta", {
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                    "usage": {"output_tokens": output_tokens}})
+                yield _event("message_stop", {})
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        out = (await final(stream)).outputs[0]
+        stop_reason, stop_sequence = _stop(out)
+        return JSONResponse({**message, "content": [{"type": "text", "text": out.text}],
+                             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+                             "usage": {"input_tokens": len(token_ids),
+                                       "output_tokens": len(out.token_ids)}})
