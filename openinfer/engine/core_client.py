@@ -27,6 +27,8 @@ from openinfer.engine.core_proc import run_engine_core
 from openinfer.engine.outputs import EngineCoreOutput
 from openinfer.sampling_params import SamplingParams
 
+DEATH_CHECK_MS = 1000  # how often a quiet output socket makes us check the core is alive
+
 
 class EngineDeadError(RuntimeError):
     """The engine-core process failed; its requests cannot complete."""
@@ -104,6 +106,11 @@ class EngineCoreClient:
     async def _receive_loop(self) -> None:
         try:
             while True:
+                if not await self._output.poll(DEATH_CHECK_MS):
+                    if not self._process.is_alive():  # killed without a word (OOM, SIGKILL)
+                        self._fail(f"engine core exited (exit code {self._process.exitcode})")
+                        return
+                    continue
                 kind, body = protocol.decode(await self._output.recv())
                 if kind == protocol.ERROR:
                     self._fail(f"engine core died: {body}")
@@ -127,6 +134,11 @@ class EngineCoreClient:
         for queue in {id(q): q for q in self._queues.values()}.values():
             queue.put_nowait(EngineDeadError(reason))
         self._queues.clear()
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the core can serve nothing more, or None while it is healthy."""
+        return self._dead
 
     @property
     def num_unfinished(self) -> int:

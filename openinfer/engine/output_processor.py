@@ -72,6 +72,7 @@ class _RequestState:
     metrics: RequestMetrics
     num_unfinished: int = 0
     stream: bool = False
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
@@ -178,12 +179,16 @@ class OutputProcessor:
     def _to_output(self, state: _RequestState,
                    deltas: list[CompletionOutput] | None = None) -> RequestOutput:
         finished = state.num_unfinished == 0
-        if deltas is not None:  # a streaming step: only what is new, prompt data at the end
+        if deltas is not None:
+            # A streaming step: only what is new. Prompt logprobs ride on the first delta: a
+            # sample's first token means its prompt was fully prefilled (and scored).
+            prompt_logprobs = None
+            if not state.prompt_logprobs_sent:
+                prompt_logprobs, state.prompt_logprobs_sent = state.prompt_logprobs, True
             return RequestOutput(
                 request_id=state.request_id, prompt=state.prompt,
                 prompt_token_ids=state.prompt_token_ids, outputs=deltas,
-                prompt_logprobs=state.prompt_logprobs if finished else None,
-                finished=finished, metrics=state.metrics)
+                prompt_logprobs=prompt_logprobs, finished=finished, metrics=state.metrics)
         completions = [
             CompletionOutput(
                 index=s.index,

@@ -13,8 +13,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from openinfer.engine.async_llm import AsyncLLM
+from openinfer.engine.core_client import EngineDeadError
 from openinfer.outputs import CompletionOutput
 from openinfer.sampling_params import SamplingParams
+from openinfer.server.errors import anthropic_error_body
 
 
 class AnthropicMessage(BaseModel):
@@ -82,14 +84,19 @@ def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str
                 yield _event("content_block_start", {"index": 0, "content_block": {
                     "type": "text", "text": ""}})
                 output_tokens, last = 0, None
-                async with contextlib.aclosing(stream):
-                    async for delta in stream:
-                        for c in delta.outputs:
-                            output_tokens += len(c.token_ids)
-                            last = c
-                            if c.text:
-                                yield _event("content_block_delta", {"index": 0, "delta": {
-                                    "type": "text_delta", "text": c.text}})
+                try:
+                    async with contextlib.aclosing(stream):
+                        async for delta in stream:
+                            for c in delta.outputs:
+                                output_tokens += len(c.token_ids)
+                                last = c
+                                if c.text:
+                                    yield _event("content_block_delta", {"index": 0, "delta": {
+                                        "type": "text_delta", "text": c.text}})
+                except EngineDeadError as e:  # Anthropic streams report failures in-band
+                    body = anthropic_error_body(503, f"the engine is unavailable: {e}")
+                    yield _event("error", {"error": body["error"]})
+                    return
                 yield _event("content_block_stop", {"index": 0})
                 stop_reason, stop_sequence = _stop(last)
                 yield _event("message_delta", {

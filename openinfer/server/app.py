@@ -9,16 +9,18 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import openinfer
 from openinfer.engine.async_llm import AsyncLLM
+from openinfer.engine.core_client import EngineDeadError
 from openinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.anthropic_api import install_anthropic_routes
-from openinfer.server.errors import APIError, install_error_handlers
+from openinfer.server.errors import APIError, error_body, install_error_handlers
 from openinfer.server.limits import ServerLimits, install_limits
 from openinfer.server.metrics import ServerMetrics
 from openinfer.server.openai_protocol import (
@@ -52,8 +54,11 @@ def build_app(llm: AsyncLLM, served_model_name: str,
                            code="model_not_found")
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        dead = llm.client.dead_reason
+        if dead is not None:  # load balancers take this replica out of rotation
+            return JSONResponse({"status": "dead", "reason": dead}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -104,6 +109,8 @@ def build_app(llm: AsyncLLM, served_model_name: str,
         return {"prompt": llm.tokenizer.decode(body.tokens)}
 
     def tokenized(prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+        if llm.client.dead_reason is not None:  # fail before a stream sends its 200
+            raise EngineDeadError(llm.client.dead_reason)
         text, token_ids = llm.inputs.process_prompt(prompt)
         llm.inputs.validate(token_ids, params)
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_model_len:
@@ -117,42 +124,55 @@ def build_app(llm: AsyncLLM, served_model_name: str,
         check_model(body.model)
         if body.suffix is not None:
             raise APIError(400, "suffix is not supported", "suffix")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo together with logprobs is not supported yet", "echo")
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        # echo + logprobs scores the prompt too (how eval harnesses get loglikelihoods).
+        score_prompt = body.echo and body.logprobs is not None
+        params = body.sampling_params(body.max_tokens, body.logprobs,
+                                      prompt_logprobs=body.logprobs if score_prompt else None)
         prompts = [tokenized(p, params) for p in _prompt_list(body.prompt)]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         header = {"id": request_id, "object": "text_completion", "created": created,
                   "model": served_model_name}
 
-        def choice(prompt_index: int, c: CompletionOutput, echo_text: str) -> dict:
-            return {"index": prompt_index * params.n + c.index, "text": echo_text + c.text,
-                    "logprobs": _completion_logprobs(c), "finish_reason": c.finish_reason}
+        def echo_of(i: int, out: RequestOutput) -> tuple[str, list[tuple[int, Any]]]:
+            """The prompt text a choice starts with, and its scored tokens when asked."""
+            if not body.echo:
+                return "", []
+            text, ids = prompts[i]
+            text = text if text is not None else llm.tokenizer.decode(ids)
+            scored = list(zip(ids, out.prompt_logprobs)) if score_prompt else []
+            return text, scored
+
+        def choice(i: int, c: CompletionOutput, echo: tuple[str, list]) -> dict:
+            text, scored = echo
+            return {"index": i * params.n + c.index, "text": text + c.text,
+                    "logprobs": _completion_logprobs(c, scored, llm.tokenizer),
+                    "finish_reason": c.finish_reason}
 
         streams = [llm.generate(ids, params, f"{request_id}-{i}") for i, (_, ids) in
                    enumerate(prompts)]
         if body.stream:
             async def events() -> AsyncIterator[str]:
-                completion_tokens, echoed = 0, set()
+                completion_tokens = 0
+                firsts: dict[int, RequestOutput] = {}  # per prompt: the delta with its logprobs
+                echoed: set[tuple[int, int]] = set()
                 async for i, delta in _merged(streams):
+                    firsts.setdefault(i, delta)
                     for c in delta.outputs:
                         completion_tokens += len(c.token_ids)
-                        key = (i, c.index)
-                        echo = ""
-                        if body.echo and key not in echoed:  # the prompt leads the first chunk
-                            echo = prompts[i][0] or llm.tokenizer.decode(prompts[i][1])
-                            echoed.add(key)
+                        echo: tuple[str, list] = ("", [])
+                        if (i, c.index) not in echoed:  # the prompt leads a sample's first chunk
+                            echo = echo_of(i, firsts[i])
+                            echoed.add((i, c.index))
                         yield _sse({**header, "choices": [choice(i, c, echo)]})
                 if body.include_usage:
                     usage = _usage(sum(len(ids) for _, ids in prompts), completion_tokens)
                     yield _sse({**header, "choices": [], "usage": usage})
                 yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(_with_error_event(events()), media_type="text/event-stream")
 
         finals = await asyncio.gather(*(_final(s) for s in streams))
-        echoes = [(text or llm.tokenizer.decode(ids)) if body.echo else "" for text, ids in prompts]
-        choices = [choice(i, c, echoes[i])
+        choices = [choice(i, c, echo_of(i, out))
                    for i, out in enumerate(finals) for c in out.outputs]
         usage = _usage(sum(len(ids) for _, ids in prompts),
                        sum(len(c.token_ids) for out in finals for c in out.outputs))
@@ -191,7 +211,7 @@ def build_app(llm: AsyncLLM, served_model_name: str,
                     yield _sse({**chunk, "choices": [],
                                 "usage": _usage(len(token_ids), completion_tokens)})
                 yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(_with_error_event(events()), media_type="text/event-stream")
 
         final = await _final(stream)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -220,6 +240,7 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
 async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     """Drain a delta stream into one whole output per sample."""
     merged: dict[int, CompletionOutput] = {}
+    prompt_logprobs = None
     async with contextlib.aclosing(stream):
         async for delta in stream:
             for c in delta.outputs:
@@ -230,7 +251,9 @@ async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
                 if c.logprobs is not None:
                     whole.logprobs += c.logprobs
                 whole.finish_reason, whole.stop_reason = c.finish_reason, c.stop_reason
+            prompt_logprobs = prompt_logprobs or delta.prompt_logprobs  # on the first delta
             last = delta
+    last.prompt_logprobs = prompt_logprobs
     last.outputs = [merged[i] for i in sorted(merged)]
     return last
 
@@ -267,6 +290,18 @@ async def _merged(streams: list[AsyncIterator[RequestOutput]],
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream whose engine dies mid-way ends with an error event, not a cut connection."""
+    async with contextlib.aclosing(events):
+        try:
+            async for event in events:
+                yield event
+        except EngineDeadError as e:
+            yield _sse(error_body(f"the engine is unavailable: {e}", "service_unavailable",
+                                  code="engine_dead"))
+            yield "data: [DONE]\n\n"
+
+
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -279,16 +314,23 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "prompt_cache_hit_tokens": 0, "prompt_cache_miss_tokens": prompt_tokens}
 
 
-def _completion_logprobs(c: CompletionOutput) -> dict | None:
+def _completion_logprobs(c: CompletionOutput, prompt: list[tuple[int, PositionLogprobs | None]],
+                         tokenizer) -> dict | None:
+    """OpenAI's legacy logprobs: echoed prompt tokens first (the very first has no logprob)."""
     if c.logprobs is None:
         return None
-    tokens, token_logprobs, top = [], [], []
-    for token_id, entry in zip(c.token_ids, c.logprobs):
-        tokens.append(_token_text(entry, token_id))
-        token_logprobs.append(entry[token_id].logprob)
-        top.append({_token_text(entry, t): lp.logprob for t, lp in entry.items()})
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = 0
+    for token_id, entry in [*prompt, *zip(c.token_ids, c.logprobs)]:
+        text = _token_text(entry, token_id) if entry is not None else tokenizer.decode([token_id])
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        token_logprobs.append(entry[token_id].logprob if entry is not None else None)
+        top.append({_token_text(entry, t): lp.logprob for t, lp in entry.items()}
+                   if entry is not None else None)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-            "text_offset": []}
+            "text_offset": offsets}
 
 
 def _chat_logprobs(c: CompletionOutput, top: int) -> dict | None:

@@ -1,4 +1,9 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Error bodies in the shape the caller's API uses.
+
+OpenAI routes: ``{"error": {"message", "type", "param", "code"}}``.
+Anthropic routes (``/v1/messages``): ``{"type": "error", "error": {"type", "message"}}``,
+with Anthropic's error type names, so its SDK raises the matching exception class.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from openinfer.engine.core_client import EngineDeadError
 
 
 class APIError(Exception):
@@ -23,6 +30,27 @@ def error_body(message: str, type_: str, param: str | None = None,
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"),
+                                       "message": message}}
+
+
+def error_response(request: Request, status: int, message: str, type_: str,
+                   param: str | None = None, code: str | int | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    if request.url.path.startswith(ANTHROPIC_PATH):
+        body = anthropic_error_body(status, message)
+    else:
+        body = error_body(message, type_, param, code)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def _param_of(message: str) -> str | None:
     """Our ValueErrors start with the field they are about ('top_p must be ...')."""
     match = re.match(r"^([a-z_]+)\b", message)
@@ -31,25 +59,29 @@ def _param_of(message: str) -> str | None:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(request, e.status, e.message, e.type, e.param, e.code)
 
     @app.exception_handler(ValueError)
-    async def value_error(_: Request, e: ValueError) -> JSONResponse:
+    async def value_error(request: Request, e: ValueError) -> JSONResponse:
         message = str(e)
-        return JSONResponse(error_body(message, "invalid_request_error", _param_of(message)),
-                            status_code=400)
+        return error_response(request, 400, message, "invalid_request_error", _param_of(message))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
+        # Not the client's fault and not retryable here: a supervisor must restart us.
+        return error_response(request, 503, f"the engine is unavailable: {e}",
+                              "service_unavailable", code="engine_dead")
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(
             first.get("msg", "invalid request"))
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return error_response(request, 400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(e.detail), "invalid_request_error"),
-                            status_code=e.status_code)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(request, e.status_code, str(e.detail), "invalid_request_error")

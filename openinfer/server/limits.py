@@ -7,9 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
-from openinfer.server.errors import error_body
+from openinfer.server.errors import error_response
 
 # Paths anyone may call (probes, scrapers) even when an API key is set.
 PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})
@@ -34,18 +33,17 @@ def install_limits(app: FastAPI, limits: ServerLimits, num_waiting: Callable[[],
             given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
             given = given or request.headers.get("x-api-key", "")
             if not hmac.compare_digest(given.encode(), limits.api_key.encode()):
-                return JSONResponse(error_body("invalid or missing API key",
-                                               "authentication_error", code="invalid_api_key"),
-                                    status_code=401)
+                return error_response(request, 401, "invalid or missing API key",
+                                      "authentication_error", code="invalid_api_key")
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
-            return JSONResponse(error_body(f"request body exceeds {limits.max_body_bytes} bytes",
-                                           "invalid_request_error"), status_code=413)
+            return error_response(request, 413,
+                                  f"request body exceeds {limits.max_body_bytes} bytes",
+                                  "invalid_request_error")
         generating = request.method == "POST" and path.startswith("/v1/")
         if (generating and limits.max_waiting_requests is not None
                 and num_waiting() > limits.max_waiting_requests):
-            return JSONResponse(error_body("the server is overloaded; retry later",
-                                           "server_overloaded", code="overloaded"),
-                                status_code=503,
-                                headers={"Retry-After": str(limits.retry_after_s)})
+            return error_response(request, 503, "the server is overloaded; retry later",
+                                  "server_overloaded", code="overloaded",
+                                  headers={"Retry-After": str(limits.retry_after_s)})
         return await call_next(request)

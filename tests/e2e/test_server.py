@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -78,6 +80,66 @@ def test_completions_stream_and_not_give_the_offline_text(client, offline):
         **args, stream=True, stream_options={"include_usage": True}))
     assert (text, finish) == (expected.outputs[0].text, "length")
     assert stream_usage["completion_tokens"] == 12
+
+
+@pytest.mark.slow
+def test_echo_with_logprobs_scores_the_prompt(client, offline):
+    prompt = "Hello world, again"
+    scored = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=1,
+                                                     prompt_logprobs=1, ignore_eos=True))[0]
+    ids = scored.prompt_token_ids
+    args = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args).choices[0]
+    streamed = list(client.completions.create(**args, stream=True))
+    first = streamed[0].choices[0]
+    assert whole.text == prompt + scored.outputs[0].text
+    assert first.text.startswith(prompt)
+    for lp in (whole.logprobs, first.logprobs):
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        expected = [scored.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
+        assert lp.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-4)
+    assert len(whole.logprobs.tokens) == len(ids) + 3
+    assert whole.logprobs.token_logprobs[len(ids):] == pytest.approx(
+        [e[t].logprob for t, e in zip(scored.outputs[0].token_ids, scored.outputs[0].logprobs)],
+        abs=1e-4)
+    assert "".join(whole.logprobs.tokens) == whole.text
+    assert whole.logprobs.text_offset[-1] == len(whole.text) - len(whole.logprobs.tokens[-1])
+
+
+@pytest.mark.slow
+def test_64_concurrent_streaming_chats_match_each_run_alone(server, offline):
+    tok = offline.get_tokenizer()
+    chats = [[{"role": "user", "content": f"Question {i}: what is {i} plus {i * 7}?"}]
+             for i in range(64)]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = []
+    for chat in chats:  # each alone, offline
+        ids = tok.encode(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)
+        expected.append(offline.generate([ids], greedy)[0].outputs[0].text)
+
+    async def one(client: openai.AsyncOpenAI, chat: list[dict]) -> tuple[str, str, int]:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=chat, max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        text, finish, usage = "", None, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+        return text, finish, usage
+
+    async def all_at_once() -> list[tuple[str, str, int]]:
+        async with openai.AsyncOpenAI(base_url=f"{server[0]}/v1", api_key="unused",
+                                      max_retries=0, timeout=300) as client:
+            return await asyncio.gather(*(one(client, chat) for chat in chats))
+
+    results = asyncio.run(all_at_once())
+    assert [r[0] for r in results] == expected
+    assert all(finish == "length" and usage == 16 for _, finish, usage in results)
 
 
 @pytest.mark.slow
@@ -318,3 +380,48 @@ def test_anthropic_messages_and_streaming(server, offline):
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == expected.text and final.stop_reason == message.stop_reason
+
+
+@pytest.mark.slow
+def test_anthropic_errors_have_anthropic_shape(server):
+    base, _ = server
+    client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="nope", max_tokens=4,
+                               messages=[{"role": "user", "content": "hi"}])
+    code, body = _post(base, "/v1/messages", {"model": MODEL, "max_tokens": 10**6,
+                                              "messages": [{"role": "user", "content": "hi"}]})
+    assert code == 400 and body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error" and "max" in body["error"]["message"]
+
+
+@pytest.mark.slow
+def test_a_dead_engine_gives_503_not_hangs(qwen3_checkpoint):
+    base, proc = _start(qwen3_checkpoint)
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
+                               timeout=30)
+        stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=400,
+                                           extra_body={"ignore_eos": True}, stream=True)
+        next(iter(stream))
+        core = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "spawn_main"],
+                              capture_output=True, text=True).stdout.split()
+        assert len(core) == 1
+        os.kill(int(core[0]), signal.SIGKILL)
+        # The open stream ends with an error event (the client raises it) instead of hanging.
+        with pytest.raises(openai.APIError, match="engine"):
+            list(stream)
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=5)
+            except urllib.error.HTTPError as e:
+                assert e.code == 503
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("/health kept saying ok after the engine died")
+        code, body = _post(base, "/v1/completions", {"model": MODEL, "prompt": "hi"})
+        assert code == 503 and body["error"]["code"] == "engine_dead"
+    finally:
+        proc.kill()
+        proc.wait()
