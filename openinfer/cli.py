@@ -1,4 +1,4 @@
-"""`openinfer serve | generate | demo-model` (the router and bench commands join as they land)."""
+"""`openinfer serve | generate | bench | demo-model` (the router joins when it lands)."""
 
 from __future__ import annotations
 
@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=int, default=30,
                        help="seconds to let in-flight requests finish on SIGTERM/Ctrl-C")
     serve.set_defaults(func=cmd_serve)
+
+    from openinfer.bench.cli import add_bench_parser, run_bench
+
+    add_bench_parser(sub)
+    sub.choices["bench"].set_defaults(func=run_bench)
 
     demo = sub.add_parser("demo-model", help="build the random-weight demo checkpoint")
     demo.add_argument("out_dir")

@@ -7,9 +7,7 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -18,16 +16,10 @@ import anthropic
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_process import MODEL
+from server_process import start_server as _start
 
 from openinfer import LLM, SamplingParams
-
-MODEL = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -250,25 +242,6 @@ def test_tokenize_and_detokenize(server, offline):
     assert code == 200 and text["prompt"] == "Hello world"
     code, err = _post(base, "/detokenize", {"tokens": [10**9]})
     assert code == 400 and err["error"]["param"] == "tokens"
-
-
-def _start(checkpoint, *flags: str) -> tuple[str, subprocess.Popen]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "openinfer.cli", "serve", "--model", str(checkpoint), "--port",
-         str(port), "--served-model-name", MODEL, "--log-level", "warning", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            urllib.request.urlopen(f"{base}/health", timeout=2)
-            return base, proc
-        except (urllib.error.URLError, ConnectionError):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"server did not start:\n{proc.stdout.read()}")
-            time.sleep(0.3)
 
 
 @pytest.mark.slow

@@ -1,0 +1,1 @@
+"""Serving benchmark: `openinfer bench serve` against any OpenAI-compatible endpoint."""

@@ -1,0 +1,113 @@
+"""Figures of a benchmark run, named and defined as vLLM's `bench serve` does:
+
+* TTFT: send to first chunk with output.
+* TPOT: (E2E - TTFT) / (output tokens - 1), per request.
+* ITL: every gap between successive output chunks, over all requests.
+* E2E: send to the end of the stream.
+* Goodput: requests per second that met every SLO given.
+* Input-cache hit rate: cached prompt tokens reported in ``usage`` / prompt tokens.
+* Oracle hit rate: prompt tokens an infinite cache holding every earlier prompt and answer
+  would have served / prompt tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from openinfer.bench.client import RequestResult
+
+PERCENTILES = (50, 90, 99)
+DEFINITIONS = ("TPOT = (E2E - TTFT) / (output tokens - 1); ITL = gaps between streamed chunks "
+               "(vLLM bench serve's definitions); times in ms.")
+
+
+@dataclass(frozen=True)
+class Prices:
+    """USD per million tokens. Defaults: DeepSeek's public API list price (deepseek-chat,
+    V3.2, late 2025): $0.028 input cache hit, $0.28 input cache miss, $0.42 output."""
+    input_cache_hit: float = 0.028
+    input_cache_miss: float = 0.28
+    output: float = 0.42
+
+
+def latency_stats(values: list[float]) -> dict[str, float | None]:
+    """mean and percentiles, in milliseconds."""
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    ms = np.asarray(values) * 1000.0
+    return {"mean": float(ms.mean()), **{f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES}}
+
+
+def summarize(results: list[RequestResult], duration_s: float,
+              slo_ms: dict[str, float] | None = None) -> dict:
+    done = [r for r in results if r.ok]
+    prompt = sum(r.prompt_tokens for r in done)
+    output = sum(r.output_tokens for r in done)
+    cached = sum(r.cached_tokens for r in done)
+    oracle = sum(r.oracle_hit_tokens for r in done)
+    good = [r for r in done if _meets(r, slo_ms or {})]
+    return {
+        "num_requests": len(results),
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if r.error})[:10],
+        "duration_s": duration_s,
+        "prompt_tokens": prompt,
+        "output_tokens": output,
+        "output_tokens_exact": all(r.output_tokens == r.expected_output_tokens for r in done),
+        "prompt_tokens_agree": all(r.prompt_tokens == r.sent_prompt_tokens for r in done),
+        "cached_tokens": cached,
+        "request_throughput": len(done) / duration_s,
+        "input_token_throughput": prompt / duration_s,
+        "output_token_throughput": output / duration_s,
+        "total_token_throughput": (prompt + output) / duration_s,
+        "goodput": len(good) / duration_s if slo_ms else None,
+        "slo_ms": slo_ms or None,
+        "cache_hit_rate": cached / prompt if prompt else 0.0,
+        "oracle_hit_rate": oracle / prompt if prompt else 0.0,
+        "ttft_ms": latency_stats([r.ttft_s for r in done]),
+        "tpot_ms": latency_stats([t for r in done if (t := r.tpot_s) is not None]),
+        "itl_ms": latency_stats([gap for r in done for gap in r.itl_s]),
+        "e2e_ms": latency_stats([r.e2e_s for r in done]),
+        "definitions": DEFINITIONS,
+    }
+
+
+def _meets(r: RequestResult, slo_ms: dict[str, float]) -> bool:
+    measured = {"ttft": r.ttft_s, "tpot": r.tpot_s, "e2e": r.e2e_s}
+    for name, limit in slo_ms.items():
+        value = measured[name]
+        if value is not None and value * 1000.0 > limit:
+            return False
+    return True
+
+
+def economics(summary: dict, prices: Prices, accelerator_hour_cost: float,
+              num_accelerators: int = 1) -> dict:
+    """What the measured throughput earns and costs per accelerator-hour at list prices.
+
+    Revenue/hour = 3600 s x (hit tokens/s x hit price + miss tokens/s x miss price
+    + output tokens/s x output price) / 1e6, over the whole deployment, then per accelerator."""
+    seconds = summary["duration_s"]
+    hit_rate = summary["cached_tokens"] / seconds
+    miss_rate = (summary["prompt_tokens"] - summary["cached_tokens"]) / seconds
+    output_rate = summary["output_tokens"] / seconds
+    revenue = 3600 * (hit_rate * prices.input_cache_hit + miss_rate * prices.input_cache_miss
+                      + output_rate * prices.output) / 1e6
+    cost = accelerator_hour_cost * num_accelerators
+    million_per_hour = lambda rate: rate * 3600 / 1e6
+    return {
+        "prices_per_million": vars(prices),
+        "accelerator_hour_cost": accelerator_hour_cost,
+        "num_accelerators": num_accelerators,
+        "revenue_per_hour": revenue,
+        "revenue_per_accelerator_hour": revenue / num_accelerators,
+        "cost_per_hour": cost,
+        "margin": (revenue - cost) / revenue if revenue else None,
+        "cost_per_million_output_tokens": (cost / million_per_hour(output_rate)
+                                           if output_rate else None),
+        "cost_per_million_tokens": (cost / million_per_hour(hit_rate + miss_rate + output_rate)
+                                    if output_rate else None),
+    }

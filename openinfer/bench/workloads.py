@@ -1,0 +1,211 @@
+"""What `openinfer bench serve` sends: sessions of turns, built from a named workload.
+
+Every workload is a list of sessions. A session is one user: its turns go out one after
+another, each after the previous answer arrived (plus think time), and a chat turn resends
+the whole conversation so far, as chat clients do. Single-request workloads are sessions of
+one turn. Prompts that must have an exact token count are sent as token ids to
+``/v1/completions``; conversations go to ``/v1/chat/completions`` as text.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "sharegpt", "replay")
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be built (bad options, a file that does not parse)."""
+
+
+@dataclass
+class Turn:
+    output_len: int
+    prompt_ids: list[int] | None = None
+    """Completions: the whole prompt as token ids."""
+    user_text: str | None = None
+    """Chat: this turn's user message (the history is added when it is sent)."""
+
+
+@dataclass
+class Session:
+    turns: list[Turn]
+    system: str | None = None
+    arrival_s: float | None = None
+    """Replay: when the session starts, in seconds from the start of the run."""
+
+
+@dataclass
+class Workload:
+    name: str
+    endpoint: Literal["completions", "chat"]
+    sessions: list[Session]
+    think_time_s: float = 0.0
+    options: dict = field(default_factory=dict)
+
+    @property
+    def num_turns(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
+
+
+@dataclass(frozen=True)
+class WorkloadOptions:
+    num_requests: int = 100
+    input_len: int = 256
+    output_len: int = 128
+    range_ratio: float = 0.0
+    """Lengths drawn uniformly from [len * (1 - r), len * (1 + r)]."""
+    prefix_len: int = 512
+    """shared-prefix: tokens of each group's system prompt; multi-turn: of the system prompt."""
+    num_groups: int = 4
+    prompts_per_group: int = 8
+    num_users: int = 8
+    num_turns: int = 4
+    think_time_s: float = 0.0
+    dataset: str | None = None
+    replay_block_size: int = 512
+    """replay: tokens behind one hash id of a Mooncake-format trace."""
+    seed: int = 0
+
+
+def build_workload(name: str, options: WorkloadOptions, tokenizer) -> Workload:
+    rng = random.Random(options.seed)
+    vocab = _usable_ids(tokenizer)
+    if name == "random":
+        sessions = [Session([Turn(_length(options.output_len, options, rng),
+                                  prompt_ids=_random_ids(rng, vocab,
+                                                         _length(options.input_len, options, rng)))])
+                    for _ in range(options.num_requests)]
+        return Workload(name, "completions", sessions, options=_dict(options))
+    if name == "shared-prefix":
+        return _shared_prefix(options, rng, vocab)
+    if name == "multi-turn":
+        return _multi_turn(options, rng, vocab, tokenizer)
+    if name == "sharegpt":
+        return _sharegpt(options, rng, tokenizer)
+    if name == "replay":
+        return _replay(options, vocab)
+    raise WorkloadError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+def _shared_prefix(options: WorkloadOptions, rng: random.Random, vocab: list[int]) -> Workload:
+    sessions = []
+    for _ in range(options.num_groups):
+        prefix = _random_ids(rng, vocab, options.prefix_len)
+        for _ in range(options.prompts_per_group):
+            question = _random_ids(rng, vocab, _length(options.input_len, options, rng))
+            sessions.append(Session([Turn(_length(options.output_len, options, rng),
+                                          prompt_ids=prefix + question)]))
+    rng.shuffle(sessions)  # groups interleave, as users of one app do
+    return Workload("shared-prefix", "completions", sessions, options=_dict(options))
+
+
+def _multi_turn(options: WorkloadOptions, rng: random.Random, vocab: list[int],
+                tokenizer) -> Workload:
+    sessions = []
+    for _ in range(options.num_users):
+        system = tokenizer.decode(_random_ids(rng, vocab, options.prefix_len))
+        turns = [Turn(_length(options.output_len, options, rng),
+                      user_text=tokenizer.decode(_random_ids(
+                          rng, vocab, _length(options.input_len, options, rng))))
+                 for _ in range(options.num_turns)]
+        sessions.append(Session(turns, system=system))
+    return Workload("multi-turn", "chat", sessions, think_time_s=options.think_time_s,
+                    options=_dict(options))
+
+
+def _sharegpt(options: WorkloadOptions, rng: random.Random, tokenizer) -> Workload:
+    """The first human message of each conversation; its first reply's length as output_len."""
+    data = _load_json(options.dataset, "sharegpt")
+    if not isinstance(data, list):
+        raise WorkloadError("a ShareGPT file is a JSON list of {'conversations': [...]} objects")
+    pairs = []
+    for entry in data:
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2:
+            continue
+        first, reply = turns[0], turns[1]
+        if not all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in (first, reply)):
+            raise WorkloadError("ShareGPT turns are objects with 'from' and 'value' strings")
+        pairs.append((first["value"], max(1, len(tokenizer.encode(reply["value"],
+                                                                  add_special_tokens=False)))))
+    if not pairs:
+        raise WorkloadError(f"{options.dataset}: no conversation with at least two turns")
+    rng.shuffle(pairs)
+    chosen = [pairs[i % len(pairs)] for i in range(options.num_requests)]
+    return Workload("sharegpt", "chat", [Session([Turn(n, user_text=text)]) for text, n in chosen],
+                    options=_dict(options))
+
+
+def _replay(options: WorkloadOptions, vocab: list[int]) -> Workload:
+    """A Mooncake-format JSONL trace: {"timestamp" (ms), "input_length", "output_length",
+    "hash_ids"}; requests that share a hash id share that block of prompt tokens."""
+    if options.dataset is None:
+        raise WorkloadError("the replay workload needs --dataset TRACE.jsonl")
+    blocks: dict[int, list[int]] = {}
+    sessions: list[Session] = []
+    try:
+        lines = Path(options.dataset).read_text().splitlines()
+    except OSError as e:
+        raise WorkloadError(f"cannot read {options.dataset}: {e}") from e
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            timestamp_ms = float(record["timestamp"])
+            input_len, output_len = int(record["input_length"]), int(record["output_length"])
+            hash_ids = [int(h) for h in record.get("hash_ids", [])]
+        except (ValueError, KeyError, TypeError) as e:
+            raise WorkloadError(f"{options.dataset}:{number}: not a trace record ({e})") from e
+        ids: list[int] = []
+        for h in hash_ids:
+            if h not in blocks:
+                block_rng = random.Random(f"{options.seed}:{h}")
+                blocks[h] = _random_ids(block_rng, vocab, options.replay_block_size)
+            ids += blocks[h]
+        if len(ids) < input_len:  # a trace without (enough) hash ids: fresh tokens
+            ids += _random_ids(random.Random(f"{options.seed}:line{number}"), vocab,
+                               input_len - len(ids))
+        sessions.append(Session([Turn(max(1, output_len), prompt_ids=ids[:input_len])],
+                                arrival_s=timestamp_ms / 1000))
+    if not sessions:
+        raise WorkloadError(f"{options.dataset}: no trace records")
+    start = min(s.arrival_s for s in sessions)
+    for s in sessions:
+        s.arrival_s -= start
+    sessions.sort(key=lambda s: s.arrival_s)
+    return Workload("replay", "completions", sessions, options=_dict(options))
+
+
+def _load_json(path: str | None, name: str):
+    if path is None:
+        raise WorkloadError(f"the {name} workload needs --dataset PATH")
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise WorkloadError(f"cannot read {path} as JSON: {e}") from e
+
+
+def _usable_ids(tokenizer) -> list[int]:
+    """Token ids a random prompt may use: the vocabulary without special tokens."""
+    special = set(tokenizer.all_special_ids)
+    return [i for i in range(len(tokenizer)) if i not in special]
+
+
+def _random_ids(rng: random.Random, vocab: list[int], n: int) -> list[int]:
+    return [vocab[rng.randrange(len(vocab))] for _ in range(n)]
+
+
+def _length(mean: int, options: WorkloadOptions, rng: random.Random) -> int:
+    low = max(1, round(mean * (1 - options.range_ratio)))
+    high = max(low, round(mean * (1 + options.range_ratio)))
+    return rng.randint(low, high)
+
+
+def _dict(options: WorkloadOptions) -> dict:
+    return {k: v for k, v in vars(options).items() if v is not None}

@@ -1,0 +1,42 @@
+"""Start `openinfer serve` as a real process on a free loopback port, for tests."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+MODEL = "tiny"
+"""The name test servers serve their checkpoint under."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(checkpoint, *flags: str) -> tuple[str, subprocess.Popen]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "openinfer.cli", "serve", "--model", str(checkpoint), "--port",
+         str(port), "--served-model-name", MODEL, "--log-level", "warning", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/health", timeout=2)
+            return base, proc
+        except (urllib.error.URLError, ConnectionError):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"server did not start:\n{proc.stdout.read()}")
+            time.sleep(0.3)
+
+
