@@ -36,6 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="bytes for the KV block pool, e.g. 4GiB (default: 2GiB on CPU, "
                         "90%% of free memory on CUDA)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="recompute every prompt (no KV reuse across requests)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
@@ -46,7 +48,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy, seed=args.seed,
     )
 

@@ -82,6 +82,8 @@ class CacheConfig:
     """Tokens per KV block."""
     kv_cache_memory: int | None = None
     """Bytes for the KV block pool; None picks a default for the device (see module constants)."""
+    enable_prefix_caching: bool = True
+    """Keep full blocks under their content hash so requests with a common prefix share them."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ class EngineConfig:
         max_model_len: int | None = None,
         kv_cache_memory: int | None = None,
         block_size: int = 16,
+        enable_prefix_caching: bool = True,
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
         scheduling_policy: str = "fcfs",
@@ -138,7 +141,8 @@ class EngineConfig:
         return EngineConfig(
             model=ModelConfig.from_pretrained(model, dtype=dtype, device=device,
                                               max_model_len=max_model_len),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs, policy=scheduling_policy,
                                       enable_chunked_prefill=enable_chunked_prefill),

@@ -56,3 +56,5 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finished: bool = False
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (the first sample's, when n > 1)."""

@@ -47,6 +47,9 @@ class SamplingParams:
     detokenize: bool = True
     priority: int = 0
     """Lower runs first when the scheduler policy is 'priority'."""
+    cache_salt: str | None = None
+    """Prefix-cache isolation key (e.g. per tenant): requests with different salts never
+    share cached KV, even for identical prompts."""
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -110,6 +113,8 @@ class SamplingParams:
             )
             self.stop_token_ids = list(self.stop_token_ids)
         require(_is_int(self.priority), "priority", f"must be an integer, got {self.priority!r}")
+        require(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+                "cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
 
     @property
     def greedy(self) -> bool:

@@ -44,7 +44,7 @@ class EngineCore:
             raise ValueError(
                 f"kv_cache_memory holds {capacity} tokens, fewer than max_model_len "
                 f"({mc.max_model_len}): raise kv_cache_memory or lower max_model_len")
-        self.kv = KVCacheManager(groups, num_blocks)
+        self.kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(model, groups, num_blocks, mc.num_layers, mc.dtype, config.device,
                                   seed=config.seed)

@@ -79,4 +79,7 @@ def _stats(core: EngineCore) -> dict:
         "num_waiting": scheduler.num_waiting,
         "kv_cache_usage": core.kv.usage,
         "num_preemptions": scheduler.num_preemptions,
+        "prefix_cache_queries": core.kv.num_queried_tokens,
+        "prefix_cache_hits": core.kv.num_hit_tokens,
+        "prefix_cache_blocks": core.kv.pools[0].num_cached,
     }

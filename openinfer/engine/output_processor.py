@@ -73,6 +73,7 @@ class _RequestState:
     num_unfinished: int = 0
     stream: bool = False
     prompt_logprobs_sent: bool = False
+    num_cached_tokens: int | None = None
 
 
 class OutputProcessor:
@@ -117,6 +118,8 @@ class OutputProcessor:
             if state.stream:
                 streaming[parent_id] = state
             sample = state.samples[out.request_id]
+            if state.num_cached_tokens is None and (out.new_token_ids or out.finish_reason):
+                state.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 self._store_prompt_logprobs(state, *out.prompt_logprobs)
             if out.new_token_ids:
@@ -188,7 +191,8 @@ class OutputProcessor:
             return RequestOutput(
                 request_id=state.request_id, prompt=state.prompt,
                 prompt_token_ids=state.prompt_token_ids, outputs=deltas,
-                prompt_logprobs=prompt_logprobs, finished=finished, metrics=state.metrics)
+                prompt_logprobs=prompt_logprobs, finished=finished, metrics=state.metrics,
+                num_cached_tokens=state.num_cached_tokens or 0)
         completions = [
             CompletionOutput(
                 index=s.index,
@@ -208,4 +212,5 @@ class OutputProcessor:
             prompt_logprobs=state.prompt_logprobs,
             finished=True,
             metrics=state.metrics,
+            num_cached_tokens=state.num_cached_tokens or 0,
         )

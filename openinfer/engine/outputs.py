@@ -71,3 +71,5 @@ class EngineCoreOutput:
     prompt_logprobs: tuple[int, list[PositionLogprobs]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens the request took from the prefix cache."""

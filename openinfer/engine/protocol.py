@@ -58,11 +58,11 @@ def pack_output(out: EngineCoreOutput) -> list:
         prompt = [start, [_pack_logprobs(e) for e in entries]]
     return [out.request_id, out.new_token_ids,
             None if out.new_logprobs is None else [_pack_logprobs(e) for e in out.new_logprobs],
-            prompt, out.finish_reason, out.stop_reason]
+            prompt, out.finish_reason, out.stop_reason, out.num_cached_tokens]
 
 
 def unpack_output(packed: list) -> EngineCoreOutput:
-    request_id, tokens, logprobs, prompt, finish_reason, stop_reason = packed
+    request_id, tokens, logprobs, prompt, finish_reason, stop_reason, num_cached = packed
     return EngineCoreOutput(
         request_id=request_id,
         new_token_ids=tokens,
@@ -71,4 +71,5 @@ def unpack_output(packed: list) -> EngineCoreOutput:
             prompt[0], [_unpack_logprobs(e) for e in prompt[1]]),
         finish_reason=finish_reason,
         stop_reason=stop_reason,
+        num_cached_tokens=num_cached,
     )

@@ -33,6 +33,10 @@ class Request:
     """Tokens whose KV is in the cache (prompt first, then outputs)."""
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = -1
+    """Prompt tokens served from the prefix cache when first scheduled (-1 until then)."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Content hashes of the request's full blocks (prompt, then outputs)."""
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -45,6 +49,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.sampling_params.cache_salt
 
     @property
     def priority(self) -> int:

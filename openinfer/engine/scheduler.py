@@ -9,7 +9,15 @@ Each step the scheduler hands out at most ``max_num_batched_tokens`` tokens:
    makes progress and nothing is stuck or dropped.
 2. Then, if nothing was preempted this step, waiting requests in queue order,
    while budget, ``max_num_seqs`` and blocks allow. A prompt longer than the
-   remaining budget is chunked.
+   remaining budget is chunked. A new request starts after its longest cached
+   prefix (prefix caching).
+
+In-flight prefix sharing: a running request that is prefilling *claims* the hashes
+of its prompt blocks nobody has cached. A waiting request whose next uncached block
+is claimed steps aside (others behind it go ahead) until the claimant has computed
+and cached it, then takes it as a hit: a burst of requests with one new system prompt
+computes it once, not once per request. A claim ends when its block is cached or its
+claimant stops running, so nobody waits on a preempted or finished request.
 
 There is no separate prefill or decode phase: a request simply has
 ``num_computed_tokens`` of its ``num_tokens`` in the cache, and the step schedules
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 
 from openinfer.config import SchedulerConfig
 from openinfer.engine.outputs import (
@@ -32,6 +41,7 @@ from openinfer.engine.outputs import (
     SchedulerOutput,
 )
 from openinfer.engine.request import Request, RequestStatus
+from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.kv.kv_manager import KVCacheManager
 
 
@@ -47,6 +57,11 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self._dropped_since_last_step: set[str] = set()
         self.num_preemptions = 0
+        self._claim_owner: dict[bytes, str] = {}
+        self._claims: dict[str, deque[tuple[int, bytes]]] = {}
+        """In-flight sharing: per claimant, (block index, hash) of the blocks it claimed."""
+        self.num_prompt_tokens_computed = 0
+        """Prompt tokens this scheduler sent to the model (cache hits excluded)."""
 
     # ---- queue state -----------------------------------------------------------------
 
@@ -71,6 +86,8 @@ class Scheduler:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         self._arrival_index[req.request_id] = next(self._arrival_counter)
+        extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size,
+                            req.cache_salt)
         self._push_waiting(req)
 
     def _push_waiting(self, req: Request) -> None:
@@ -104,22 +121,78 @@ class Scheduler:
             budget -= n
             i += 1
 
+        stepped_aside = []
         while (not preempted and self._waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self._waiting[0][1]
-            remaining = req.num_tokens - req.num_computed_tokens
+            hits, num_hit = self._cached_prefix(req)
+            if self._next_block_is_claimed(req, num_hit):
+                stepped_aside.append(heapq.heappop(self._waiting))
+                continue
+            remaining = req.num_tokens - num_hit
             if remaining > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(remaining, budget)
-            new_blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
+            new_blocks = self.kv.allocate_slots(req.request_id, num_hit + n, hits)
             if new_blocks is None:
                 break  # head-of-line waits: later requests must not overtake it
             heapq.heappop(self._waiting)
+            if req.num_cached_tokens < 0:  # first scheduling: what the user is told
+                req.num_cached_tokens = num_hit
+                self.kv.record_prefix_query(req.num_tokens, num_hit)
+            req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._claim_uncached_prompt_blocks(req)
             self._emit(req, n, new_blocks, out)
             budget -= n
+        for item in stepped_aside:
+            heapq.heappush(self._waiting, item)
+        for req in self.running:
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(
+                    out.num_scheduled_tokens.get(req.request_id, 0),
+                    req.num_prompt_tokens - req.num_computed_tokens)
         return out
+
+    # ---- prefix cache and in-flight sharing --------------------------------------------
+
+    def _cached_prefix(self, req: Request) -> tuple[list[list[int]] | None, int]:
+        if req.sampling_params.prompt_logprobs is not None:
+            return None, 0  # cached positions have no logits to score
+        return self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
+
+    def _next_block_is_claimed(self, req: Request, num_hit: int) -> bool:
+        index = num_hit // self.kv.block_size
+        return (index < (req.num_tokens - 1) // self.kv.block_size
+                and req.block_hashes[index] in self._claim_owner)
+
+    def _claim_uncached_prompt_blocks(self, req: Request) -> None:
+        if not self.kv.enable_caching:
+            return
+        first = req.num_computed_tokens // self.kv.block_size
+        last = req.num_prompt_tokens // self.kv.block_size
+        claims = deque()
+        for index in range(first, last):
+            block_hash = req.block_hashes[index]
+            if block_hash not in self._claim_owner:
+                self._claim_owner[block_hash] = req.request_id
+                claims.append((index, block_hash))
+        if claims:
+            self._claims[req.request_id] = claims
+
+    def _settle_claims(self, req: Request, release_all: bool = False) -> None:
+        """Drop the request's claims on blocks it has computed (all of them if it stops)."""
+        claims = self._claims.get(req.request_id)
+        if claims is None:
+            return
+        full = req.num_computed_tokens // self.kv.block_size
+        while claims and (release_all or claims[0][0] < full):
+            _, block_hash = claims.popleft()
+            if self._claim_owner.get(block_hash) == req.request_id:
+                del self._claim_owner[block_hash]
+        if not claims:
+            del self._claims[req.request_id]
 
     def _emit(self, req: Request, n: int, new_blocks: list[list[int]],
               out: SchedulerOutput) -> None:
@@ -140,7 +213,9 @@ class Scheduler:
         ))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        """Free the request's KV and queue it again; its tokens are recomputed later."""
+        """Free the request's KV and queue it again; its tokens are recomputed later
+        (its blocks that were cached and not evicted meanwhile come back as hits)."""
+        self._settle_claims(req, release_all=True)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -165,13 +240,20 @@ class Scheduler:
                 continue  # aborted during the step
             req.num_computed_tokens += n
             token = result.sampled_token_ids.get(request_id)
+            if token is not None:
+                req.append_output_token(token)
+            if self.kv.enable_caching:
+                extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size,
+                                    req.cache_salt)
+                self.kv.cache_blocks(request_id, req.block_hashes, req.all_token_ids,
+                                     req.num_computed_tokens)
+                self._settle_claims(req)
             prompt_logprobs = result.prompt_logprobs.get(request_id)
             if token is None and prompt_logprobs is None:
                 continue
             status = None
             new_logprobs = None
             if token is not None:
-                req.append_output_token(token)
                 status = req.check_stop()
                 if request_id in result.logprobs:
                     new_logprobs = [result.logprobs[request_id]]
@@ -182,6 +264,7 @@ class Scheduler:
                 prompt_logprobs=prompt_logprobs,
                 finish_reason=status.value if status else None,
                 stop_reason=req.stop_reason,
+                num_cached_tokens=max(0, req.num_cached_tokens),
             ))
             if status is not None:
                 self._finish(req, status)
@@ -205,6 +288,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         req.status = status
+        self._settle_claims(req, release_all=True)
         self.kv.free(req.request_id)
         self._forget_in_runner(req.request_id, self._dropped_since_last_step)
         del self.requests[req.request_id]
@@ -223,3 +307,4 @@ class Scheduler:
             assert req.num_computed_tokens == 0, "a waiting request has computed tokens"
         assert set(self.requests) == running_ids | {r.request_id for _, r in self._waiting}, (
             "a request is lost (neither waiting nor running)")
+        assert set(self._claim_owner.values()) <= running_ids, "a claim outlived its claimant"

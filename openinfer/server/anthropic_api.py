@@ -54,6 +54,12 @@ def _stop(c: CompletionOutput) -> tuple[str, str | None]:
     return "end_turn", None
 
 
+def _input_usage(prompt_tokens: int, cached_tokens: int) -> dict:
+    # Anthropic counts cache reads apart: input_tokens are the prompt tokens not read from cache.
+    return {"input_tokens": prompt_tokens - cached_tokens, "cache_read_input_tokens": cached_tokens,
+            "cache_creation_input_tokens": 0}
+
+
 def _event(kind: str, payload: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
 
@@ -78,15 +84,20 @@ def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str
 
         if body.stream:
             async def events() -> AsyncIterator[str]:
-                yield _event("message_start", {"message": {
-                    **message, "content": [], "stop_reason": None, "stop_sequence": None,
-                    "usage": {"input_tokens": len(token_ids), "output_tokens": 0}}})
-                yield _event("content_block_start", {"index": 0, "content_block": {
-                    "type": "text", "text": ""}})
-                output_tokens, last = 0, None
+                output_tokens, last, started = 0, None, False
                 try:
                     async with contextlib.aclosing(stream):
                         async for delta in stream:
+                            if not started:  # at the first delta, the cache hit is known
+                                started = True
+                                yield _event("message_start", {"message": {
+                                    **message, "content": [], "stop_reason": None,
+                                    "stop_sequence": None,
+                                    "usage": {**_input_usage(len(token_ids),
+                                                             delta.num_cached_tokens),
+                                              "output_tokens": 0}}})
+                                yield _event("content_block_start", {"index": 0, "content_block": {
+                                    "type": "text", "text": ""}})
                             for c in delta.outputs:
                                 output_tokens += len(c.token_ids)
                                 last = c
@@ -105,9 +116,10 @@ def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str
                 yield _event("message_stop", {})
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        out = (await final(stream)).outputs[0]
+        whole = await final(stream)
+        out = whole.outputs[0]
         stop_reason, stop_sequence = _stop(out)
         return JSONResponse({**message, "content": [{"type": "text", "text": out.text}],
                              "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                             "usage": {"input_tokens": len(token_ids),
+                             "usage": {**_input_usage(len(token_ids), whole.num_cached_tokens),
                                        "output_tokens": len(out.token_ids)}})

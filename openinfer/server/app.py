@@ -155,9 +155,11 @@ def build_app(llm: AsyncLLM, served_model_name: str,
             async def events() -> AsyncIterator[str]:
                 completion_tokens = 0
                 firsts: dict[int, RequestOutput] = {}  # per prompt: the delta with its logprobs
+                cached: dict[int, int] = {}
                 echoed: set[tuple[int, int]] = set()
                 async for i, delta in _merged(streams):
                     firsts.setdefault(i, delta)
+                    cached[i] = delta.num_cached_tokens
                     for c in delta.outputs:
                         completion_tokens += len(c.token_ids)
                         echo: tuple[str, list] = ("", [])
@@ -166,7 +168,8 @@ def build_app(llm: AsyncLLM, served_model_name: str,
                             echoed.add((i, c.index))
                         yield _sse({**header, "choices": [choice(i, c, echo)]})
                 if body.include_usage:
-                    usage = _usage(sum(len(ids) for _, ids in prompts), completion_tokens)
+                    usage = _usage(sum(len(ids) for _, ids in prompts), completion_tokens,
+                                   sum(cached.values()))
                     yield _sse({**header, "choices": [], "usage": usage})
                 yield "data: [DONE]\n\n"
             return StreamingResponse(_with_error_event(events()), media_type="text/event-stream")
@@ -175,7 +178,8 @@ def build_app(llm: AsyncLLM, served_model_name: str,
         choices = [choice(i, c, echo_of(i, out))
                    for i, out in enumerate(finals) for c in out.outputs]
         usage = _usage(sum(len(ids) for _, ids in prompts),
-                       sum(len(c.token_ids) for out in finals for c in out.outputs))
+                       sum(len(c.token_ids) for out in finals for c in out.outputs),
+                       sum(out.num_cached_tokens for out in finals))
         return JSONResponse({**header, "choices": choices, "usage": usage})
 
     @app.post("/v1/chat/completions")
@@ -196,8 +200,9 @@ def build_app(llm: AsyncLLM, served_model_name: str,
             async def events() -> AsyncIterator[str]:
                 chunk = {**header, "object": "chat.completion.chunk"}
                 started: set[int] = set()
-                completion_tokens = 0
+                completion_tokens = cached = 0
                 async for _, delta in _merged([stream]):
+                    cached = delta.num_cached_tokens
                     for c in delta.outputs:
                         completion_tokens += len(c.token_ids)
                         message = {"content": c.text}
@@ -209,7 +214,7 @@ def build_app(llm: AsyncLLM, served_model_name: str,
                             "logprobs": _chat_logprobs(c, top) if body.logprobs else None}]})
                 if body.include_usage:
                     yield _sse({**chunk, "choices": [],
-                                "usage": _usage(len(token_ids), completion_tokens)})
+                                "usage": _usage(len(token_ids), completion_tokens, cached)})
                 yield "data: [DONE]\n\n"
             return StreamingResponse(_with_error_event(events()), media_type="text/event-stream")
 
@@ -217,7 +222,8 @@ def build_app(llm: AsyncLLM, served_model_name: str,
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": _chat_logprobs(c, top) if body.logprobs else None,
                     "finish_reason": c.finish_reason} for c in final.outputs]
-        usage = _usage(len(token_ids), sum(len(c.token_ids) for c in final.outputs))
+        usage = _usage(len(token_ids), sum(len(c.token_ids) for c in final.outputs),
+                       final.num_cached_tokens)
         return JSONResponse({**header, "choices": choices, "usage": usage})
 
     install_anthropic_routes(app, llm, served_model_name, check_model, chat_prompt_ids,
@@ -306,12 +312,13 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    # Prefix caching has not landed: nothing is served from cache yet.
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage, plus DeepSeek's cache hit/miss split of the prompt."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": 0},
-            "prompt_cache_hit_tokens": 0, "prompt_cache_miss_tokens": prompt_tokens}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+            "prompt_cache_hit_tokens": cached_tokens,
+            "prompt_cache_miss_tokens": prompt_tokens - cached_tokens}
 
 
 def _completion_logprobs(c: CompletionOutput, prompt: list[tuple[int, PositionLogprobs | None]],

@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from openinfer.outputs import RequestOutput
 
@@ -34,12 +36,9 @@ class ServerMetrics:
                                          registry=r)
         self.requests = Counter("openinfer:request_success", "Finished requests by reason",
                                 ["finished_reason"], registry=r)
-        # Prefix caching has not landed: queried and hit stay 0 until it does.
-        self.prefix_cache_queries = Counter("openinfer:prefix_cache_queries",
-                                            "Prompt tokens looked up in the prefix cache",
-                                            registry=r)
-        self.prefix_cache_hits = Counter("openinfer:prefix_cache_hits",
-                                         "Prompt tokens found in the prefix cache", registry=r)
+        Gauge("openinfer:prefix_cache_blocks", "Full blocks held in the device prefix cache",
+              registry=r).set_function(stat("prefix_cache_blocks"))
+        r.register(_EngineCounters(engine_stats))
         self.ttft = Histogram("openinfer:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("openinfer:inter_token_latency_seconds",
@@ -74,3 +73,22 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCounters(Collector):
+    """Counters the engine core keeps itself (it reports running totals with each step)."""
+
+    COUNTERS = (
+        ("openinfer:prefix_cache_queries", "prefix_cache_queries",
+         "Prompt tokens looked up in the prefix cache"),
+        ("openinfer:prefix_cache_hits", "prefix_cache_hits",
+         "Prompt tokens found in the prefix cache"),
+    )
+
+    def __init__(self, engine_stats: Callable[[], dict]) -> None:
+        self.engine_stats = engine_stats
+
+    def collect(self):
+        stats = self.engine_stats()
+        for name, key, documentation in self.COUNTERS:
+            yield CounterMetricFamily(name, documentation, value=float(stats.get(key, 0)))

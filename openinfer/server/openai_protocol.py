@@ -43,6 +43,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
+    """Prefix-cache isolation (vLLM's field): different salts never share cached KV."""
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -55,6 +57,7 @@ class SamplingFields(BaseModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            cache_salt=self.cache_salt,
         )
 
     @property

@@ -75,6 +75,26 @@ def test_completions_stream_and_not_give_the_offline_text(client, offline):
 
 
 @pytest.mark.slow
+def test_usage_reports_prefix_cache_hits_per_salt(client):
+    prompt = list(range(5, 45))  # 40 token ids: two full blocks can hit
+    args = dict(model=MODEL, prompt=prompt, max_tokens=2)
+    salt = lambda s: {"extra_body": {"cache_salt": s}}
+    first = client.completions.create(**args, **salt("usage-test")).usage.model_dump()
+    again = client.completions.create(**args, **salt("usage-test")).usage.model_dump()
+    other = client.completions.create(**args, **salt("another-tenant")).usage.model_dump()
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["prompt_tokens_details"]["cached_tokens"] == 32
+    assert again["prompt_cache_hit_tokens"] == 32 and again["prompt_cache_miss_tokens"] == 8
+    metrics = _metrics(client.base_url.__str__().removesuffix("/v1/"))
+    assert metrics["openinfer:prefix_cache_hits_total"] >= 32
+    assert metrics["openinfer:prefix_cache_queries_total"] >= 120
+    assert other["prompt_tokens_details"]["cached_tokens"] == 0
+    stream = client.completions.create(**args, **salt("usage-test"), stream=True,
+                                       stream_options={"include_usage": True})
+    assert _stream_text(stream)[2]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+@pytest.mark.slow
 def test_echo_with_logprobs_scores_the_prompt(client, offline):
     prompt = "Hello world, again"
     scored = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=1,
@@ -345,7 +365,8 @@ def test_anthropic_messages_and_streaming(server, offline):
                 messages=[{"role": "user", "content": "Hello"}])
     message = client.messages.create(**args)
     assert message.content[0].text == expected.text
-    assert message.usage.input_tokens == len(ids)
+    # Anthropic counts cache reads apart from input_tokens.
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(ids)
     assert message.usage.output_tokens == len(expected.token_ids)
     assert message.stop_reason == ("max_tokens" if expected.finish_reason == "length"
                                    else "end_turn")

@@ -14,9 +14,10 @@ BLOCK = 4
 
 
 def _scheduler(num_blocks: int = 64, budget: int = 64, max_seqs: int = 16,
-               policy: str = "fcfs") -> Scheduler:
+               policy: str = "fcfs", caching: bool = False) -> Scheduler:
+    """Prefix caching is off unless asked for: these prompts all share prefixes."""
     spec = FullAttentionSpec(BLOCK, 1, 8, "float32")
-    kv = KVCacheManager(group_layers([spec]), num_blocks)
+    kv = KVCacheManager(group_layers([spec]), num_blocks, enable_caching=caching)
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                                      policy=policy), kv)
 
@@ -171,3 +172,35 @@ def test_abort_while_waiting():
     s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
     s.check_integrity()
     assert s.num_waiting == 0 and s.num_running == 1
+
+
+def test_preempted_request_resumes_from_its_cached_blocks():
+    s = _scheduler(num_blocks=4, budget=64, caching=True)
+    s.add_request(_request("a", 8, max_tokens=4))
+    runner = FakeRunner()
+    out = s.schedule()
+    s.update_from_output(out, runner.execute(out))   # a's prompt: two full blocks, cached
+    s._preempt(s.running.pop(), SchedulerOutput())
+    out = s.schedule()
+    (new,) = out.new_requests
+    assert new.num_computed_tokens == 8 and out.num_scheduled_tokens["a"] == 1
+    s.check_integrity()
+
+
+def test_a_request_waiting_on_a_claimed_prefix_lets_unrelated_ones_go_first():
+    s = _scheduler(num_blocks=64, budget=10, caching=True)
+    shared = list(range(100, 116))                   # four blocks nobody has cached
+    s.add_request(Request("owner", shared + [1, 2], SamplingParams(max_tokens=1), 1))
+    s.add_request(Request("sharer", shared + [3, 4], SamplingParams(max_tokens=1), 1))
+    s.add_request(Request("other", [9] * 6, SamplingParams(max_tokens=1), 1))
+    runner = FakeRunner()
+    out = s.schedule()                               # owner takes 10 of the budget
+    assert list(out.num_scheduled_tokens) == ["owner"]
+    s.update_from_output(out, runner.execute(out))
+    out = s.schedule()                               # owner's rest; sharer steps aside
+    assert out.num_scheduled_tokens == {"owner": 8, "other": 2}
+    s.update_from_output(out, runner.execute(out))
+    out = s.schedule()                               # the prefix is cached: a 16-token hit
+    (sharer,) = [n for n in out.new_requests if n.request_id == "sharer"]
+    assert sharer.num_computed_tokens == 16 and out.num_scheduled_tokens["sharer"] == 2
+    s.check_integrity()
