@@ -9,7 +9,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from openinfer.bench.metrics import Prices, economics, summarize
@@ -92,12 +92,15 @@ async def _serve(args: argparse.Namespace) -> int:
         prompts_per_group=args.prompts_per_group, num_users=args.num_users,
         num_turns=args.num_turns, think_time_s=args.think_time, dataset=args.dataset,
         replay_block_size=args.replay_block_size, seed=args.seed)
-    workload = build_workload(args.workload, options, tokenizer)
+    workload = build_workload(args.workload, options, tokenizer)  # fails early if it cannot
     result = {"tool": "openinfer bench serve", "date": dt.datetime.now().isoformat(timespec="seconds"),
               "base_url": args.base_url, "model": args.model, "workload": args.workload,
               "workload_options": workload.options, "runs": []}
     failed = 0
-    for rate in rates:
+    for i, rate in enumerate(rates):
+        if i:  # fresh prompts: a sweep point must not hit the cache an earlier point filled
+            workload = build_workload(args.workload, replace(options, seed=args.seed + i),
+                                      tokenizer)
         config = RunConfig(base_url=args.base_url, model=args.model, request_rate=rate,
                            arrival=args.arrival, concurrency=args.concurrency,
                            ignore_eos=args.ignore_eos, api_key=args.api_key,

@@ -225,6 +225,8 @@ def test_models_and_clean_shutdown(qwen3_checkpoint):
     base, proc = _start(qwen3_checkpoint)
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == [MODEL]
+    schema = json.loads(urllib.request.urlopen(f"{base}/openapi.json", timeout=10).read())
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/messages"} <= set(schema["paths"])
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
     child_pids = [int(p) for p in children.stdout.split()]
     assert child_pids, "the engine core runs in a child process"
