@@ -38,6 +38,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt (no KV reuse across requests)")
+    g.add_argument("--kv-host-memory", type=parse_bytes,
+                   help="host memory for the L2 KV tier, e.g. 8GiB (default: off; 512MiB "
+                        "when --kv-store-dir is given)")
+    g.add_argument("--kv-store-dir", help="directory of the L3 KV file store (local disk or a "
+                                          "shared 3FS/NFS mount); survives restarts")
+    g.add_argument("--kv-store-bytes", type=parse_bytes, default=16 * 1024**3,
+                   help="most bytes the file store holds (default 16GiB)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
@@ -49,6 +56,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        kv_host_memory=args.kv_host_memory, kv_store_dir=args.kv_store_dir,
+        kv_store_bytes=args.kv_store_bytes,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy, seed=args.seed,
     )

@@ -12,6 +12,8 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 """Bytes of KV cache on CPU when --kv-cache-memory is not given (allocated, zeroed, at start)."""
 CUDA_MEMORY_UTILIZATION = 0.9
 """Fraction of free GPU memory (after weights) given to the KV cache by default on CUDA."""
+DEFAULT_KV_HOST_MEMORY_WITH_STORE = 512 * 1024**2
+"""Host tier bytes when only --kv-store-dir is given: blocks read from files pass through it."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,12 @@ class CacheConfig:
     """Bytes for the KV block pool; None picks a default for the device (see module constants)."""
     enable_prefix_caching: bool = True
     """Keep full blocks under their content hash so requests with a common prefix share them."""
+    kv_host_memory: int | None = None
+    """Bytes of host memory for tier L2 (blocks copied there as they are cached); None: off."""
+    kv_store_dir: str | None = None
+    """Directory of tier L3, the file store (local disk, or a shared 3FS/NFS mount)."""
+    kv_store_bytes: int = 16 * 1024**3
+    """Most bytes the file store may hold; least recently used blocks are deleted past it."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,9 @@ class EngineConfig:
         kv_cache_memory: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        kv_host_memory: int | None = None,
+        kv_store_dir: str | None = None,
+        kv_store_bytes: int = 16 * 1024**3,
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
         scheduling_policy: str = "fcfs",
@@ -142,7 +153,9 @@ class EngineConfig:
             model=ModelConfig.from_pretrained(model, dtype=dtype, device=device,
                                               max_model_len=max_model_len),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              kv_host_memory=kv_host_memory, kv_store_dir=kv_store_dir,
+                              kv_store_bytes=kv_store_bytes),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs, policy=scheduling_policy,
                                       enable_chunked_prefill=enable_chunked_prefill),

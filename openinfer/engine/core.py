@@ -15,14 +15,18 @@ import torch
 from openinfer.config import (
     CUDA_MEMORY_UTILIZATION,
     DEFAULT_CPU_KV_CACHE_MEMORY,
+    DEFAULT_KV_HOST_MEMORY_WITH_STORE,
     EngineConfig,
 )
 from openinfer.engine.outputs import EngineCoreOutput
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.runner import ModelRunner
 from openinfer.engine.scheduler import Scheduler
+from openinfer.kv.file_store import FileStore, StoreLayout, model_fingerprint
+from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.kv_manager import KVCacheManager
 from openinfer.kv.spec import FullAttentionSpec, LayerGroup, group_layers
+from openinfer.kv.transfer import KVTransfer
 from openinfer.models.loader import load_model
 from openinfer.sampling_params import SamplingParams
 
@@ -48,8 +52,31 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(model, groups, num_blocks, mc.num_layers, mc.dtype, config.device,
                                   seed=config.seed)
+        self.transfer = self._attach_kv_tiers(groups[0], dtype_name)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks,
                     config.cache.block_size, capacity)
+
+    def _attach_kv_tiers(self, group: LayerGroup, dtype_name: str) -> KVTransfer | None:
+        """Tier L2 (host memory) and L3 (file store), when configured."""
+        cache, mc = self.config.cache, self.config.model
+        host_memory = cache.kv_host_memory
+        if cache.kv_store_dir is not None and host_memory is None:
+            host_memory = DEFAULT_KV_HOST_MEMORY_WITH_STORE  # file blocks pass through it
+        if host_memory is None or not cache.enable_prefix_caching:
+            return None
+        store = None
+        if cache.kv_store_dir is not None:
+            layout = StoreLayout(model_fingerprint(mc.path), cache.block_size, mc.num_layers,
+                                 mc.num_kv_heads, mc.head_dim, dtype_name)
+            store = FileStore(cache.kv_store_dir, layout, cache.kv_store_bytes)
+        num_slots = host_memory // group.bytes_per_block
+        host = HostCacheIndex(num_slots)
+        self.kv.attach_tiers(host, store.contains if store is not None else None)
+        transfer = KVTransfer(self.runner.kv_blocks, num_slots, store)
+        self.runner.transfer = transfer
+        logger.info("KV tiers: L2 %d host blocks%s", num_slots,
+                    f", L3 {cache.kv_store_dir}" if store else "")
+        return transfer
 
     def _num_blocks(self, groups: list[LayerGroup]) -> int:
         bytes_per_block = sum(g.bytes_per_block for g in groups)
@@ -80,11 +107,51 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        self._finish_file_io()
         scheduled = self.scheduler.schedule()
+        if self.transfer is not None:
+            for load in self.kv.pending_file_loads:
+                self.transfer.submit_load(load)
+            self.kv.pending_file_loads.clear()
         result = self.runner.execute(scheduled)
+        if self.transfer is not None:
+            self._after_host_stores(scheduled.kv_stores)
+            if scheduled.is_empty and self.scheduler.num_loading:
+                self._finish_file_io(wait_s=0.01)  # nothing else to do: let loads land
         outputs = self.scheduler.update_from_output(scheduled, result)
         self._release_if_idle()
         return outputs
+
+    def _after_host_stores(self, stores: list[tuple[int, int]]) -> None:
+        """Blocks just copied to the host go on to the file store (their slots stay
+        pinned until written), or are done."""
+        if self.transfer.store is None:
+            self.kv.finish_host_stores([slot for _, slot in stores])
+            return
+        for _, slot in stores:
+            self.transfer.submit_write(self.kv.host.hash_at(slot), slot)
+
+    def _finish_file_io(self, wait_s: float = 0.0) -> None:
+        if self.transfer is None or not self.transfer.num_in_flight:
+            return
+        for done in self.transfer.poll(wait_s):
+            if done[0] == "write":
+                self.kv.finish_host_stores([done[1]])
+            else:
+                self.scheduler.finish_file_load(done[1], done[2])
+
+    def drain_file_io(self, timeout_s: float = 30.0) -> None:
+        """Wait until every file read and write has finished (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self.transfer is not None and self.transfer.num_in_flight:
+            if time.monotonic() > deadline:
+                raise TimeoutError("KV file I/O did not finish")
+            self._finish_file_io(wait_s=0.05)
+
+    def shutdown(self) -> None:
+        self.drain_file_io()
+        if self.transfer is not None:
+            self.transfer.shutdown()
 
     def _release_if_idle(self) -> None:
         # The runner learns of finished requests at the next step; with no next step

@@ -39,6 +39,7 @@ def run_engine_core(engine_options: dict, input_addr: str, output_addr: str) -> 
             "max_model_len": core.config.model.max_model_len,
         }))
         _serve(core, inputs, outputs, os.getppid())
+        core.shutdown()  # finish file-store writes: a restarted server finds them
     except Exception as e:  # report, so the front end fails requests instead of hanging
         logger.error("engine core failed: %s", traceback.format_exc())
         outputs.send(protocol.encode(protocol.ERROR, f"{type(e).__name__}: {e}"))

@@ -42,6 +42,10 @@ class SchedulerOutput:
     """Tokens of each request to compute this step (a prompt chunk, or 1 for a decode)."""
     finished_request_ids: set[str] = field(default_factory=set)
     """Requests that ended (or were preempted) since the last step: the runner drops them."""
+    kv_stores: list[tuple[int, int]] = field(default_factory=list)
+    """(device block, host slot): copy before the forward pass (KV tiers)."""
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
+    """(host slot, device block): copy after kv_stores, before the forward pass."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

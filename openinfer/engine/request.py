@@ -37,6 +37,9 @@ class Request:
     """Prompt tokens served from the prefix cache when first scheduled (-1 until then)."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Content hashes of the request's full blocks (prompt, then outputs)."""
+    store_load_tried: bool = False
+    """Its prefix blocks were looked for in the file store once (a failed read is not retried)."""
+    num_blocks_from_store: int = 0
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

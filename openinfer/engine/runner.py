@@ -14,6 +14,7 @@ from torch import nn
 
 from openinfer.engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from openinfer.kv.spec import LayerGroup
+from openinfer.kv.transfer import KVTransfer
 from openinfer.layers.attention import build_attention_metadata
 from openinfer.layers.sampler import Sampler, SamplingRow, compute_logprobs
 from openinfer.sampling_params import SamplingParams
@@ -43,22 +44,24 @@ class RunnerRequest:
         )
 
 
-def allocate_kv_caches(groups: list[LayerGroup], num_blocks: int, num_layers: int,
-                       dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
-    """One ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer.
+def allocate_kv_blocks(group: LayerGroup, num_blocks: int, num_layers: int,
+                       dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """The whole KV cache as one block-major tensor
+    ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``.
 
-    K and V of a layer are each one contiguous pool, so gathering a sequence's blocks
-    is a row copy (attention's hot path). Zero-filled: padded block-table entries are
+    A block of every layer is one contiguous chunk, so moving a block to the host or a
+    file is one copy, not one per layer. Zero-filled: padded block-table entries are
     read (then masked), and garbage there could be NaN, which masking does not cancel.
     """
-    per_layer: list[torch.Tensor | None] = [None] * num_layers
-    for group in groups:
-        spec = group.spec
-        for layer in group.layers:
-            per_layer[layer] = torch.zeros(2, num_blocks, spec.block_size, spec.num_kv_heads,
-                                           spec.head_dim, dtype=dtype, device=device)
-    assert all(c is not None for c in per_layer), "a layer has no KV cache"
-    return per_layer  # type: ignore[return-value]
+    spec = group.spec
+    return torch.zeros(num_blocks, num_layers, 2, spec.block_size, spec.num_kv_heads,
+                       spec.head_dim, dtype=dtype, device=device)
+
+
+def layer_views(kv_blocks: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's cache as the attention ops take it: ``[2, num_blocks, block_size, H, D]``
+    (a strided view of the block-major tensor)."""
+    return [kv_blocks[:, layer].transpose(0, 1) for layer in range(kv_blocks.shape[1])]
 
 
 class ModelRunner:
@@ -71,9 +74,13 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(device)
         self.block_size = groups[0].spec.block_size
-        self.kv_caches = allocate_kv_caches(groups, num_blocks, num_layers, dtype, device)
+        assert groups[0].layers == tuple(range(num_layers)), "every layer must have a KV cache"
+        self.kv_blocks = allocate_kv_blocks(groups[0], num_blocks, num_layers, dtype, device)
+        self.kv_caches = layer_views(self.kv_blocks)
         self.sampler = Sampler(seed)
         self.requests: dict[str, RunnerRequest] = {}
+        self.transfer: KVTransfer | None = None
+        """Copies between the device cache and the host tier (set when tiers are on)."""
 
     def _apply_diff(self, sched: SchedulerOutput) -> None:
         for request_id in sched.finished_request_ids:
@@ -89,6 +96,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._apply_diff(sched)
+        if self.transfer is not None:  # before the forward pass may overwrite a block
+            self.transfer.copy_to_host(sched.kv_stores)
+            self.transfer.copy_to_device(sched.kv_loads)
         if sched.is_empty:
             return ModelRunnerOutput()
         counts = sched.num_scheduled_tokens

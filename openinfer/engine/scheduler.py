@@ -42,7 +42,7 @@ from openinfer.engine.outputs import (
 )
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.kv.block_hash import extend_block_hashes
-from openinfer.kv.kv_manager import KVCacheManager
+from openinfer.kv.kv_manager import FileLoad, KVCacheManager, PrefixHit
 
 
 class Scheduler:
@@ -60,6 +60,8 @@ class Scheduler:
         self._claim_owner: dict[bytes, str] = {}
         self._claims: dict[str, deque[tuple[int, bytes]]] = {}
         """In-flight sharing: per claimant, (block index, hash) of the blocks it claimed."""
+        self._loading: set[str] = set()
+        """Waiting requests whose prefix blocks are being read from the file store."""
         self.num_prompt_tokens_computed = 0
         """Prompt tokens this scheduler sent to the model (cache hits excluded)."""
 
@@ -125,7 +127,17 @@ class Scheduler:
         while (not preempted and self._waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self._waiting[0][1]
-            hits, num_hit = self._cached_prefix(req)
+            if req.request_id in self._loading:  # its prefix is on its way from the store
+                stepped_aside.append(heapq.heappop(self._waiting))
+                continue
+            hit = self._cached_prefix(req)
+            if hit.store_hashes and not req.store_load_tried:
+                req.store_load_tried = True
+                if self.kv.start_file_load(req.request_id, hit.store_hashes):
+                    self._loading.add(req.request_id)
+                    stepped_aside.append(heapq.heappop(self._waiting))
+                    continue
+            num_hit = hit.num_tokens
             if self._next_block_is_claimed(req, num_hit):
                 stepped_aside.append(heapq.heappop(self._waiting))
                 continue
@@ -133,13 +145,14 @@ class Scheduler:
             if remaining > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(remaining, budget)
-            new_blocks = self.kv.allocate_slots(req.request_id, num_hit + n, hits)
+            new_blocks = self.kv.allocate_slots(req.request_id, num_hit + n, hit)
             if new_blocks is None:
                 break  # head-of-line waits: later requests must not overtake it
             heapq.heappop(self._waiting)
             if req.num_cached_tokens < 0:  # first scheduling: what the user is told
                 req.num_cached_tokens = num_hit
-                self.kv.record_prefix_query(req.num_tokens, num_hit)
+                self.kv.record_prefix_query(req.num_tokens, hit,
+                                            min(req.num_blocks_from_store, len(hit.host_slots)))
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -148,6 +161,8 @@ class Scheduler:
             budget -= n
         for item in stepped_aside:
             heapq.heappush(self._waiting, item)
+        out.kv_stores, self.kv.pending_stores = self.kv.pending_stores, []
+        out.kv_loads, self.kv.pending_loads = self.kv.pending_loads, []
         for req in self.running:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.num_prompt_tokens_computed += min(
@@ -157,10 +172,22 @@ class Scheduler:
 
     # ---- prefix cache and in-flight sharing --------------------------------------------
 
-    def _cached_prefix(self, req: Request) -> tuple[list[list[int]] | None, int]:
-        if req.sampling_params.prompt_logprobs is not None:
-            return None, 0  # cached positions have no logits to score
+    def _cached_prefix(self, req: Request) -> PrefixHit:
+        if req.sampling_params.prompt_logprobs is not None:  # cached positions have no logits
+            return PrefixHit([[] for _ in self.kv.groups], block_size=self.kv.block_size)
         return self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
+
+    def finish_file_load(self, load: FileLoad, num_loaded: int) -> None:
+        """Blocks read from the file store are in the host tier: the request may start."""
+        self.kv.finish_file_load(load, num_loaded)
+        self._loading.discard(load.request_id)
+        req = self.requests.get(load.request_id)
+        if req is not None:
+            req.num_blocks_from_store = num_loaded
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loading)
 
     def _next_block_is_claimed(self, req: Request, num_hit: int) -> bool:
         index = num_hit // self.kv.block_size
@@ -288,6 +315,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         req.status = status
+        self._loading.discard(req.request_id)
         self._settle_claims(req, release_all=True)
         self.kv.free(req.request_id)
         self._forget_in_runner(req.request_id, self._dropped_since_last_step)

@@ -1,7 +1,8 @@
 """Torch reference ops for attention over a paged KV cache.
 
 One layer's cache is a tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(index 0 = K, 1 = V), so K and V of a layer are each one contiguous pool of blocks.
+(index 0 = K, 1 = V); it may be a strided view (the engine keeps every layer of a
+block together), but each block's ``[block_size, H, D]`` is contiguous.
 A token's cache slot is ``block_id * block_size + offset``; a sequence's KV is found
 through its block table: token ``i`` lives in block ``table[i // block_size]`` at
 offset ``i % block_size``.
@@ -18,9 +19,10 @@ import torch.nn.functional as F
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the K/V of the step's tokens ([T, H, D]) into their slots."""
-    _, _, _, num_heads, head_dim = cache.shape
-    cache[0].view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, k.to(cache.dtype))
-    cache[1].view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, v.to(cache.dtype))
+    block_size = cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    cache[0].index_put_((blocks, offsets), k.to(cache.dtype))
+    cache[1].index_put_((blocks, offsets), v.to(cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor,

@@ -15,24 +15,30 @@ Once a block is full and computed it is *cached* under its chained content hash
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.block_pool import BlockPool
+from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.spec import LayerGroup
+
+TIERS = ("L1", "L2", "L3")
 
 
 @dataclass(frozen=True)
 class BlockStored:
-    """A full block became cached (vLLM's KV-event of the same name)."""
+    """A full block became cached in a tier (vLLM's KV-event of the same name)."""
     block_hash: BlockHash
     parent_hash: BlockHash | None
     token_ids: tuple[int, ...]
+    tier: str = "L1"
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hash: BlockHash
+    tier: str = "L1"
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,30 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass
+class PrefixHit:
+    """A request's cached prefix, tier by tier (each continues the one before)."""
+    blocks: list[list[int]]
+    """L1: device block ids per layer group."""
+    host_slots: list[tuple[BlockHash, int]] = field(default_factory=list)
+    """L2: (hash, host slot) of the blocks to copy back to the device."""
+    store_hashes: list[BlockHash] = field(default_factory=list)
+    """L3: blocks in the file store, to read into L2 before the request can start."""
+    block_size: int = 16
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the request can start after now (L1 + L2)."""
+        return (len(self.blocks[0]) + len(self.host_slots)) * self.block_size
+
+
+@dataclass
+class FileLoad:
+    """Blocks of the file store to read into reserved host slots for a request."""
+    request_id: str
+    blocks: list[tuple[BlockHash, int]]
 
 
 class KVCacheManager:
@@ -64,6 +94,24 @@ class KVCacheManager:
         self.pools[0].on_evict = lambda h: self.events.append(BlockRemoved(h))
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.hit_tokens_by_tier = dict.fromkeys(TIERS, 0)
+        # Lower tiers (attach_tiers); the copies they need are drained by the engine core.
+        self.host: HostCacheIndex | None = None
+        self.store_contains: Callable[[BlockHash], bool] | None = None
+        self.pending_stores: list[tuple[int, int]] = []
+        """(device block, host slot): copy to the host at the start of the next step."""
+        self.pending_loads: list[tuple[int, int]] = []
+        """(host slot, device block): copy to the device at the start of the next step."""
+        self.pending_file_loads: list[FileLoad] = []
+
+    def attach_tiers(self, host: HostCacheIndex | None,
+                     store_contains: Callable[[BlockHash], bool] | None) -> None:
+        if len(self.groups) != 1:
+            raise ValueError("KV tiers need a model with one KV layer group")
+        self.host = host
+        self.store_contains = store_contains
+        if host is not None:
+            host.on_evict = lambda h: self.events.append(BlockRemoved(h, "L2"))
 
     @property
     def usage(self) -> float:
@@ -75,40 +123,87 @@ class KVCacheManager:
 
     # ---- prefix hits -----------------------------------------------------------------
 
-    def find_cached_prefix(self, block_hashes: list[BlockHash],
-                           num_tokens: int) -> tuple[list[list[int]], int]:
-        """The longest cached prefix of a request: (block ids per group, tokens covered).
+    def find_cached_prefix(self, block_hashes: list[BlockHash], num_tokens: int) -> PrefixHit:
+        """The longest cached prefix of a request, through every tier.
 
         At most ``num_tokens - 1`` tokens hit (whole blocks), so the last token is always
         computed and yields the logits to sample from."""
+        hit = PrefixHit([[] for _ in self.groups], block_size=self.block_size)
         if not self.enable_caching:
-            return [[] for _ in self.groups], 0
-        hits: list[list[int]] = [[] for _ in self.groups]
-        for block_hash in block_hashes[:(num_tokens - 1) // self.block_size]:
+            return hit
+        limit = block_hashes[:(num_tokens - 1) // self.block_size]
+        i = 0
+        for block_hash in limit:
             found = [pool.lookup(block_hash) for pool in self.pools]
             if any(b is None for b in found):
                 break
-            for table, b in zip(hits, found):
+            for table, b in zip(hit.blocks, found):
                 table.append(b)
-        return hits, len(hits[0]) * self.block_size
+            i += 1
+        if self.host is not None:
+            for block_hash in limit[i:]:
+                slot = self.host.lookup(block_hash)
+                if slot is None:
+                    break
+                hit.host_slots.append((block_hash, slot))
+                i += 1
+        if self.store_contains is not None:
+            for block_hash in limit[i:]:
+                if not self.store_contains(block_hash):
+                    break
+                hit.store_hashes.append(block_hash)
+        return hit
 
-    def record_prefix_query(self, num_tokens: int, num_hit: int) -> None:
-        """Count one request's lookup in the hit-rate counters (once per request)."""
+    def start_file_load(self, request_id: str, block_hashes: list[BlockHash]) -> bool:
+        """Reserve host slots and queue a read of these store blocks; False if no slot."""
+        blocks = []
+        for block_hash in block_hashes:
+            slot = self.host.reserve()
+            if slot is None:
+                break
+            blocks.append((block_hash, slot))
+        if not blocks:
+            return False
+        self.pending_file_loads.append(FileLoad(request_id, blocks))
+        return True
+
+    def finish_file_load(self, load: FileLoad, num_loaded: int) -> None:
+        """The first ``num_loaded`` blocks arrived in their slots; the rest did not."""
+        for i, (block_hash, slot) in enumerate(load.blocks):
+            if i < num_loaded:
+                self.host.fill(slot, block_hash)
+            else:
+                self.host.abandon(slot)
+
+    def finish_host_stores(self, slots: list[int]) -> None:
+        """These host slots hold their blocks for good (copied, and written to the file
+        store when there is one): they may be reused again."""
+        for slot in slots:
+            self.host.unpin(slot)
+
+    def record_prefix_query(self, num_tokens: int, hit: PrefixHit, num_from_store: int) -> None:
+        """Count one request's lookup in the hit-rate counters (once per request);
+        ``num_from_store`` of its L2 blocks were read from the file store for it."""
         self.num_queried_tokens += num_tokens
-        self.num_hit_tokens += num_hit
+        self.num_hit_tokens += hit.num_tokens
+        l2 = len(hit.host_slots) - num_from_store
+        self.hit_tokens_by_tier["L1"] += len(hit.blocks[0]) * self.block_size
+        self.hit_tokens_by_tier["L2"] += l2 * self.block_size
+        self.hit_tokens_by_tier["L3"] += num_from_store * self.block_size
 
     # ---- allocation ------------------------------------------------------------------
 
     def allocate_slots(self, request_id: str, num_tokens: int,
-                       cached: list[list[int]] | None = None) -> list[list[int]] | None:
-        """Grow the request's tables to cover ``num_tokens`` tokens, starting with the
-        ``cached`` prefix blocks (a new request's hit) when given.
+                       hit: PrefixHit | None = None) -> list[list[int]] | None:
+        """Grow the request's tables to cover ``num_tokens`` tokens, starting with a new
+        request's cached prefix when given: its device blocks by reference, then fresh
+        blocks that its host-tier blocks are copied into before the step runs.
 
-        Returns the block ids added per group (hits first), or None (changing nothing)
-        when some group's pool lacks room.
+        Returns the block ids added per group (hit blocks first), or None (changing
+        nothing) when some group's pool lacks room.
         """
         tables = self.block_table(request_id)
-        cached = cached or [[] for _ in self.groups]
+        cached = hit.blocks if hit is not None else [[] for _ in self.groups]
         wanted = [max(0, g.spec.blocks_for(num_tokens) - len(t) - len(c))
                   for g, t, c in zip(self.groups, tables, cached)]
         for n, hits, pool in zip(wanted, cached, self.pools):
@@ -122,8 +217,13 @@ class KVCacheManager:
             table.extend(blocks)
             added.append(blocks)
         self._tables[request_id] = tables
-        if cached[0]:
-            self._num_cached_blocks[request_id] = len(cached[0])
+        if hit is not None and (hit.blocks[0] or hit.host_slots):
+            first = len(hit.blocks[0])
+            for i, (block_hash, slot) in enumerate(hit.host_slots):
+                block = tables[0][first + i]
+                self.pools[0].cache(block, block_hash)  # its bytes land before any read
+                self.pending_loads.append((slot, block))
+            self._num_cached_blocks[request_id] = first + len(hit.host_slots)
         return added
 
     def cache_blocks(self, request_id: str, block_hashes: list[BlockHash],
@@ -138,12 +238,18 @@ class KVCacheManager:
         tables = self._tables[request_id]
         for i in range(done, full):
             new = [pool.cache(table[i], block_hashes[i]) for pool, table in zip(self.pools, tables)]
-            if new[0]:
-                stored.append(block_hashes[i])
-                bs = self.block_size
-                self.events.append(BlockStored(
-                    block_hashes[i], block_hashes[i - 1] if i else None,
-                    tuple(token_ids[i * bs:(i + 1) * bs])))
+            if not new[0]:
+                continue
+            stored.append(block_hashes[i])
+            bs = self.block_size
+            parent, tokens = block_hashes[i - 1] if i else None, tuple(token_ids[i * bs:(i + 1) * bs])
+            self.events.append(BlockStored(block_hashes[i], parent, tokens))
+            if self.host is not None and block_hashes[i] not in self.host:
+                slot = self.host.allocate(block_hashes[i])
+                if slot is not None:  # write-through: the host copy is made next step
+                    self.host.pin(slot)  # until copied (and written to the file store)
+                    self.pending_stores.append((tables[0][i], slot))
+                    self.events.append(BlockStored(block_hashes[i], parent, tokens, "L2"))
         self._num_cached_blocks[request_id] = max(done, full)
         return stored
 
@@ -161,6 +267,8 @@ class KVCacheManager:
         count = self.pools[0].num_cached
         for pool in self.pools:
             pool.reset_cache()
+        if self.host is not None:
+            self.host.clear()
         self.events.append(AllBlocksCleared())
         return count
 
@@ -172,6 +280,8 @@ class KVCacheManager:
                 for b in tables[g]:
                     held[b] = held.get(b, 0) + 1
             pool.check_integrity(held)
+        if self.host is not None:
+            self.host.check_integrity()
 
     @property
     def num_requests(self) -> int:

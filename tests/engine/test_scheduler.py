@@ -6,6 +6,7 @@ from openinfer.config import SchedulerConfig
 from openinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
+from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.kv_manager import KVCacheManager
 from openinfer.kv.spec import FullAttentionSpec, group_layers
 from openinfer.sampling_params import SamplingParams
@@ -203,4 +204,25 @@ def test_a_request_waiting_on_a_claimed_prefix_lets_unrelated_ones_go_first():
     out = s.schedule()                               # the prefix is cached: a 16-token hit
     (sharer,) = [n for n in out.new_requests if n.request_id == "sharer"]
     assert sharer.num_computed_tokens == 16 and out.num_scheduled_tokens["sharer"] == 2
+    s.check_integrity()
+
+
+def test_a_request_loading_from_the_file_store_steps_aside_then_starts_after_its_prefix():
+    s = _scheduler(num_blocks=64, budget=64, caching=True)
+    in_store: set[bytes] = set()
+    s.kv.attach_tiers(HostCacheIndex(8), in_store.__contains__)
+    s.add_request(_request("loading", 10))
+    s.add_request(Request("other", [50] * 5, SamplingParams(max_tokens=1), 1))
+    in_store.update(s.requests["loading"].block_hashes)   # both full blocks are on disk
+    out = s.schedule()
+    assert list(out.num_scheduled_tokens) == ["other"]    # not held up by the load
+    (load,) = s.kv.pending_file_loads
+    s.kv.pending_file_loads.clear()
+    s.update_from_output(out, FakeRunner().execute(out))
+    s.finish_file_load(load, num_loaded=2)                # now in host memory (L2)
+    out = s.schedule()
+    (started,) = [n for n in out.new_requests if n.request_id == "loading"]
+    assert started.num_computed_tokens == 8 and out.num_scheduled_tokens["loading"] == 2
+    assert [slot for slot, _ in out.kv_loads] == [slot for _, slot in load.blocks]
+    assert s.kv.hit_tokens_by_tier["L3"] == 8
     s.check_integrity()

@@ -64,9 +64,9 @@ def test_hits_are_shared_by_reference_and_capped_before_the_last_token():
     kv.cache_blocks("a", hashes, prompt, 12)
     assert [type(e) for e in kv.events] == [BlockStored] * 3
     assert kv.events[1].parent_hash == hashes[0] and kv.events[1].token_ids == (4, 5, 6, 7)
-    hits, num_hit = kv.find_cached_prefix(hashes, len(prompt))
-    assert num_hit == 8                       # the last token is always computed
-    assert kv.allocate_slots("b", 13, hits) is not None
+    hit = kv.find_cached_prefix(hashes, len(prompt))
+    assert hit.num_tokens == 8                # the last token is always computed
+    assert kv.allocate_slots("b", 13, hit) is not None
     assert kv.block_table("b")[0][:2] == kv.block_table("a")[0][:2]
     assert kv.pools[0].ref_count(kv.block_table("a")[0][0]) == 2
     kv.check_integrity()
@@ -74,7 +74,7 @@ def test_hits_are_shared_by_reference_and_capped_before_the_last_token():
     kv.free("b")
     assert kv.usage == 0 and kv.pools[0].num_cached == 3
     assert kv.reset_cache() == 3 and isinstance(kv.events[-1], AllBlocksCleared)
-    assert kv.find_cached_prefix(hashes, 12)[1] == 0
+    assert kv.find_cached_prefix(hashes, 12).num_tokens == 0
     kv.check_integrity()
 
 
@@ -115,12 +115,12 @@ def test_random_alloc_hit_free_sequences_keep_the_pool_consistent(ops):
             tokens = [(who * n + i) % 2 for i in range(n)]
             hashes[rid] = []
             extend_block_hashes(hashes[rid], tokens, BLOCK)
-            hits, num_hit = kv.find_cached_prefix(hashes[rid], len(tokens))
-            assert num_hit <= len(tokens) - 1
-            for i, block in enumerate(hits[0]):  # a hit holds exactly the tokens asked for
+            hit = kv.find_cached_prefix(hashes[rid], len(tokens))
+            assert hit.num_tokens <= len(tokens) - 1
+            for i, block in enumerate(hit.blocks[0]):  # a hit holds exactly the tokens asked for
                 assert content[block] == tuple(tokens[i * BLOCK:(i + 1) * BLOCK])
-            assert hits[0] == hits[1]  # both layer groups agree
-            if kv.allocate_slots(rid, len(tokens), hits) is not None:
+            assert hit.blocks[0] == hit.blocks[1]  # both layer groups agree
+            if kv.allocate_slots(rid, len(tokens), hit) is not None:
                 live[rid] = tokens
                 cache(rid)
         elif op == "grow" and rid in live:

@@ -9,7 +9,7 @@ import torch
 
 from openinfer import LLM, SamplingParams
 from openinfer.config import ModelConfig
-from openinfer.engine.runner import allocate_kv_caches
+from openinfer.engine.runner import allocate_kv_blocks, layer_views
 from openinfer.kv.spec import FullAttentionSpec, group_layers
 from openinfer.layers.attention import build_attention_metadata
 from openinfer.models.loader import load_model
@@ -31,8 +31,9 @@ class PagedModel:
         self.model = load_model(self.config, progress=False)
         c = self.config
         spec = FullAttentionSpec(BLOCK, c.num_kv_heads, c.head_dim, "float32")
-        self.caches = allocate_kv_caches(group_layers([spec] * c.num_layers), num_blocks,
-                                         c.num_layers, torch.float32, "cpu")
+        (group,) = group_layers([spec] * c.num_layers)
+        self.caches = layer_views(allocate_kv_blocks(group, num_blocks, c.num_layers,
+                                                     torch.float32, "cpu"))
         self.tables: dict[int, list[int]] = {}
         self.next_block = 0
 

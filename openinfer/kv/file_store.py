@@ -1,0 +1,205 @@
+"""Tier L3: KV blocks as files under a directory (local disk, or a 3FS/NFS/Lustre mount).
+
+One file per block, named by its content hash (never by anything from a request):
+
+    DIR/<model fingerprint, 16 hex>/<hash[:2]>/<hash hex>.kvblock
+
+A file is ``MAGIC | u32 header length | JSON header | payload``. The header names the
+format version, the model fingerprint, the KV layout (layer groups, heads, head size,
+block size, dtype), the block hash and the payload's length and CRC32. A file whose
+header or checksum does not match what this engine expects is deleted, never loaded.
+
+Writes go to a temporary file in the same directory and are renamed into place, so a
+reader (this process or another sharing the directory) sees a whole file or none.
+The store is bounded by ``capacity_bytes``: when a write takes it over, the least
+recently used files (by mtime, which a read refreshes) are deleted down to 90%.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import struct
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from openinfer.kv.block_hash import BlockHash
+
+MAGIC = b"OIKVBLK\x00"
+FORMAT_VERSION = 1
+SUFFIX = ".kvblock"
+_LEN = struct.Struct("<I")
+
+
+class StoreFileError(ValueError):
+    """A block file that must not be used (and has been deleted)."""
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """What a block's bytes mean; every field must match for a file to be loaded."""
+    model_fingerprint: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    layout: str = "block-major[layer][k,v][token][head][dim]"
+
+    @property
+    def block_bytes(self) -> int:
+        from openinfer.kv.spec import DTYPE_BYTES
+
+        return (self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+                * DTYPE_BYTES[self.dtype])
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """sha256 over config.json and every safetensors file's size, first and last MiB
+    (which hold its header and weights): distinct checkpoints, distinct stores."""
+    root = Path(model_dir)
+    digest = hashlib.sha256((root / "config.json").read_bytes())
+    for path in sorted(root.glob("*.safetensors")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()
+
+
+class FileStore:
+    def __init__(self, root: str | Path, layout: StoreLayout, capacity_bytes: int) -> None:
+        self.layout = layout
+        self.capacity_bytes = capacity_bytes
+        self.dir = Path(root) / layout.model_fingerprint[:16]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._expected = {k: v for k, v in vars(layout).items()}
+        self.bytes_used = sum(p.stat().st_size for p in self._files())
+        self.num_deleted_bad = 0
+        self.num_evicted = 0
+
+    def path_of(self, block_hash: BlockHash) -> Path:
+        name = block_hash.hex()
+        return self.dir / name[:2] / f"{name}{SUFFIX}"
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        return self.path_of(block_hash).is_file()
+
+    def write(self, block_hash: BlockHash, payload: bytes) -> bool:
+        """Store a block (atomically); False when it was already there."""
+        path = self.path_of(block_hash)
+        if path.is_file():
+            return False
+        header = json.dumps({**self._expected, "version": FORMAT_VERSION,
+                             "block_hash": block_hash.hex(), "payload_bytes": len(payload),
+                             "crc32": zlib.crc32(payload)}).encode()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        with tmp.open("wb") as f:
+            f.write(MAGIC + _LEN.pack(len(header)) + header)
+            f.write(payload)
+        os.replace(tmp, path)
+        self.bytes_used += tmp_size(path)
+        if self.bytes_used > self.capacity_bytes:
+            self.collect_garbage()
+        return True
+
+    def read(self, block_hash: BlockHash) -> bytes:
+        """The block's payload; raises StoreFileError (deleting the file) if it is bad,
+        FileNotFoundError if it is gone (evicted by another process meanwhile)."""
+        path = self.path_of(block_hash)
+        data = path.read_bytes()
+        try:
+            payload = self._verify(data, block_hash)
+        except StoreFileError:
+            self._delete(path)
+            self.num_deleted_bad += 1
+            raise
+        os.utime(path)  # recently used: last to be collected
+        return payload
+
+    def _verify(self, data: bytes, block_hash: BlockHash) -> bytes:
+        if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _LEN.size:
+            raise StoreFileError("not a block file (bad magic)")
+        (length,) = _LEN.unpack_from(data, len(MAGIC))
+        start = len(MAGIC) + _LEN.size
+        try:
+            header = json.loads(data[start:start + length])
+        except ValueError as e:
+            raise StoreFileError(f"unreadable header: {e}") from e
+        if header.get("version") != FORMAT_VERSION:
+            raise StoreFileError(f"format version {header.get('version')}")
+        for key, value in self._expected.items():
+            if header.get(key) != value:
+                raise StoreFileError(f"{key} mismatch: file has {header.get(key)!r}")
+        if header.get("block_hash") != block_hash.hex():
+            raise StoreFileError("block hash mismatch")
+        payload = data[start + length:]
+        if len(payload) != header.get("payload_bytes") or len(payload) != self.layout.block_bytes:
+            raise StoreFileError("payload length mismatch (truncated?)")
+        if zlib.crc32(payload) != header.get("crc32"):
+            raise StoreFileError("checksum mismatch")
+        return payload
+
+    def collect_garbage(self) -> None:
+        """Delete least recently used files until the store is at 90% of its budget."""
+        entries = []
+        for path in self._files():
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue  # another process collected it
+            entries.append((st.st_mtime, st.st_size, path))
+        self.bytes_used = sum(size for _, size, _ in entries)
+        entries.sort()
+        target = int(self.capacity_bytes * 0.9)
+        for _, size, path in entries:
+            if self.bytes_used <= target:
+                break
+            self._delete(path)
+            self.bytes_used -= size
+            self.num_evicted += 1
+
+    def _files(self):
+        return (p for p in self.dir.glob(f"*/*{SUFFIX}") if not p.name.startswith("."))
+
+    @staticmethod
+    def _delete(path: Path) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def tmp_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def inspect_store(root: str | Path) -> list[dict]:
+    """What a store directory holds, per model fingerprint (for `openinfer cache inspect`)."""
+    summary = []
+    for model_dir in sorted(p for p in Path(root).iterdir() if p.is_dir()):
+        files = [p for p in model_dir.glob(f"*/*{SUFFIX}") if not p.name.startswith(".")]
+        entry = {"fingerprint": model_dir.name, "blocks": len(files),
+                 "bytes": sum(tmp_size(p) for p in files), "layout": None, "bad_headers": 0}
+        for path in files[:1]:
+            data = path.read_bytes()
+            try:
+                (length,) = _LEN.unpack_from(data, len(MAGIC))
+                header = json.loads(data[len(MAGIC) + _LEN.size:][:length])
+                entry["layout"] = {k: header[k] for k in (
+                    "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "layout")}
+            except (ValueError, KeyError, struct.error):
+                entry["bad_headers"] += 1
+        if files:
+            mtimes = [p.stat().st_mtime for p in files]
+            entry["oldest_mtime"], entry["newest_mtime"] = min(mtimes), max(mtimes)
+        summary.append(entry)
+    return summary

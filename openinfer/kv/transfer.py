@@ -1,0 +1,127 @@
+"""The tensor side of the KV tiers: the host pool, device<->host copies, file I/O threads.
+
+The scheduler decides (pure Python, kv_manager.py); this moves bytes:
+
+* device -> host (write-through of newly cached blocks) and host -> device (L2 hits) run
+  at the start of a step, stores before loads, before the forward pass writes any
+  block. The device cache is block-major, so each block is one contiguous chunk. On
+  CUDA the host pool is pinned and the copies are asynchronous on the compute stream.
+* host <-> file store reads and writes run on a small thread pool; their completions
+  are polled by the engine core each step, so the engine loop never waits on a disk
+  (except, when nothing else can run, briefly for the load a request waits on).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from openinfer.kv.block_hash import BlockHash
+from openinfer.kv.file_store import FileStore, StoreFileError
+from openinfer.kv.kv_manager import FileLoad
+
+
+@dataclass
+class TransferStats:
+    """Running totals, reported with the engine's stats (and so in /metrics)."""
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("device_to_host", "host_to_device", "host_to_store", "store_to_host"), 0))
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("device_to_host", "host_to_device", "host_to_store", "store_to_host"), 0.0))
+    store_read_failures: int = 0
+
+
+class KVTransfer:
+    def __init__(self, device_blocks: torch.Tensor, num_host_slots: int,
+                 store: FileStore | None, io_threads: int = 2) -> None:
+        self.device_blocks = device_blocks
+        pin = device_blocks.is_cuda
+        self.host_blocks = torch.zeros((num_host_slots, *device_blocks.shape[1:]),
+                                       dtype=device_blocks.dtype, pin_memory=pin)
+        self.block_bytes = self.host_blocks[0].numel() * self.host_blocks.element_size()
+        self.store = store
+        self.stats = TransferStats()
+        self._io = ThreadPoolExecutor(io_threads, "openinfer-kv-io") if store else None
+        self._done: queue.Queue[tuple] = queue.Queue()
+        self.num_in_flight = 0
+
+    # ---- device <-> host (main thread, at the start of a step) ------------------------
+
+    def copy_to_host(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        start = time.perf_counter()
+        blocks, slots = (torch.tensor(x) for x in zip(*pairs))
+        data = self.device_blocks.index_select(0, blocks.to(self.device_blocks.device))
+        self.host_blocks.index_copy_(0, slots, data.to("cpu", non_blocking=True))
+        self._account("device_to_host", len(pairs), start)
+
+    def copy_to_device(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        start = time.perf_counter()
+        slots, blocks = (torch.tensor(x) for x in zip(*pairs))
+        data = self.host_blocks.index_select(0, slots)
+        device = self.device_blocks.device
+        self.device_blocks.index_copy_(0, blocks.to(device), data.to(device, non_blocking=True))
+        self._account("host_to_device", len(pairs), start)
+
+    def _account(self, kind: str, num_blocks: int, start: float) -> None:
+        self.stats.bytes[kind] += num_blocks * self.block_bytes
+        self.stats.seconds[kind] += time.perf_counter() - start
+
+    # ---- host <-> file store (I/O threads) -------------------------------------------
+
+    def submit_write(self, block_hash: BlockHash, slot: int) -> None:
+        self.num_in_flight += 1
+        self._io.submit(self._write, block_hash, slot)
+
+    def submit_load(self, load: FileLoad) -> None:
+        self.num_in_flight += 1
+        self._io.submit(self._load, load)
+
+    def _write(self, block_hash: BlockHash, slot: int) -> None:
+        start = time.perf_counter()
+        try:
+            self.store.write(block_hash, self.host_blocks[slot].numpy().tobytes())
+            self._account("host_to_store", 1, start)
+        except OSError:
+            pass  # a full or failing disk loses a cache entry, never a request
+        finally:
+            self._done.put(("write", slot))
+
+    def _load(self, load: FileLoad) -> None:
+        start, loaded = time.perf_counter(), 0
+        try:
+            for block_hash, slot in load.blocks:
+                try:
+                    payload = self.store.read(block_hash)
+                except (StoreFileError, OSError):
+                    self.stats.store_read_failures += 1
+                    break  # the rest is recomputed
+                view = torch.frombuffer(bytearray(payload), dtype=self.host_blocks.dtype)
+                self.host_blocks[slot].copy_(view.view(self.host_blocks.shape[1:]))
+                loaded += 1
+            self._account("store_to_host", loaded, start)
+        finally:
+            self._done.put(("load", load, loaded))
+
+    def poll(self, timeout_s: float = 0.0) -> list[tuple]:
+        """Finished file I/O: ("write", slot) and ("load", FileLoad, blocks loaded)."""
+        done = []
+        try:
+            done.append(self._done.get(timeout=timeout_s) if timeout_s else self._done.get_nowait())
+            while True:
+                done.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        self.num_in_flight -= len(done)
+        return done
+
+    def shutdown(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)

@@ -1,0 +1,129 @@
+"""KV tiers end to end: host memory (L2) and the file store (L3) give the plain path's tokens."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from openinfer import LLM, SamplingParams
+from openinfer.kv.block_hash import extend_block_hashes
+from openinfer.kv.file_store import MAGIC, SUFFIX
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+MiB = 1024**2
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(n)]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def plain(qwen3_checkpoint) -> LLM:
+    return LLM(str(qwen3_checkpoint), enable_prefix_caching=False, progress=False)
+
+
+def test_device_evictions_are_served_from_host_memory(qwen3_checkpoint, plain):
+    # A device pool of 12 blocks of 16 tokens: each 70-token prompt needs 5, so a later
+    # prompt evicts an earlier one, whose blocks come back from the host tier.
+    llm = LLM(str(qwen3_checkpoint), kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4,
+              max_model_len=96, kv_host_memory=4 * MiB, progress=False)
+    core = llm.engine.core
+    assert core.kv.num_blocks == 12
+    prompts = _prompts(4, 70, seed=1)
+    expected = _tokens(plain.generate(prompts, GREEDY))
+    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    again = llm.generate(prompts, GREEDY)   # the first ones were evicted from the device
+    assert _tokens(again) == expected
+    assert all(o.num_cached_tokens == 64 for o in again)
+    assert core.kv.hit_tokens_by_tier["L2"] > 0
+    assert core.transfer.stats.bytes["host_to_device"] > 0
+    core.check_integrity()
+
+
+def test_file_store_hits_across_engines_and_processes(qwen3_checkpoint, plain, tmp_path):
+    store = tmp_path / "store"
+    prompts = _prompts(3, 70, seed=2)
+    expected = _tokens(plain.generate(prompts, GREEDY))
+    # Another process fills the store ...
+    writer = (f"from openinfer import LLM, SamplingParams; import json\n"
+              f"llm = LLM({str(qwen3_checkpoint)!r}, kv_store_dir={str(store)!r}, progress=False)\n"
+              f"out = llm.generate({prompts!r}, SamplingParams(temperature=0, max_tokens=8, "
+              f"ignore_eos=True))\n"
+              f"llm.engine.core.shutdown()\n"
+              f"print(json.dumps([o.outputs[0].token_ids for o in out]))\n")
+    proc = subprocess.run([sys.executable, "-c", writer], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected
+    files = sorted(store.rglob(f"*{SUFFIX}"))
+    assert len(files) == 3 * 4 and not list(store.rglob("*.tmp"))
+    # ... and this one, starting cold, hits it.
+    llm = LLM(str(qwen3_checkpoint), kv_store_dir=str(store), progress=False)
+    outs = llm.generate(prompts, GREEDY)
+    assert _tokens(outs) == expected
+    assert [o.num_cached_tokens for o in outs] == [64, 64, 64]
+    assert llm.engine.core.kv.hit_tokens_by_tier["L3"] == 3 * 64
+    llm.engine.core.shutdown()
+
+
+def test_bad_store_files_are_deleted_never_loaded(qwen3_checkpoint, plain, tmp_path):
+    store = tmp_path / "store"
+    prompts = _prompts(3, 40, seed=3)  # two full blocks each
+    expected = _tokens(plain.generate(prompts, GREEDY))
+    llm = LLM(str(qwen3_checkpoint), kv_store_dir=str(store), progress=False)
+    llm.generate(prompts, GREEDY)
+    llm.engine.core.shutdown()
+    first_hashes, first_blocks = [], []  # the file of each prompt's first block
+    for prompt in prompts:
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, prompt, 16)
+        first_hashes.append(hashes[0])
+        first_blocks.append(next(store.rglob(f"{hashes[0].hex()}{SUFFIX}")))
+    truncated, flipped, foreign = first_blocks
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    data = bytearray(flipped.read_bytes())
+    data[-10] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    data = foreign.read_bytes()
+    header_len = int.from_bytes(data[len(MAGIC):len(MAGIC) + 4], "little")
+    start = len(MAGIC) + 4
+    header = json.loads(data[start:start + header_len])
+    header["model_fingerprint"] = "0" * 64   # a block of another model
+    new_header = json.dumps(header).encode()
+    foreign.write_bytes(MAGIC + len(new_header).to_bytes(4, "little") + new_header
+                        + data[start + header_len:])
+
+    fresh = LLM(str(qwen3_checkpoint), kv_store_dir=str(store), progress=False)
+    outs = fresh.generate(prompts, GREEDY)
+    assert _tokens(outs) == expected
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]  # their chains break at block 0
+    file_store = fresh.engine.core.transfer.store
+    assert fresh.engine.core.transfer.stats.store_read_failures == 3
+    assert file_store.num_deleted_bad == 3
+    fresh.engine.core.shutdown()
+    # Deleted, then written again from the recomputed blocks: valid files now.
+    assert all(len(file_store.read(h)) == file_store.layout.block_bytes for h in first_hashes)
+
+
+def test_file_store_stays_within_its_budget(qwen3_checkpoint, tmp_path):
+    store = tmp_path / "store"
+    llm = LLM(str(qwen3_checkpoint), kv_store_dir=str(store), progress=False)
+    file_store = llm.engine.core.transfer.store
+    budget = 20 * (file_store.layout.block_bytes + 1024)  # room for ~20 block files
+    file_store.capacity_bytes = budget
+    llm.generate(_prompts(10, 70, seed=4), GREEDY)  # 40 blocks
+    llm.engine.core.shutdown()
+    files = list(store.rglob(f"*{SUFFIX}"))
+    assert 0 < sum(p.stat().st_size for p in files) <= budget
+    assert file_store.num_evicted > 0 and len(files) < 40
+    # Names come from hashes only (hex), never from request content.
+    assert all(p.name.removesuffix(SUFFIX).isalnum() for p in files)
