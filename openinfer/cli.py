@@ -45,6 +45,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                           "shared 3FS/NFS mount); survives restarts")
     g.add_argument("--kv-store-bytes", type=parse_bytes, default=16 * 1024**3,
                    help="most bytes the file store holds (default 16GiB)")
+    g.add_argument("--kv-events-endpoint", help="publish KV events (vLLM's schema) on this ZMQ "
+                                                "PUB address, e.g. tcp://*:5557")
+    g.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER address for replaying "
+                                                       "missed KV event batches")
+    g.add_argument("--kv-events-topic", default="")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
@@ -57,7 +62,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         kv_host_memory=args.kv_host_memory, kv_store_dir=args.kv_store_dir,
-        kv_store_bytes=args.kv_store_bytes,
+        kv_store_bytes=args.kv_store_bytes, kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic=args.kv_events_topic,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy, seed=args.seed,
     )
@@ -112,6 +119,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache_inspect(args: argparse.Namespace) -> int:
+    import datetime as dt
+
+    from openinfer.kv.file_store import inspect_store
+
+    if not Path(args.dir).is_dir():
+        print(f"openinfer: {args.dir} is not a directory", file=sys.stderr)
+        return 2
+    entries = inspect_store(args.dir)
+    if not entries:
+        print(f"{args.dir}: empty KV store")
+    for e in entries:
+        print(f"model {e['fingerprint']}: {e['blocks']} blocks, {e['bytes'] / 2**20:.1f} MiB")
+        if e["layout"]:
+            print("  layout: " + ", ".join(f"{k}={v}" for k, v in e["layout"].items()))
+        if e["blocks"]:
+            when = lambda t: dt.datetime.fromtimestamp(t).isoformat(timespec="seconds")
+            print(f"  used: {when(e['oldest_mtime'])} .. {when(e['newest_mtime'])}")
+        if e["bad_headers"]:
+            print(f"  {e['bad_headers']} sampled file(s) with unreadable headers")
+    return 0
+
+
 def cmd_demo_model(args: argparse.Namespace) -> int:
     from openinfer.demo import build_demo_model, get_demo_spec
 
@@ -157,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     sub.choices["bench"].set_defaults(func=run_bench)
+
+    cache = sub.add_parser("cache", help="KV-cache tools")
+    cache_commands = cache.add_subparsers(dest="cache_command", required=True)
+    inspect = cache_commands.add_parser("inspect", help="what a KV file store holds")
+    inspect.add_argument("dir", help="the --kv-store-dir of a server")
+    inspect.set_defaults(func=cmd_cache_inspect)
 
     demo = sub.add_parser("demo-model", help="build the random-weight demo checkpoint")
     demo.add_argument("out_dir")

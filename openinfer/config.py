@@ -92,6 +92,11 @@ class CacheConfig:
     """Directory of tier L3, the file store (local disk, or a shared 3FS/NFS mount)."""
     kv_store_bytes: int = 16 * 1024**3
     """Most bytes the file store may hold; least recently used blocks are deleted past it."""
+    kv_events_endpoint: str | None = None
+    """ZMQ PUB address for KV events (vLLM's schema), e.g. tcp://*:5557; None: off."""
+    kv_events_replay_endpoint: str | None = None
+    """ZMQ ROUTER address where a subscriber asks for batches it missed."""
+    kv_events_topic: str = ""
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,9 @@ class SchedulerConfig:
     """'fcfs' or 'priority' (lower SamplingParams.priority first, then arrival)."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the remaining budget across steps."""
+    share_inflight_prefixes: bool = True
+    """A waiting request whose next prefix block another request is computing waits for
+    it (then hits) instead of computing it again."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -141,10 +149,14 @@ class EngineConfig:
         kv_host_memory: int | None = None,
         kv_store_dir: str | None = None,
         kv_store_bytes: int = 16 * 1024**3,
+        kv_events_endpoint: str | None = None,
+        kv_events_replay_endpoint: str | None = None,
+        kv_events_topic: str = "",
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
         scheduling_policy: str = "fcfs",
         enable_chunked_prefill: bool = True,
+        share_inflight_prefixes: bool = True,
         seed: int | None = None,
         skip_tokenizer_init: bool = False,
     ) -> EngineConfig:
@@ -155,10 +167,14 @@ class EngineConfig:
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching,
                               kv_host_memory=kv_host_memory, kv_store_dir=kv_store_dir,
-                              kv_store_bytes=kv_store_bytes),
+                              kv_store_bytes=kv_store_bytes,
+                              kv_events_endpoint=kv_events_endpoint,
+                              kv_events_replay_endpoint=kv_events_replay_endpoint,
+                              kv_events_topic=kv_events_topic),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs, policy=scheduling_policy,
-                                      enable_chunked_prefill=enable_chunked_prefill),
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      share_inflight_prefixes=share_inflight_prefixes),
             device=device,
             seed=seed,
             tokenizer=tokenizer,

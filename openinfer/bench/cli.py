@@ -41,6 +41,8 @@ def add_bench_parser(subparsers) -> None:
     serve.add_argument("--prompts-per-group", type=int, default=8)
     serve.add_argument("--num-users", type=int, default=8)
     serve.add_argument("--num-turns", type=int, default=4)
+    serve.add_argument("--shared-system-prompt", action="store_true",
+                       help="multi-turn: all users share one system prompt")
     serve.add_argument("--think-time", type=float, default=0.0, help="seconds between turns")
     serve.add_argument("--replay-block-size", type=int, default=512)
     serve.add_argument("--request-rate", default="inf",
@@ -90,7 +92,8 @@ async def _serve(args: argparse.Namespace) -> int:
         num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, prefix_len=args.prefix_len, num_groups=args.num_groups,
         prompts_per_group=args.prompts_per_group, num_users=args.num_users,
-        num_turns=args.num_turns, think_time_s=args.think_time, dataset=args.dataset,
+        num_turns=args.num_turns, shared_system_prompt=args.shared_system_prompt,
+        think_time_s=args.think_time, dataset=args.dataset,
         replay_block_size=args.replay_block_size, seed=args.seed)
     workload = build_workload(args.workload, options, tokenizer)  # fails early if it cannot
     result = {"tool": "openinfer bench serve", "date": dt.datetime.now().isoformat(timespec="seconds"),

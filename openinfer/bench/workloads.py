@@ -65,6 +65,8 @@ class WorkloadOptions:
     prompts_per_group: int = 8
     num_users: int = 8
     num_turns: int = 4
+    shared_system_prompt: bool = False
+    """multi-turn: every user has the same system prompt (one app), not one each."""
     think_time_s: float = 0.0
     dataset: str | None = None
     replay_block_size: int = 512
@@ -107,8 +109,10 @@ def _shared_prefix(options: WorkloadOptions, rng: random.Random, vocab: list[int
 def _multi_turn(options: WorkloadOptions, rng: random.Random, vocab: list[int],
                 tokenizer) -> Workload:
     sessions = []
+    shared = tokenizer.decode(_random_ids(rng, vocab, options.prefix_len))
     for _ in range(options.num_users):
-        system = tokenizer.decode(_random_ids(rng, vocab, options.prefix_len))
+        system = shared if options.shared_system_prompt else tokenizer.decode(
+            _random_ids(rng, vocab, options.prefix_len))
         turns = [Turn(_length(options.output_len, options, rng),
                       user_text=tokenizer.decode(_random_ids(
                           rng, vocab, _length(options.input_len, options, rng))))

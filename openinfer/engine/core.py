@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -22,9 +23,10 @@ from openinfer.engine.outputs import EngineCoreOutput
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.runner import ModelRunner
 from openinfer.engine.scheduler import Scheduler
+from openinfer.kv.events import KVEventPublisher, to_wire
 from openinfer.kv.file_store import FileStore, StoreLayout, model_fingerprint
 from openinfer.kv.host_cache import HostCacheIndex
-from openinfer.kv.kv_manager import KVCacheManager
+from openinfer.kv.kv_manager import KVCacheManager, KVEvent
 from openinfer.kv.spec import FullAttentionSpec, LayerGroup, group_layers
 from openinfer.kv.transfer import KVTransfer
 from openinfer.models.loader import load_model
@@ -53,6 +55,16 @@ class EngineCore:
         self.runner = ModelRunner(model, groups, num_blocks, mc.num_layers, mc.dtype, config.device,
                                   seed=config.seed)
         self.transfer = self._attach_kv_tiers(groups[0], dtype_name)
+        self.event_sink: Callable[[list[KVEvent]], None] | None = None
+        """Receives the KV events of each step (else they are dropped)."""
+        self.publisher = None
+        if config.cache.kv_events_endpoint is not None:
+            self.publisher = KVEventPublisher(config.cache.kv_events_endpoint,
+                                              config.cache.kv_events_replay_endpoint,
+                                              config.cache.kv_events_topic)
+            medium = "GPU" if config.device.startswith("cuda") else "CPU"
+            self.event_sink = lambda events: self.publisher.publish(
+                to_wire(events, config.cache.block_size, medium))
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks,
                     config.cache.block_size, capacity)
 
@@ -120,7 +132,43 @@ class EngineCore:
                 self._finish_file_io(wait_s=0.01)  # nothing else to do: let loads land
         outputs = self.scheduler.update_from_output(scheduled, result)
         self._release_if_idle()
+        self._flush_events()
         return outputs
+
+    def _flush_events(self) -> None:
+        if self.kv.events:
+            events, self.kv.events = self.kv.events, []
+            if self.event_sink is not None:
+                self.event_sink(events)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block in L1 and L2 (not the shared file store); returns how
+        many device blocks were cached. Running requests keep their blocks."""
+        count = self.kv.reset_cache()
+        self._flush_events()
+        return count
+
+    def stats(self) -> dict:
+        """Scheduler and KV-cache figures, as running totals (for /metrics)."""
+        s, kv = self.scheduler, self.kv
+        stats = {
+            "num_running": s.num_running, "num_waiting": s.num_waiting,
+            "num_loading": s.num_loading, "kv_cache_usage": kv.usage,
+            "num_preemptions": s.num_preemptions,
+            "prefix_cache_queries": kv.num_queried_tokens, "prefix_cache_hits": kv.num_hit_tokens,
+            "prefix_cache_hits_by_tier": dict(kv.hit_tokens_by_tier),
+            "prefix_cache_blocks": kv.pools[0].num_cached,
+            "prompt_tokens_computed": s.num_prompt_tokens_computed,
+        }
+        if self.transfer is not None:
+            stats["kv_host_blocks_used"] = kv.host.num_used
+            stats["kv_host_blocks_total"] = kv.host.num_slots
+            stats["kv_transfer_bytes"] = dict(self.transfer.stats.bytes)
+            stats["kv_transfer_seconds"] = dict(self.transfer.stats.seconds)
+            stats["kv_store_read_failures"] = self.transfer.stats.store_read_failures
+            if self.transfer.store is not None:
+                stats["kv_store_bytes"] = self.transfer.store.bytes_used
+        return stats
 
     def _after_host_stores(self, stores: list[tuple[int, int]]) -> None:
         """Blocks just copied to the host go on to the file store (their slots stay
@@ -152,6 +200,8 @@ class EngineCore:
         self.drain_file_io()
         if self.transfer is not None:
             self.transfer.shutdown()
+        if self.publisher is not None:
+            self.publisher.shutdown()
 
     def _release_if_idle(self) -> None:
         # The runner learns of finished requests at the next step; with no next step

@@ -43,6 +43,8 @@ class EngineCoreClient:
         self.stats: dict = {}
         """The core's latest scheduler stats (running, waiting, KV usage, preemptions)."""
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._next_call_id = 0
         self._dead: str | None = None
         self._tmpdir = tempfile.TemporaryDirectory(prefix="openinfer-")
         self._ctx = zmq.asyncio.Context()
@@ -99,6 +101,23 @@ class EngineCoreClient:
         if request_ids and self._dead is None:
             self._send(protocol.ABORT, list(request_ids))
 
+    async def call(self, method: str, timeout_s: float = 60.0):
+        """Run an admin method in the core between steps (e.g. reset_prefix_cache)."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        call_id = self._next_call_id
+        self._next_call_id += 1
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._send(protocol.UTILITY, {"call_id": call_id, "method": method})
+        try:
+            reply = await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+        if "error" in reply:
+            raise RuntimeError(f"engine call {method} failed: {reply['error']}")
+        return reply["result"]
+
     def _send(self, kind: str, body: object) -> None:
         # PUSH to a connected peer queues without blocking; the frame leaves in order.
         self._input.send(protocol.encode(kind, body), copy=False)
@@ -115,6 +134,11 @@ class EngineCoreClient:
                 if kind == protocol.ERROR:
                     self._fail(f"engine core died: {body}")
                     return
+                if kind == protocol.UTILITY_RESULT:
+                    future = self._calls.get(body["call_id"])
+                    if future is not None and not future.done():
+                        future.set_result(body)
+                    continue
                 self.stats = body["stats"]
                 for packed in body["outputs"]:
                     out = protocol.unpack_output(packed)
@@ -131,6 +155,9 @@ class EngineCoreClient:
 
     def _fail(self, reason: str) -> None:
         self._dead = reason
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
         for queue in {id(q): q for q in self._queues.values()}.values():
             queue.put_nowait(EngineDeadError(reason))
         self._queues.clear()

@@ -65,22 +65,25 @@ def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid
                                  protocol.params_from_body(body), body["arrival_time"])
             elif kind == protocol.ABORT:
                 core.abort_requests(body)
+            elif kind == protocol.UTILITY:
+                outputs.send(protocol.encode(protocol.UTILITY_RESULT, _call(core, body)))
         if core.has_unfinished_requests() or busy:
             step_outputs = core.step() if core.has_unfinished_requests() else []
             outputs.send(protocol.encode(protocol.OUTPUTS, {
                 "outputs": [protocol.pack_output(o) for o in step_outputs],
-                "stats": _stats(core),
+                "stats": core.stats(),
             }))
 
 
-def _stats(core: EngineCore) -> dict:
-    scheduler = core.scheduler
-    return {
-        "num_running": scheduler.num_running,
-        "num_waiting": scheduler.num_waiting,
-        "kv_cache_usage": core.kv.usage,
-        "num_preemptions": scheduler.num_preemptions,
-        "prefix_cache_queries": core.kv.num_queried_tokens,
-        "prefix_cache_hits": core.kv.num_hit_tokens,
-        "prefix_cache_blocks": core.kv.pools[0].num_cached,
-    }
+UTILITY_METHODS = {"reset_prefix_cache": EngineCore.reset_prefix_cache, "stats": EngineCore.stats}
+
+
+def _call(core: EngineCore, body: dict) -> dict:
+    """Run an admin call from the front end between steps."""
+    method = UTILITY_METHODS.get(body["method"])
+    if method is None:
+        return {"call_id": body["call_id"], "error": f"unknown method {body['method']!r}"}
+    try:
+        return {"call_id": body["call_id"], "result": method(core)}
+    except Exception as e:  # an admin call must not take the engine down
+        return {"call_id": body["call_id"], "error": f"{type(e).__name__}: {e}"}

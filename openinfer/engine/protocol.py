@@ -4,9 +4,11 @@ msgpack frames over ZMQ (never pickle): ``[kind, body]``.
 
     front end -> core:  add {request_id, prompt_token_ids, params, arrival_time}
                         abort [request_id, ...]
+                        utility {call_id, method}      (admin calls: reset_prefix_cache, stats)
                         shutdown null
     core -> front end:  ready {num_blocks, block_size, max_model_len}
                         outputs {outputs: [EngineCoreOutput as a list], stats: {...}}
+                        utility_result {call_id, result | error}
                         error "message"   (the core could not start, or died)
 """
 
@@ -20,8 +22,8 @@ from openinfer.engine.outputs import EngineCoreOutput
 from openinfer.outputs import Logprob, PositionLogprobs
 from openinfer.sampling_params import SamplingParams
 
-ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
-READY, OUTPUTS, ERROR = "ready", "outputs", "error"
+ADD, ABORT, UTILITY, SHUTDOWN = "add", "abort", "utility", "shutdown"
+READY, OUTPUTS, UTILITY_RESULT, ERROR = "ready", "outputs", "utility_result", "error"
 
 
 def encode(kind: str, body: Any = None) -> bytes:

@@ -195,7 +195,7 @@ class Scheduler:
                 and req.block_hashes[index] in self._claim_owner)
 
     def _claim_uncached_prompt_blocks(self, req: Request) -> None:
-        if not self.kv.enable_caching:
+        if not (self.kv.enable_caching and self.config.share_inflight_prefixes):
             return
         first = req.num_computed_tokens // self.kv.block_size
         last = req.num_prompt_tokens // self.kv.block_size

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 import uuid
 import zlib
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ class FileStore:
         self.bytes_used = sum(p.stat().st_size for p in self._files())
         self.num_deleted_bad = 0
         self.num_evicted = 0
+        self._lock = threading.Lock()
 
     def path_of(self, block_hash: BlockHash) -> Path:
         name = block_hash.hex()
@@ -105,9 +107,10 @@ class FileStore:
             f.write(MAGIC + _LEN.pack(len(header)) + header)
             f.write(payload)
         os.replace(tmp, path)
-        self.bytes_used += tmp_size(path)
-        if self.bytes_used > self.capacity_bytes:
-            self.collect_garbage()
+        with self._lock:  # I/O threads write concurrently; the budget is counted under it
+            self.bytes_used += tmp_size(path)
+            if self.bytes_used > self.capacity_bytes:
+                self._collect_garbage()
         return True
 
     def read(self, block_hash: BlockHash) -> bytes:
@@ -149,6 +152,10 @@ class FileStore:
 
     def collect_garbage(self) -> None:
         """Delete least recently used files until the store is at 90% of its budget."""
+        with self._lock:
+            self._collect_garbage()
+
+    def _collect_garbage(self) -> None:
         entries = []
         for path in self._files():
             try:

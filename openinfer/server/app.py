@@ -64,6 +64,13 @@ def build_app(llm: AsyncLLM, served_model_name: str,
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.post("/v1/cache/reset")
+    async def reset_cache() -> dict:
+        """Admin: drop every cached prefix in device and host memory (the shared file
+        store is left alone). Needs the API key when one is set."""
+        cleared = await llm.client.call("reset_prefix_cache")
+        return {"reset": True, "device_blocks_cleared": cleared}
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": openinfer.__version__}

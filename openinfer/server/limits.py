@@ -40,7 +40,8 @@ def install_limits(app: FastAPI, limits: ServerLimits, num_waiting: Callable[[],
             return error_response(request, 413,
                                   f"request body exceeds {limits.max_body_bytes} bytes",
                                   "invalid_request_error")
-        generating = request.method == "POST" and path.startswith("/v1/")
+        generating = (request.method == "POST" and path.startswith("/v1/")
+                      and not path.startswith("/v1/cache/"))
         if (generating and limits.max_waiting_requests is not None
                 and num_waiting() > limits.max_waiting_requests):
             return error_response(request, 503, "the server is overloaded; retry later",

@@ -38,6 +38,12 @@ class ServerMetrics:
                                 ["finished_reason"], registry=r)
         Gauge("openinfer:prefix_cache_blocks", "Full blocks held in the device prefix cache",
               registry=r).set_function(stat("prefix_cache_blocks"))
+        Gauge("openinfer:kv_host_blocks_used", "Blocks held in the host-memory KV tier (L2)",
+              registry=r).set_function(stat("kv_host_blocks_used"))
+        Gauge("openinfer:kv_store_bytes", "Bytes in the KV file store (L3), as this engine "
+              "last counted them", registry=r).set_function(stat("kv_store_bytes"))
+        Gauge("openinfer:num_requests_loading", "Waiting requests whose prefix is being read "
+              "from the file store", registry=r).set_function(stat("num_loading"))
         r.register(_EngineCounters(engine_stats))
         self.ttft = Histogram("openinfer:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -88,7 +94,25 @@ class _EngineCounters(Collector):
     def __init__(self, engine_stats: Callable[[], dict]) -> None:
         self.engine_stats = engine_stats
 
+    LABELLED = (
+        ("openinfer:prefix_cache_hits_by_tier", "prefix_cache_hits_by_tier", "tier",
+         "Prompt tokens found in the prefix cache, by the tier that held them (L1 device, "
+         "L2 host memory, L3 file store)"),
+        ("openinfer:kv_transfer_bytes", "kv_transfer_bytes", "direction",
+         "Bytes moved between KV tiers"),
+        ("openinfer:kv_transfer_seconds", "kv_transfer_seconds", "direction",
+         "Seconds spent moving KV between tiers"),
+    )
+
     def collect(self):
         stats = self.engine_stats()
         for name, key, documentation in self.COUNTERS:
             yield CounterMetricFamily(name, documentation, value=float(stats.get(key, 0)))
+        for name, key, label, documentation in self.LABELLED:
+            family = CounterMetricFamily(name, documentation, labels=[label])
+            for value_label, value in (stats.get(key) or {}).items():
+                family.add_metric([value_label], float(value))
+            yield family
+        yield CounterMetricFamily("openinfer:kv_store_read_failures",
+                                  "Store files rejected (corrupt, truncated, other model)",
+                                  value=float(stats.get("kv_store_read_failures", 0)))

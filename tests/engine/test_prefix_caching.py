@@ -92,7 +92,8 @@ def test_multi_turn_under_memory_pressure_keeps_invariants_every_step(qwen3_chec
     assert core.kv.num_blocks == 20
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     conversations = [_random_ids(6, seed=200 + u) for u in range(4)]
-    evicted = 0
+    events: list = []
+    core.event_sink = events.extend
     for turn in range(5):
         for u, history in enumerate(conversations):
             core.add_request(f"u{u}t{turn}", list(history), params)
@@ -101,11 +102,10 @@ def test_multi_turn_under_memory_pressure_keeps_invariants_every_step(qwen3_chec
             for out in core.step():
                 done.setdefault(out.request_id, []).extend(out.new_token_ids)
             core.check_integrity()
-            evicted += sum(1 for e in core.kv.events if type(e).__name__ == "BlockRemoved")
-            core.kv.events.clear()
         for u, history in enumerate(conversations):
             expected = _alone(plain, history, params).outputs[0].token_ids
             assert done[f"u{u}t{turn}"] == expected
             history += expected + _random_ids(5, seed=300 + 10 * u + turn)
-    assert evicted > 0 and core.kv.num_hit_tokens > 0
+    assert any(type(e).__name__ == "BlockRemoved" for e in events)  # evictions happened
+    assert core.kv.num_hit_tokens > 0
     assert all(p.num_free == p.num_blocks for p in core.kv.pools)

@@ -1,0 +1,118 @@
+"""KV events on a ZMQ PUB socket, in vLLM's schema, so routers built for vLLM can follow us.
+
+Wire format (as vLLM's ``ZmqEventPublisher`` sends it): each batch is a multipart
+message ``(topic, seq, payload)`` with ``seq`` an 8-byte big-endian counter and
+``payload`` msgpack of::
+
+    {"ts": <unix seconds>, "events": [event, ...], "data_parallel_rank": <int>}
+
+    {"type": "BlockStored", "block_hashes": [<bytes>], "parent_block_hash": <bytes|None>,
+     "token_ids": [...], "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+    {"type": "BlockRemoved", "block_hashes": [<bytes>], "medium": "GPU"}
+    {"type": "AllBlocksCleared"}
+
+Block hashes are the 32-byte sha256 chain of kv/block_hash.py. ``medium`` names the tier:
+``GPU`` or ``CPU`` for the device pool (by device), ``HOST`` for host memory (L2);
+file-store writes are not announced (that store is shared, not a replica's own).
+
+A subscriber that joins late or sees a gap in ``seq`` asks the replay socket (ROUTER)
+for everything from a sequence number: it sends ``(b"", start_seq as 8 bytes)`` from a
+REQ/DEALER socket and receives ``(seq, payload)`` for each buffered batch, then
+``(-1 as 8 signed bytes, b"")``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+
+import msgpack
+import zmq
+
+from openinfer.kv.kv_manager import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+def to_wire(events: list[KVEvent], block_size: int, device_medium: str) -> list[dict]:
+    """Our events as vLLM's dicts (consecutive blocks of one kind are not merged)."""
+    medium = {"L1": device_medium, "L2": "HOST"}
+    wire = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            wire.append({"type": "BlockStored", "block_hashes": [e.block_hash],
+                         "parent_block_hash": e.parent_hash, "token_ids": list(e.token_ids),
+                         "block_size": block_size, "lora_id": None, "medium": medium[e.tier],
+                         "lora_name": None})
+        elif isinstance(e, BlockRemoved):
+            wire.append({"type": "BlockRemoved", "block_hashes": [e.block_hash],
+                         "medium": medium[e.tier]})
+        elif isinstance(e, AllBlocksCleared):
+            wire.append({"type": "AllBlocksCleared"})
+    return wire
+
+
+class KVEventPublisher:
+    """Publishes event batches from a background thread (the engine loop never blocks on
+    a subscriber) and keeps the last ``buffer_batches`` for replay."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
+                 data_parallel_rank: int = 0, buffer_batches: int = 10_000) -> None:
+        self.topic = topic.encode()
+        self.rank = data_parallel_rank
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(100_000)
+        self._pub.bind(endpoint)
+        self._replay = None
+        if replay_endpoint is not None:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.bind(replay_endpoint)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._queue: queue.Queue[list[dict] | None] = queue.Queue()
+        self._seq = 0
+        self._thread = threading.Thread(target=self._run, name="openinfer-kv-events",
+                                        daemon=True)
+        self._thread.start()
+
+    def publish(self, events: list[dict]) -> None:
+        if events:
+            self._queue.put(events)
+
+    def _run(self) -> None:
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                events = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if events is None:
+                break
+            payload = msgpack.packb({"ts": time.time(), "events": events,
+                                     "data_parallel_rank": self.rank}, use_bin_type=True)
+            seq = self._seq
+            self._seq += 1
+            self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
+        self._pub.close(linger=500)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        self._ctx.term()
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            return  # not a replay request
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= first:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+
+    def shutdown(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)

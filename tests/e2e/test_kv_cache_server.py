@@ -1,0 +1,110 @@
+"""The KV cache through the real server: file-store hits across a restart, KV events in
+vLLM's schema with replay, admin reset, and `openinfer cache inspect`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import msgpack
+import openai
+import pytest
+import zmq
+from server_process import MODEL, start_server
+from test_server import _metrics
+
+PROMPT = list(range(100, 140))  # 40 token ids: two full blocks
+
+
+def _free_tcp() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _complete(base: str) -> tuple[str, int]:
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    return out.choices[0].text, out.usage.prompt_tokens_details.cached_tokens
+
+
+def _replay(endpoint: str, start: int) -> list[tuple[int, dict]]:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send_multipart((b"", start.to_bytes(8, "big")))
+    batches = []
+    while True:
+        assert sock.poll(10_000), "no replay answer"
+        _, seq, payload = sock.recv_multipart()
+        seq = int.from_bytes(seq, "big", signed=True)
+        if seq == -1:
+            break
+        batches.append((seq, msgpack.unpackb(payload)))
+    sock.close(linger=0)
+    return batches
+
+
+@pytest.mark.slow
+def test_file_store_events_reset_and_restart(qwen3_checkpoint, tmp_path):
+    store = tmp_path / "store"
+    pub, replay = _free_tcp(), _free_tcp()
+    flags = ("--kv-store-dir", str(store), "--kv-events-endpoint", pub,
+             "--kv-events-replay-endpoint", replay)
+    base, proc = start_server(qwen3_checkpoint, *flags)
+    try:
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.connect(pub)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.3)  # let the subscription reach the publisher
+        text, cached = _complete(base)
+        assert cached == 0
+        assert sub.poll(10_000)
+        topic, seq, payload = sub.recv_multipart()
+        batch = msgpack.unpackb(payload)
+        assert topic == b"" and int.from_bytes(seq, "big") == 0
+        assert set(batch) == {"ts", "events", "data_parallel_rank"}
+        stored = [e for e in batch["events"] if e["type"] == "BlockStored"]
+        first = stored[0]
+        assert first["medium"] == "CPU" and first["block_size"] == 16
+        assert first["token_ids"] == PROMPT[:16] and first["parent_block_hash"] is None
+        assert len(first["block_hashes"]) == 1 and len(first["block_hashes"][0]) == 32
+        assert stored[1]["medium"] == "HOST" and stored[1]["block_hashes"] == first["block_hashes"]
+        sub.close(linger=0)
+
+        # Admin reset: device and host tiers forget; the file store still holds the prefix.
+        reset = json.loads(urllib.request.urlopen(urllib.request.Request(
+            f"{base}/v1/cache/reset", method="POST"), timeout=30).read())
+        assert reset["reset"] and reset["device_blocks_cleared"] >= 2
+        assert _complete(base) == (text, 32)
+        metrics = _metrics(base)
+        assert metrics["openinfer:prefix_cache_hits_by_tier_total[L3]"] == 32
+        assert metrics["openinfer:kv_transfer_bytes_total[store_to_host]"] > 0
+
+        batches = _replay(replay, start=0)  # a late subscriber catches up from seq 0
+        assert [seq for seq, _ in batches] == list(range(len(batches))) and len(batches) >= 2
+        kinds = [e["type"] for _, b in batches for e in b["events"]]
+        assert "AllBlocksCleared" in kinds and kinds.count("BlockStored") >= 4
+    finally:
+        proc.send_signal(signal.SIGTERM)  # graceful: pending store writes finish
+        proc.wait(timeout=60)
+
+    inspect = subprocess.run([sys.executable, "-m", "openinfer.cli", "cache", "inspect",
+                              str(store)], capture_output=True, text=True, timeout=120)
+    assert inspect.returncode == 0 and " blocks, " in inspect.stdout
+    assert "block_size=16" in inspect.stdout
+
+    # A restarted server on the same directory hits yesterday's prompt from its files.
+    base, proc = start_server(qwen3_checkpoint, "--kv-store-dir", str(store))
+    try:
+        assert _complete(base) == (text, 32)
+    finally:
+        proc.kill()
+        proc.wait()
