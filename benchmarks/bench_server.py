@@ -63,13 +63,13 @@ def offline_baseline(model: str, quick: bool) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def start_server(model: str) -> tuple[str, subprocess.Popen]:
+def start_server(model: str, *flags: str) -> tuple[str, subprocess.Popen]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "openinfer.cli", "serve", "--model", model,
                              "--port", str(port), "--served-model-name", "bench",
-                             "--log-level", "warning"], cwd=REPO)
+                             "--log-level", "warning", *flags], cwd=REPO)
     base = f"http://127.0.0.1:{port}"
     for _ in range(1200):
         try:

@@ -100,6 +100,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    if args.data_parallel_size > 1:
+        from openinfer.router.launch import serve_data_parallel
+
+        return serve_data_parallel(args, args.argv)
+
     from openinfer.engine.async_llm import AsyncLLM
     from openinfer.server.app import build_app
     from openinfer.server.limits import ServerLimits
@@ -152,6 +157,8 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from openinfer.router.launch import add_router_args, cmd_router
+
     parser = argparse.ArgumentParser(prog="openinfer", description="An open LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -181,7 +188,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--shutdown-timeout", type=int, default=30,
                        help="seconds to let in-flight requests finish on SIGTERM/Ctrl-C")
+    serve.add_argument("--data-parallel-size", type=int, default=1,
+                       help="run N engine replicas behind a router on --port")
+    add_router_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    router = sub.add_parser("router", help="route the OpenAI/Anthropic API over replicas")
+    router.add_argument("--worker", action="append", default=[], help="replica URL (repeatable)")
+    router.add_argument("--tokenizer", required=True,
+                        help="the replicas' tokenizer (so prompt hashes match theirs)")
+    router.add_argument("--block-size", type=int, default=16, help="the replicas' KV block size")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--log-level", default="info")
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
 
     from openinfer.bench.cli import add_bench_parser, run_bench
 
@@ -202,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except ValueError as e:  # bad input: a clear message, not a traceback

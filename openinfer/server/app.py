@@ -64,6 +64,14 @@ def build_app(llm: AsyncLLM, served_model_name: str,
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/kv_events")
+    async def kv_events() -> dict:
+        """Where this replica publishes its KV events (routers subscribe there)."""
+        cache = llm.config.cache
+        return {"endpoint": cache.kv_events_endpoint,
+                "replay_endpoint": cache.kv_events_replay_endpoint,
+                "topic": cache.kv_events_topic, "block_size": cache.block_size}
+
     @app.post("/v1/cache/reset")
     async def reset_cache() -> dict:
         """Admin: drop every cached prefix in device and host memory (the shared file

@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from openinfer.server.errors import error_response
 
 # Paths anyone may call (probes, scrapers) even when an API key is set.
-PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/kv_events"})
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(checkpoint, *flags: str) -> tuple[str, subprocess.Popen]:
-    port = _free_port()
+def start_server(checkpoint, *flags: str, port: int | None = None) -> tuple[str, subprocess.Popen]:
+    return _start(["serve", "--model", str(checkpoint), "--served-model-name", MODEL, *flags],
+                  port)
+
+
+def start_router(workers: list[str], checkpoint, *flags: str) -> tuple[str, subprocess.Popen]:
+    worker_flags = [arg for url in workers for arg in ("--worker", url)]
+    return _start(["router", *worker_flags, "--tokenizer", str(checkpoint), *flags], None)
+
+
+def _start(args: list[str], port: int | None) -> tuple[str, subprocess.Popen]:
+    port = port or _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "openinfer.cli", "serve", "--model", str(checkpoint), "--port",
-         str(port), "--served-model-name", MODEL, "--log-level", "warning", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [sys.executable, "-m", "openinfer.cli", *args, "--port", str(port), "--log-level",
+         "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -36,7 +45,5 @@ def start_server(checkpoint, *flags: str) -> tuple[str, subprocess.Popen]:
         except (urllib.error.URLError, ConnectionError):
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                pytest.fail(f"server did not start:\n{proc.stdout.read()}")
+                pytest.fail(f"{args[0]} did not start:\n{proc.stdout.read()}")
             time.sleep(0.3)
-
-

@@ -71,17 +71,20 @@ def test_prompt_logprobs_requests_do_not_take_hits(qwen3_checkpoint):
     assert scored.num_cached_tokens == 0 and all(e is not None for e in scored.prompt_logprobs[1:])
 
 
-def test_a_burst_sharing_a_new_prefix_computes_it_once(qwen3_checkpoint, plain):
-    system = _random_ids(200, seed=7)  # 12 full blocks + 8 tokens
+def test_a_burst_sharing_a_new_prefix_computes_it_once(make_checkpoint):
+    checkpoint = str(make_checkpoint(num_layers=1, max_position_embeddings=1280))
+    system = _random_ids(1000, seed=7)  # 62 full blocks + 8 tokens
     prompts = [system + _random_ids(8, seed=100 + i) for i in range(16)]
-    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)]
-    llm = LLM(str(qwen3_checkpoint), progress=False)
-    outs = llm.generate(prompts, GREEDY)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain = LLM(checkpoint, enable_prefix_caching=False, progress=False)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = LLM(checkpoint, progress=False)
+    outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    # The first request computes all 208 tokens; the 15 others only past the 192 shared.
-    assert llm.engine.core.scheduler.num_prompt_tokens_computed == 208 + 15 * 16
-    assert sorted(o.num_cached_tokens for o in outs) == [0] + [192] * 15
-    assert plain.engine.core.scheduler.num_prompt_tokens_computed >= 16 * 208
+    # The first request computes all 1008 tokens; the 15 others only past the 992 shared.
+    assert llm.engine.core.scheduler.num_prompt_tokens_computed == 1008 + 15 * 16
+    assert sorted(o.num_cached_tokens for o in outs) == [0] + [992] * 15
+    assert plain.engine.core.scheduler.num_prompt_tokens_computed == 16 * 1008
 
 
 def test_multi_turn_under_memory_pressure_keeps_invariants_every_step(qwen3_checkpoint, plain):

@@ -1,0 +1,1 @@
+"""Cache-aware load balancing across data-parallel replicas."""

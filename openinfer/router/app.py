@@ -1,0 +1,326 @@
+"""The router process: the same OpenAI/Anthropic API, forwarded to data-parallel replicas.
+
+For each request it computes the prompt's KV block hashes exactly as the engines do (same
+tokenizer, chat template and hash chain), picks a replica (policies.py) and streams the
+replica's response back byte for byte. A replica that cannot be reached before it
+answered is marked unhealthy and the request goes to the next choice, so no request is
+lost to a dead replica; once a response has started, a broken stream ends with an error
+event. Replicas are health-checked every second (ejected on failure, re-admitted when
+they answer again), and their KV events, when they publish them, keep the cache index
+exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from urllib.parse import urlparse
+
+import httpx
+import msgpack
+import zmq
+import zmq.asyncio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from openinfer.kv.block_hash import extend_block_hashes
+from openinfer.router.policies import Router, RouterConfig, Worker
+from openinfer.server.errors import error_body
+
+logger = logging.getLogger(__name__)
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+HEALTH_INTERVAL_S = 1.0
+
+
+class RouterState:
+    def __init__(self, urls: list[str], config: RouterConfig, tokenizer, block_size: int) -> None:
+        self.router = Router(config, [Worker(u.rstrip("/")) for u in urls])
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                      limits=httpx.Limits(max_connections=None,
+                                                          max_keepalive_connections=None))
+        self.zmq = zmq.asyncio.Context()
+        self._tasks: dict[str, list[asyncio.Task]] = {}
+        r = self.registry = CollectorRegistry()
+        self.decisions = Counter("openinfer_router:decisions", "Routing decisions by reason",
+                                 ["reason"], registry=r)
+        self.prompt_blocks = Counter("openinfer_router:prompt_blocks",
+                                     "Full prompt blocks of routed requests", registry=r)
+        self.matched_blocks = Counter("openinfer_router:matched_blocks",
+                                      "Of those, blocks the chosen replica already held",
+                                      registry=r)
+        self.load = Gauge("openinfer_router:worker_in_flight", "Requests in flight per replica",
+                          ["worker"], registry=r)
+        self.healthy_gauge = Gauge("openinfer_router:worker_healthy", "1 if in rotation",
+                                   ["worker"], registry=r)
+        self.routed = Counter("openinfer_router:worker_requests", "Requests routed per replica",
+                              ["worker"], registry=r)
+
+    # ---- replicas --------------------------------------------------------------------
+
+    def add_worker(self, url: str) -> Worker:
+        url = url.rstrip("/")
+        worker = next((w for w in self.router.workers if w.url == url), None)
+        if worker is None:
+            worker = Worker(url)
+            self.router.workers.append(worker)
+            self._start_watch(worker)
+        return worker
+
+    def remove_worker(self, url: str) -> bool:
+        url = url.rstrip("/")
+        worker = next((w for w in self.router.workers if w.url == url), None)
+        if worker is None:
+            return False
+        self.router.workers.remove(worker)
+        for task in self._tasks.pop(url, []):
+            task.cancel()
+        return True
+
+    def start(self) -> None:
+        for worker in self.router.workers:
+            self._start_watch(worker)
+
+    def _start_watch(self, worker: Worker) -> None:
+        self._tasks[worker.url] = [asyncio.create_task(self._health_loop(worker)),
+                                   asyncio.create_task(self._events_loop(worker))]
+
+    async def close(self) -> None:
+        for tasks in self._tasks.values():
+            for task in tasks:
+                task.cancel()
+        await self.http.aclose()
+        self.zmq.term()
+
+    async def _health_loop(self, worker: Worker) -> None:
+        while True:
+            try:
+                resp = await self.http.get(f"{worker.url}/health", timeout=2.0)
+                healthy = resp.status_code == 200
+                if healthy:
+                    worker.kv_usage = await self._kv_usage(worker)
+            except (httpx.HTTPError, OSError):
+                healthy = False
+            if healthy != worker.healthy:
+                logger.warning("replica %s %s", worker.url, "re-admitted" if healthy else "ejected")
+            worker.healthy = healthy
+            self.healthy_gauge.labels(worker=worker.url).set(1 if healthy else 0)
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def _kv_usage(self, worker: Worker) -> float:
+        resp = await self.http.get(f"{worker.url}/metrics", timeout=2.0)
+        for line in resp.text.splitlines():
+            if line.startswith("openinfer:kv_cache_usage_perc "):
+                return float(line.split()[1])
+        return 0.0
+
+    async def _events_loop(self, worker: Worker) -> None:
+        """Follow the replica's KV events (if it publishes them) into its exact index."""
+        while True:
+            try:
+                info = (await self.http.get(f"{worker.url}/kv_events", timeout=2.0)).json()
+            except (httpx.HTTPError, OSError, ValueError):
+                await asyncio.sleep(HEALTH_INTERVAL_S)
+                continue
+            if not info.get("endpoint"):
+                return  # no events: the approximate index serves
+            host = urlparse(worker.url).hostname
+            endpoint = _connectable(info["endpoint"], host)
+            replay = _connectable(info["replay_endpoint"], host) if info.get("replay_endpoint") else None
+            sub = self.zmq.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, info.get("topic", "").encode())
+            sub.connect(endpoint)
+            try:
+                if replay is not None:  # catch up on what happened before we subscribed
+                    await self._replay(worker, replay)
+                while True:
+                    _, seq_bytes, payload = await sub.recv_multipart()
+                    seq = int.from_bytes(seq_bytes, "big")
+                    batch = msgpack.unpackb(payload)
+                    if not worker.index.apply(seq, batch["events"]):
+                        if replay is not None:
+                            await self._replay(worker, replay)
+                        if not worker.index.apply(seq, batch["events"]):
+                            worker.index.reset()  # lost for good: start over from here
+                            worker.index.next_seq = seq
+                            worker.index.apply(seq, batch["events"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a broken event stream must not take the router down
+                logger.warning("KV events of %s: %s", worker.url, e)
+                worker.index.reset()
+                await asyncio.sleep(HEALTH_INTERVAL_S)
+            finally:
+                sub.close(linger=0)
+
+    async def _replay(self, worker: Worker, endpoint: str) -> None:
+        sock = self.zmq.socket(zmq.DEALER)
+        sock.connect(endpoint)
+        try:
+            await sock.send_multipart((b"", worker.index.next_seq.to_bytes(8, "big")))
+            while await sock.poll(5000):
+                _, seq_bytes, payload = await sock.recv_multipart()
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if seq < 0:
+                    break
+                worker.index.apply(seq, msgpack.unpackb(payload)["events"])
+        finally:
+            sock.close(linger=0)
+
+    # ---- requests --------------------------------------------------------------------
+
+    def block_hashes(self, path: str, body: dict) -> list[bytes]:
+        """The request's full prompt blocks, hashed as its engine will hash them."""
+        try:
+            if path == "/v1/completions":
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                    prompt = prompt[0]
+                ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+            else:
+                messages = list(body.get("messages") or [])
+                if path == "/v1/messages" and body.get("system"):
+                    messages.insert(0, {"role": "system", "content": body["system"]})
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                          add_generation_prompt=True)
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+        except Exception:
+            return []  # the replica will explain what is wrong with it
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, ids, self.block_size, body.get("cache_salt"))
+        return hashes
+
+
+def build_router_app(state: RouterState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        state.start()
+        try:
+            yield
+        finally:
+            await state.close()
+
+    app = FastAPI(title="openinfer router", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = bool(state.router.healthy())
+        return JSONResponse({"status": "ok" if ok else "no healthy replica"},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        for w in state.router.workers:
+            state.load.labels(worker=w.url).set(w.in_flight)
+        return Response(generate_latest(state.registry), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await _forward_get(state, "/v1/models", request)
+
+    @app.get("/admin/workers")
+    async def list_workers() -> dict:
+        return {"workers": [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight,
+                             "routed": w.routed, "indexed_blocks": len(w.index),
+                             "events": w.index.live} for w in state.router.workers]}
+
+    @app.post("/admin/workers")
+    async def add_worker(body: dict) -> dict:
+        state.add_worker(str(body["url"]))
+        return {"added": body["url"]}
+
+    @app.delete("/admin/workers")
+    async def remove_worker(url: str) -> JSONResponse:
+        removed = state.remove_worker(url)
+        return JSONResponse({"removed": removed}, status_code=200 if removed else 404)
+
+    for path in GENERATE_PATHS:
+        app.add_api_route(path, _generate_route(state, path), methods=["POST"])
+    return app
+
+
+def _generate_route(state: RouterState, path: str):
+    async def route(request: Request):
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+            assert isinstance(body, dict)
+        except (ValueError, AssertionError):
+            return JSONResponse(error_body("request body is not a JSON object",
+                                           "invalid_request_error"), status_code=400)
+        hashes = state.block_hashes(path, body)
+        session = request.headers.get("x-session-id") or body.get("user")
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() in ("authorization", "x-api-key", "content-type",
+                                    "anthropic-version")}
+        tried: set[str] = set()
+        while True:
+            decision = state.router.choose(hashes, session, exclude=tried)
+            if decision is None:
+                return JSONResponse(error_body("no healthy replica to serve the request",
+                                               "service_unavailable", code="no_replica"),
+                                    status_code=503, headers={"Retry-After": "1"})
+            worker = decision.worker
+            tried.add(worker.url)
+            worker.in_flight += 1  # counted from now, not from its first token
+            try:
+                upstream = await state.http.send(state.http.build_request(
+                    "POST", worker.url + path, content=raw, headers=headers), stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
+                    httpx.ReadError) as e:
+                worker.in_flight -= 1
+                worker.healthy = False  # not started: try the next replica
+                logger.warning("replica %s unreachable (%s); rerouting", worker.url, e)
+                continue
+            state.decisions.labels(reason=decision.reason).inc()
+            state.prompt_blocks.inc(len(hashes))
+            state.matched_blocks.inc(decision.matched_blocks)
+            state.routed.labels(worker=worker.url).inc()
+            worker.routed += 1
+            return StreamingResponse(
+                _relay(upstream, worker), status_code=upstream.status_code,
+                media_type=upstream.headers.get("content-type"),
+                headers={"x-openinfer-worker": worker.url, "x-openinfer-route": decision.reason})
+
+    return route
+
+
+async def _relay(upstream: httpx.Response, worker: Worker) -> AsyncIterator[bytes]:
+    sse = "text/event-stream" in upstream.headers.get("content-type", "")
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except (httpx.HTTPError, OSError) as e:
+        if sse:  # the client has a partial stream: end it with an error, not a hang
+            error = error_body(f"replica {worker.url} failed mid-stream: {e}",
+                               "service_unavailable", code="replica_failed")
+            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        worker.in_flight -= 1
+        with contextlib.suppress(Exception):
+            await upstream.aclose()
+
+
+async def _forward_get(state: RouterState, path: str, request: Request) -> Response:
+    for worker in state.router.healthy():
+        try:
+            resp = await state.http.get(worker.url + path, headers={
+                k: v for k, v in request.headers.items() if k.lower() == "authorization"})
+            return Response(resp.content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type"))
+        except (httpx.HTTPError, OSError):
+            continue
+    return JSONResponse(error_body("no healthy replica", "service_unavailable"), status_code=503)
+
+
+def _connectable(endpoint: str, host: str | None) -> str:
+    """A bind address (tcp://*:5557) as the router can connect to it."""
+    for wildcard in ("*", "0.0.0.0"):
+        endpoint = endpoint.replace(f"//{wildcard}:", f"//{host or '127.0.0.1'}:")
+    return endpoint

@@ -1,0 +1,114 @@
+"""`openinfer router` and `openinfer serve --data-parallel-size N` (replicas + router)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from openinfer.router.policies import POLICIES, RouterConfig
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("router")
+    g.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    g.add_argument("--balance-abs", type=int, default=8,
+                   help="cache_aware falls back to least load when max - min in-flight "
+                        "requests exceeds this ...")
+    g.add_argument("--balance-rel", type=float, default=1.5,
+                   help="... and max exceeds this times min")
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    if not args.worker:
+        print("openinfer router: give at least one --worker URL", file=sys.stderr)
+        return 2
+    run_router(args.worker, args.tokenizer, args, args.host, args.port)
+    return 0
+
+
+def run_router(urls: list[str], tokenizer_path: str, args: argparse.Namespace, host: str,
+               port: int) -> None:
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from openinfer.router.app import RouterState, build_router_app
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    config = RouterConfig(policy=args.policy, balance_abs=args.balance_abs,
+                          balance_rel=args.balance_rel)
+    state = RouterState(urls, config, tokenizer, args.block_size)
+    print(f"openinfer router: {args.policy} over {', '.join(urls)} on http://{host}:{port}",
+          file=sys.stderr)
+    uvicorn.run(build_router_app(state), host=host, port=port, log_level=args.log_level)
+
+
+def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
+    """Start ``--data-parallel-size`` replicas of this serve command on free loopback ports,
+    each publishing KV events, and the router in front of them on --host/--port."""
+    child_argv = _strip(argv, {"--data-parallel-size", "--port", "--host", "--policy",
+                               "--balance-abs", "--balance-rel", "--kv-events-endpoint",
+                               "--kv-events-replay-endpoint"})
+    replicas, urls = [], []
+    try:
+        for _ in range(args.data_parallel_size):
+            port, events, replay = _free_port(), _free_port(), _free_port()
+            replicas.append(subprocess.Popen([
+                sys.executable, "-m", "openinfer.cli", "serve", *child_argv, "--host",
+                "127.0.0.1", "--port", str(port),
+                "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
+                "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"]))
+            urls.append(f"http://127.0.0.1:{port}")
+        for url, proc in zip(urls, replicas):
+            _wait_healthy(url, proc)
+        run_router(urls, args.tokenizer or args.model, args, args.host, args.port)
+    finally:
+        for proc in replicas:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in replicas:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+def _strip(argv: list[str], flags: set[str]) -> list[str]:
+    """argv without the given flags (and their values), leaving 'serve' out too."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in flags:
+            skip = "=" not in arg and i + 1 < len(argv)
+            continue
+        if arg == "serve" and not out:
+            continue
+        out.append(arg)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"replica {url} exited during startup")
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            return
+        time.sleep(0.3)
+    raise SystemExit(f"replica {url} did not start")

@@ -1,0 +1,157 @@
+"""The router in front of three real replicas on loopback: every policy, cache affinity
+from KV events, and a replica that dies and comes back."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+from server_process import MODEL, start_router, start_server
+
+
+def _tcp() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _replica(checkpoint, port: int | None = None):
+    return start_server(checkpoint, "--kv-events-endpoint", _tcp(),
+                        "--kv-events-replay-endpoint", _tcp(), port=port)
+
+
+@pytest.fixture(scope="module")
+def replicas(qwen3_checkpoint):
+    started = [_replica(qwen3_checkpoint) for _ in range(3)]
+    yield [base for base, _ in started]
+    for _, proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def _stop(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except Exception:
+        proc.kill()
+
+
+def _complete(base: str, prompt, **extra) -> tuple[str, str, str]:
+    """(text, replica that served it, routing reason)."""
+    resp = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True, **extra})
+    assert resp.status_code == 200, resp.text
+    return (resp.json()["choices"][0]["text"], resp.headers.get("x-openinfer-worker"),
+            resp.headers.get("x-openinfer-route"))
+
+
+def _chat(base: str, messages: list[dict]) -> tuple[str, str, str]:
+    resp = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": messages, "max_tokens": 5, "temperature": 0,
+        "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    return (resp.json()["choices"][0]["message"]["content"],
+            resp.headers.get("x-openinfer-worker"), resp.headers.get("x-openinfer-route"))
+
+
+PROMPTS = [f"request number {i} says hello" for i in range(6)] + [list(range(7, 60))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["round_robin", "least_load", "power_of_two", "cache_aware"])
+def test_every_policy_serves_what_a_single_server_serves(replicas, qwen3_checkpoint, policy):
+    expected = [_complete(replicas[0], p)[0] for p in PROMPTS]
+    router, proc = start_router(replicas, qwen3_checkpoint, "--policy", policy)
+    try:
+        served = [_complete(router, p) for p in PROMPTS]
+        assert [text for text, _, _ in served] == expected
+        assert {worker for _, worker, _ in served} <= set(replicas)
+        if policy == "round_robin":
+            assert {worker for _, worker, _ in served} == set(replicas)
+        with httpx.stream("POST", f"{router}/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as stream:
+            assert stream.status_code == 200
+            text = "".join(json.loads(line[5:])["choices"][0]["text"]
+                           for line in stream.iter_lines()
+                           if line.startswith("data:") and "[DONE]" not in line)
+        assert text == expected[0]
+        models = httpx.get(f"{router}/v1/models", timeout=30).json()
+        assert models["data"][0]["id"] == MODEL
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.slow
+def test_cache_aware_keeps_each_conversation_on_the_replica_holding_it(replicas, qwen3_checkpoint):
+    router, proc = start_router(replicas, qwen3_checkpoint, "--policy", "cache_aware")
+    try:
+        time.sleep(1.0)  # subscriptions to the replicas' KV events
+        homes: dict[int, str] = {}
+        histories = {user: [{"role": "system", "content": f"You are assistant {user}. " * 8}]
+                     for user in range(4)}
+        for turn in range(3):
+            for user, history in histories.items():
+                history.append({"role": "user", "content": f"This is turn {turn}."})
+                text, worker, reason = _chat(router, history)
+                history.append({"role": "assistant", "content": text})
+                if turn == 0:
+                    homes[user] = worker
+                else:
+                    assert worker == homes[user], (user, turn)
+                    assert reason == "cache_hit"
+        assert len(set(homes.values())) >= 2  # users spread over replicas, then stick
+        workers = httpx.get(f"{router}/admin/workers", timeout=30).json()["workers"]
+        assert all(w["events"] for w in workers) and sum(w["indexed_blocks"] for w in workers) > 0
+        metrics = httpx.get(f"{router}/metrics", timeout=30).text
+        assert 'openinfer_router:decisions_total{reason="cache_hit"}' in metrics
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.slow
+def test_a_dead_replica_is_ejected_requests_rerouted_and_readmitted(qwen3_checkpoint):
+    started = [_replica(qwen3_checkpoint) for _ in range(2)]
+    router, proc = start_router([b for b, _ in started], qwen3_checkpoint,
+                                "--policy", "round_robin")
+    try:
+        victim_url, victim = started[1]
+        victim.kill()
+        victim.wait()
+        texts = [_complete(router, p)[0] for p in PROMPTS[:4]]  # none may fail
+        assert len(texts) == 4
+        workers = {w["url"]: w for w in httpx.get(f"{router}/admin/workers").json()["workers"]}
+        assert not workers[victim_url]["healthy"]
+        port = int(victim_url.rsplit(":", 1)[1])
+        started[1] = _replica(qwen3_checkpoint, port=port)  # back on the same address
+        for _ in range(100):
+            workers = {w["url"]: w for w in httpx.get(f"{router}/admin/workers").json()["workers"]}
+            if workers[victim_url]["healthy"]:
+                break
+            time.sleep(0.1)
+        assert workers[victim_url]["healthy"]
+        assert {_complete(router, p)[1] for p in PROMPTS[:4]} == {b for b, _ in started}
+    finally:
+        _stop(proc)
+        for _, p in started:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.slow
+def test_serve_data_parallel_starts_replicas_behind_a_router(qwen3_checkpoint):
+    base, proc = start_server(qwen3_checkpoint, "--data-parallel-size", "2")
+    try:
+        workers = httpx.get(f"{base}/admin/workers", timeout=30).json()["workers"]
+        assert len(workers) == 2 and all(w["healthy"] for w in workers)
+        text, worker, _ = _complete(base, PROMPTS[0])
+        assert text and worker in {w["url"] for w in workers}
+    finally:
+        _stop(proc)
+    assert proc.returncode is not None

@@ -1,0 +1,74 @@
+"""Routing policies and the per-replica cache index, over integers and hashes only."""
+
+from __future__ import annotations
+
+from openinfer.router.policies import Router, RouterConfig, Worker, WorkerCacheIndex
+
+
+def _stored(*hashes: bytes, medium: str = "GPU") -> dict:
+    return {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": None,
+            "token_ids": [], "block_size": 16, "medium": medium}
+
+
+def test_index_follows_events_detects_gaps_and_restarts():
+    index = WorkerCacheIndex()
+    assert index.apply(0, [_stored(b"a", b"b")]) and index.match([b"a", b"b", b"c"]) == 2
+    assert index.apply(1, [_stored(b"b", medium="HOST"),
+                           {"type": "BlockRemoved", "block_hashes": [b"b"], "medium": "GPU"}])
+    assert index.match([b"a", b"b"]) == 2           # still held in host memory
+    assert not index.apply(3, [_stored(b"z")])      # batch 2 was missed
+    assert index.match([b"z"]) == 0 and index.next_seq == 2
+    assert index.apply(2, [{"type": "AllBlocksCleared"}]) and index.match([b"a"]) == 0
+    index.apply(3, [_stored(b"q")])
+    assert index.apply(0, [_stored(b"x")])          # the replica restarted: start over
+    assert index.match([b"q"]) == 0 and index.match([b"x"]) == 1
+
+
+def _router(policy: str, n: int = 3, **kw) -> Router:
+    return Router(RouterConfig(policy=policy, **kw), [Worker(f"w{i}") for i in range(n)])
+
+
+def test_round_robin_skips_unhealthy_and_excluded_replicas():
+    r = _router("round_robin")
+    r.workers[1].healthy = False
+    assert [r.choose([]).worker.url for _ in range(4)] == ["w0", "w2", "w0", "w2"]
+    assert r.choose([], exclude={"w0", "w2"}) is None
+
+
+def test_least_load_counts_routed_requests_and_spreads_ties():
+    r = _router("least_load")
+    r.workers[0].in_flight = 2
+    first = r.choose([]).worker
+    first.routed += 1
+    second = r.choose([]).worker
+    assert {first.url, second.url} == {"w1", "w2"}
+
+
+def test_cache_aware_prefers_the_longest_prefix_unless_load_is_imbalanced():
+    r = _router("cache_aware", balance_abs=4, balance_rel=2.0)
+    w0, w1, _ = r.workers
+    w0.index.apply(0, [_stored(b"a")])
+    w1.index.apply(0, [_stored(b"a", b"b")])
+    decision = r.choose([b"a", b"b", b"c"])
+    assert (decision.worker, decision.reason, decision.matched_blocks) == (w1, "cache_hit", 2)
+    assert r.choose([b"x"]).reason == "no_cache_hit"
+    w1.in_flight = 10                                 # 10 - 0 > 4 and 10 > 2 x 0
+    decision = r.choose([b"a", b"b"])
+    assert decision.reason == "load_override" and decision.worker is not w1
+
+
+def test_without_events_the_routed_prompts_guide_cache_aware():
+    r = _router("cache_aware")
+    home = r.choose([b"p1", b"p2"]).worker          # nothing cached: least load
+    home.routed += 1
+    again = r.choose([b"p1", b"p2", b"p3"])
+    assert again.worker is home and again.reason == "cache_hit"
+
+
+def test_session_affinity_sticks_until_the_replica_fails():
+    r = _router("cache_aware")
+    home = r.choose([b"s"], session="alice").worker
+    home.routed += 5
+    assert r.choose([b"other"], session="alice").worker is home
+    home.healthy = False
+    assert r.choose([b"other"], session="alice").worker is not home
