@@ -64,22 +64,26 @@ def offline_baseline(model: str, quick: bool) -> dict:
 
 
 def start_server(model: str, *flags: str) -> tuple[str, subprocess.Popen]:
+    return start_cli(["serve", "--model", model, "--served-model-name", "bench", *flags])
+
+
+def start_cli(args: list[str], env: dict | None = None) -> tuple[str, subprocess.Popen]:
+    """`openinfer <args>` on a free loopback port, once its /health answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "openinfer.cli", "serve", "--model", model,
-                             "--port", str(port), "--served-model-name", "bench",
-                             "--log-level", "warning", *flags], cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "openinfer.cli", *args, "--port", str(port),
+                             "--log-level", "warning"], cwd=REPO, env=env)
     base = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
+    for _ in range(2400):
         try:
             urllib.request.urlopen(f"{base}/health", timeout=2)
             return base, proc
         except OSError:
             if proc.poll() is not None:
-                raise SystemExit("the server exited during startup") from None
+                raise SystemExit(f"openinfer {args[0]} exited during startup") from None
             time.sleep(0.25)
-    raise SystemExit("the server did not start")
+    raise SystemExit(f"openinfer {args[0]} did not start")
 
 
 def workload_of(prompts: list[list[int]], output_len: int) -> Workload:

@@ -166,25 +166,26 @@ class EngineCore:
             stats["kv_transfer_bytes"] = dict(self.transfer.stats.bytes)
             stats["kv_transfer_seconds"] = dict(self.transfer.stats.seconds)
             stats["kv_store_read_failures"] = self.transfer.stats.store_read_failures
+            stats["kv_store_writes_skipped"] = self.transfer.stats.store_writes_skipped
+            stats["kv_host_stores_skipped"] = kv.num_host_stores_skipped
             if self.transfer.store is not None:
                 stats["kv_store_bytes"] = self.transfer.store.bytes_used
         return stats
 
     def _after_host_stores(self, stores: list[tuple[int, int]]) -> None:
-        """Blocks just copied to the host go on to the file store (their slots stay
-        pinned until written), or are done."""
-        if self.transfer.store is None:
-            self.kv.finish_host_stores([slot for _, slot in stores])
-            return
-        for _, slot in stores:
-            self.transfer.submit_write(self.kv.host.hash_at(slot), slot)
+        """Blocks just copied to the host are queued for the file store (their bytes are
+        taken, so their host slots may be reused at once)."""
+        if self.transfer.store is not None:
+            for _, slot in stores:
+                self.transfer.submit_write(self.kv.host.hash_at(slot), slot)
+        self.kv.finish_host_stores([slot for _, slot in stores])
 
     def _finish_file_io(self, wait_s: float = 0.0) -> None:
         if self.transfer is None or not self.transfer.num_in_flight:
             return
         for done in self.transfer.poll(wait_s):
             if done[0] == "write":
-                self.kv.finish_host_stores([done[1]])
+                self.transfer.finish_write(done[1])
             else:
                 self.scheduler.finish_file_load(done[1], done[2])
 

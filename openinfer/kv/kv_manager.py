@@ -103,6 +103,7 @@ class KVCacheManager:
         self.pending_loads: list[tuple[int, int]] = []
         """(host slot, device block): copy to the device at the start of the next step."""
         self.pending_file_loads: list[FileLoad] = []
+        self.num_host_stores_skipped = 0
 
     def attach_tiers(self, host: HostCacheIndex | None,
                      store_contains: Callable[[BlockHash], bool] | None) -> None:
@@ -176,8 +177,8 @@ class KVCacheManager:
                 self.host.abandon(slot)
 
     def finish_host_stores(self, slots: list[int]) -> None:
-        """These host slots hold their blocks for good (copied, and written to the file
-        store when there is one): they may be reused again."""
+        """These host slots hold their blocks now (copied from the device, and queued for
+        the file store when there is one): they may be reused again."""
         for slot in slots:
             self.host.unpin(slot)
 
@@ -246,10 +247,12 @@ class KVCacheManager:
             self.events.append(BlockStored(block_hashes[i], parent, tokens))
             if self.host is not None and block_hashes[i] not in self.host:
                 slot = self.host.allocate(block_hashes[i])
-                if slot is not None:  # write-through: the host copy is made next step
-                    self.host.pin(slot)  # until copied (and written to the file store)
-                    self.pending_stores.append((tables[0][i], slot))
-                    self.events.append(BlockStored(block_hashes[i], parent, tokens, "L2"))
+                if slot is None:  # every slot is pinned by a copy in flight
+                    self.num_host_stores_skipped += 1
+                    continue
+                self.host.pin(slot)  # until the copy at the start of the next step
+                self.pending_stores.append((tables[0][i], slot))
+                self.events.append(BlockStored(block_hashes[i], parent, tokens, "L2"))
         self._num_cached_blocks[request_id] = max(done, full)
         return stored
 

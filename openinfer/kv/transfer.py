@@ -33,6 +33,8 @@ class TransferStats:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("device_to_host", "host_to_device", "host_to_store", "store_to_host"), 0.0))
     store_read_failures: int = 0
+    store_writes_skipped: int = 0
+    """Blocks not written to the file store because the disk lagged too far behind."""
 
 
 class KVTransfer:
@@ -48,6 +50,8 @@ class KVTransfer:
         self._io = ThreadPoolExecutor(io_threads, "openinfer-kv-io") if store else None
         self._done: queue.Queue[tuple] = queue.Queue()
         self.num_in_flight = 0
+        self.max_pending_write_bytes = 256 * 1024**2
+        self._pending_write_bytes = 0
 
     # ---- device <-> host (main thread, at the start of a step) ------------------------
 
@@ -76,23 +80,35 @@ class KVTransfer:
 
     # ---- host <-> file store (I/O threads) -------------------------------------------
 
-    def submit_write(self, block_hash: BlockHash, slot: int) -> None:
+    def submit_write(self, block_hash: BlockHash, slot: int) -> bool:
+        """Queue a copy of the slot's block for the file store. The bytes are taken now, so
+        the slot is free again at once; False (nothing queued) when more than
+        ``max_pending_write_bytes`` already wait for a slow disk."""
+        if self._pending_write_bytes + self.block_bytes > self.max_pending_write_bytes:
+            self.stats.store_writes_skipped += 1
+            return False
+        payload = self.host_blocks[slot].numpy().tobytes()
+        self._pending_write_bytes += len(payload)
         self.num_in_flight += 1
-        self._io.submit(self._write, block_hash, slot)
+        self._io.submit(self._write, block_hash, payload)
+        return True
+
+    def finish_write(self, num_bytes: int) -> None:
+        self._pending_write_bytes -= num_bytes
 
     def submit_load(self, load: FileLoad) -> None:
         self.num_in_flight += 1
         self._io.submit(self._load, load)
 
-    def _write(self, block_hash: BlockHash, slot: int) -> None:
+    def _write(self, block_hash: BlockHash, payload: bytes) -> None:
         start = time.perf_counter()
         try:
-            self.store.write(block_hash, self.host_blocks[slot].numpy().tobytes())
+            self.store.write(block_hash, payload)
             self._account("host_to_store", 1, start)
         except OSError:
             pass  # a full or failing disk loses a cache entry, never a request
         finally:
-            self._done.put(("write", slot))
+            self._done.put(("write", len(payload)))
 
     def _load(self, load: FileLoad) -> None:
         start, loaded = time.perf_counter(), 0
@@ -111,7 +127,7 @@ class KVTransfer:
             self._done.put(("load", load, loaded))
 
     def poll(self, timeout_s: float = 0.0) -> list[tuple]:
-        """Finished file I/O: ("write", slot) and ("load", FileLoad, blocks loaded)."""
+        """Finished file I/O: ("write", bytes) and ("load", FileLoad, blocks loaded)."""
         done = []
         try:
             done.append(self._done.get(timeout=timeout_s) if timeout_s else self._done.get_nowait())

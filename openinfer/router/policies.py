@@ -69,12 +69,7 @@ class WorkerCacheIndex:
         return True
 
     def match(self, hashes: list[BlockHash]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self._media:
-                break
-            n += 1
-        return n
+        return _leading(hashes, self._media)
 
     def __len__(self) -> int:
         return len(self._media)
@@ -96,12 +91,17 @@ class ApproxIndex:
             self._seen.popitem(last=False)
 
     def match(self, hashes: list[BlockHash]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self._seen:
-                break
-            n += 1
-        return n
+        return _leading(hashes, self._seen)
+
+
+def _leading(hashes: list[BlockHash], held) -> int:
+    """How many of the leading hashes ``held`` contains."""
+    n = 0
+    for h in hashes:
+        if h not in held:
+            break
+        n += 1
+    return n
 
 
 @dataclass

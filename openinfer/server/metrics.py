@@ -94,6 +94,14 @@ class _EngineCounters(Collector):
     def __init__(self, engine_stats: Callable[[], dict]) -> None:
         self.engine_stats = engine_stats
 
+    TIER_COUNTERS = (
+        ("openinfer:kv_store_read_failures", "kv_store_read_failures",
+         "Store files rejected (corrupt, truncated, other model)"),
+        ("openinfer:kv_host_stores_skipped", "kv_host_stores_skipped",
+         "Cached blocks not offloaded to host memory (every slot pinned)"),
+        ("openinfer:kv_store_writes_skipped", "kv_store_writes_skipped",
+         "Blocks not written to the file store (the disk lagged too far behind)"),
+    )
     LABELLED = (
         ("openinfer:prefix_cache_hits_by_tier", "prefix_cache_hits_by_tier", "tier",
          "Prompt tokens found in the prefix cache, by the tier that held them (L1 device, "
@@ -113,6 +121,5 @@ class _EngineCounters(Collector):
             for value_label, value in (stats.get(key) or {}).items():
                 family.add_metric([value_label], float(value))
             yield family
-        yield CounterMetricFamily("openinfer:kv_store_read_failures",
-                                  "Store files rejected (corrupt, truncated, other model)",
-                                  value=float(stats.get("kv_store_read_failures", 0)))
+        for name, key, documentation in self.TIER_COUNTERS:
+            yield CounterMetricFamily(name, documentation, value=float(stats.get(key, 0)))
