@@ -66,6 +66,9 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
             urls.append(f"http://127.0.0.1:{port}")
         for url, proc in zip(urls, replicas):
             _wait_healthy(url, proc)
+        # uvicorn re-raises the SIGTERM it drained on; as an exception (not the default
+        # action, which would kill us on the spot) it lets `finally` stop the replicas.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         run_router(urls, args.tokenizer or args.model, args, args.host, args.port)
     finally:
         for proc in replicas:

@@ -155,3 +155,6 @@ def test_serve_data_parallel_starts_replicas_behind_a_router(qwen3_checkpoint):
     finally:
         _stop(proc)
     assert proc.returncode is not None
+    for w in workers:  # the replicas went with it
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{w['url']}/health", timeout=5)
