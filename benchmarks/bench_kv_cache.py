@@ -37,7 +37,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench_server import start_server  # benchmarks/ is on sys.path when run as a script
+from bench_server import ensure_demo_model, start_server  # benchmarks/ is on sys.path when run as a script
 from doc_sections import write_section
 
 REPO = Path(__file__).resolve().parent.parent
@@ -181,9 +181,7 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint (default: the demo model, tiny preset)")
     parser.add_argument("--output", default=str(REPO / "docs" / "benchmarks.md"))
     args = parser.parse_args()
-    model = args.model or str(REPO / ".cache" / "demo-model")
-    if not (Path(model) / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "openinfer.cli", "demo-model", model], check=True)
+    model = ensure_demo_model(args.model)
     config = json.loads((Path(model) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     block_bytes = (config["num_hidden_layers"] * 2 * 16 * config["num_key_value_heads"]

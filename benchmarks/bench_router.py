@@ -33,7 +33,7 @@ import urllib.request
 from pathlib import Path
 
 import httpx
-from bench_server import start_cli  # benchmarks/ is on sys.path when run as a script
+from bench_server import ensure_demo_model, start_cli  # benchmarks/ is on sys.path when run as a script
 from doc_sections import write_section
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--output", default=str(REPO / "docs" / "benchmarks.md"))
     args = parser.parse_args()
-    model = args.model or str(REPO / ".cache" / "demo-model")
+    model = ensure_demo_model(args.model)
     started = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
     replicas = [replica(model) for _ in range(args.replicas)]

@@ -63,6 +63,17 @@ def offline_baseline(model: str, quick: bool) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def ensure_demo_model(model: str | None, preset: str = "tiny") -> str:
+    """The checkpoint to benchmark: ``model``, or the demo model (built on first use)."""
+    if model is not None:
+        return model
+    path = REPO / ".cache" / ("demo-model" if preset == "tiny" else preset)
+    if not (path / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "openinfer.cli", "demo-model", str(path),
+                        "--preset", preset], check=True)
+    return str(path)
+
+
 def start_server(model: str, *flags: str) -> tuple[str, subprocess.Popen]:
     return start_cli(["serve", "--model", model, "--served-model-name", "bench", *flags])
 

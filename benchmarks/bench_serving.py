@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_server import start_server  # benchmarks/ is on sys.path when run as a script
+from bench_server import ensure_demo_model, start_server  # benchmarks/ is on sys.path when run as a script
 from doc_sections import write_section
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,9 +50,7 @@ def main() -> None:
     parser.add_argument("--rates", default="4,8,16,32,inf")
     parser.add_argument("--output", default=str(REPO / "docs" / "benchmarks.md"))
     args = parser.parse_args()
-    model = args.model or str(REPO / ".cache" / "demo-model")
-    if not (Path(model) / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "openinfer.cli", "demo-model", model], check=True)
+    model = ensure_demo_model(args.model)
     started = time.perf_counter()
     base, proc = start_server(model)
     common = ["--base-url", base, "--model", "bench", "--tokenizer", model, "--no-progress"]

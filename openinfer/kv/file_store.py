@@ -108,7 +108,7 @@ class FileStore:
             f.write(payload)
         os.replace(tmp, path)
         with self._lock:  # I/O threads write concurrently; the budget is counted under it
-            self.bytes_used += tmp_size(path)
+            self.bytes_used += _file_size(path)
             if self.bytes_used > self.capacity_bytes:
                 self._collect_garbage()
         return True
@@ -182,7 +182,7 @@ class FileStore:
             path.unlink()
 
 
-def tmp_size(path: Path) -> int:
+def _file_size(path: Path) -> int:
     try:
         return path.stat().st_size
     except FileNotFoundError:
@@ -195,7 +195,7 @@ def inspect_store(root: str | Path) -> list[dict]:
     for model_dir in sorted(p for p in Path(root).iterdir() if p.is_dir()):
         files = [p for p in model_dir.glob(f"*/*{SUFFIX}") if not p.name.startswith(".")]
         entry = {"fingerprint": model_dir.name, "blocks": len(files),
-                 "bytes": sum(tmp_size(p) for p in files), "layout": None, "bad_headers": 0}
+                 "bytes": sum(_file_size(p) for p in files), "layout": None, "bad_headers": 0}
         for path in files[:1]:
             data = path.read_bytes()
             try:
