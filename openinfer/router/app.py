@@ -57,8 +57,15 @@ class RouterState:
                                       registry=r)
         self.load = Gauge("openinfer_router:worker_in_flight", "Requests in flight per replica",
                           ["worker"], registry=r)
+        self.external_load = Gauge("openinfer_router:worker_external_load",
+                                   "Requests a replica reported beyond those routed here",
+                                   ["worker"], registry=r)
         self.healthy_gauge = Gauge("openinfer_router:worker_healthy", "1 if in rotation",
                                    ["worker"], registry=r)
+        self.max_excess = Gauge("openinfer_router:max_load_excess",
+                                "Most requests a chosen replica had in flight beyond the least "
+                                "loaded one, at the moment of a routing decision", registry=r)
+        self.max_excess_seen = 0
         self.routed = Counter("openinfer_router:worker_requests", "Requests routed per replica",
                               ["worker"], registry=r)
 
@@ -104,7 +111,7 @@ class RouterState:
                 resp = await self.http.get(f"{worker.url}/health", timeout=2.0)
                 healthy = resp.status_code == 200
                 if healthy:
-                    worker.kv_usage = await self._kv_usage(worker)
+                    await self._poll_load(worker)
             except (httpx.HTTPError, OSError):
                 healthy = False
             if healthy != worker.healthy:
@@ -113,12 +120,19 @@ class RouterState:
             self.healthy_gauge.labels(worker=worker.url).set(1 if healthy else 0)
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
-    async def _kv_usage(self, worker: Worker) -> float:
+    async def _poll_load(self, worker: Worker) -> None:
+        """The replica's own view of its load, from its Prometheus metrics."""
+        in_flight = worker.in_flight  # what we had sent it when it answered
         resp = await self.http.get(f"{worker.url}/metrics", timeout=2.0)
+        gauges = {}
         for line in resp.text.splitlines():
-            if line.startswith("openinfer:kv_cache_usage_perc "):
-                return float(line.split()[1])
-        return 0.0
+            name, _, value = line.partition(" ")
+            if name in ("openinfer:num_requests_running", "openinfer:num_requests_waiting",
+                        "openinfer:kv_cache_usage_perc"):
+                gauges[name] = float(value)
+        worker.kv_usage = gauges.get("openinfer:kv_cache_usage_perc", 0.0)
+        worker.report(int(gauges.get("openinfer:num_requests_running", 0)
+                          + gauges.get("openinfer:num_requests_waiting", 0)), in_flight)
 
     async def _events_loop(self, worker: Worker) -> None:
         """Follow the replica's KV events (if it publishes them) into its exact index."""
@@ -218,6 +232,7 @@ def build_router_app(state: RouterState) -> FastAPI:
     async def metrics() -> Response:
         for w in state.router.workers:
             state.load.labels(worker=w.url).set(w.in_flight)
+            state.external_load.labels(worker=w.url).set(w.external_load)
         return Response(generate_latest(state.registry), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -227,7 +242,8 @@ def build_router_app(state: RouterState) -> FastAPI:
     @app.get("/admin/workers")
     async def list_workers() -> dict:
         return {"workers": [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight,
-                             "routed": w.routed, "indexed_blocks": len(w.index),
+                             "external_load": w.external_load, "routed": w.routed,
+                             "indexed_blocks": len(w.index),
                              "events": w.index.live} for w in state.router.workers]}
 
     @app.post("/admin/workers")
@@ -268,15 +284,27 @@ def _generate_route(state: RouterState, path: str):
                                     status_code=503, headers={"Retry-After": "1"})
             worker = decision.worker
             tried.add(worker.url)
+            excess = worker.load - min(w.load for w in state.router.healthy())
+            if excess > state.max_excess_seen:
+                state.max_excess_seen = excess
+                state.max_excess.set(excess)
             worker.in_flight += 1  # counted from now, not from its first token
+            upstream = None
             try:
                 upstream = await state.http.send(state.http.build_request(
                     "POST", worker.url + path, content=raw, headers=headers), stream=True)
+                # A stream counts as started with its first bytes, not its headers: until
+                # then the request can still go elsewhere.
+                chunks = upstream.aiter_raw()
+                first = await anext(chunks, b"")
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
                     httpx.ReadError) as e:
                 worker.in_flight -= 1
+                if upstream is not None:
+                    await upstream.aclose()
                 worker.healthy = False  # not started: try the next replica
-                logger.warning("replica %s unreachable (%s); rerouting", worker.url, e)
+                logger.warning("replica %s failed before answering (%s); rerouting",
+                               worker.url, e)
                 continue
             state.decisions.labels(reason=decision.reason).inc()
             state.prompt_blocks.inc(len(hashes))
@@ -284,17 +312,19 @@ def _generate_route(state: RouterState, path: str):
             state.routed.labels(worker=worker.url).inc()
             worker.routed += 1
             return StreamingResponse(
-                _relay(upstream, worker), status_code=upstream.status_code,
+                _relay(upstream, first, chunks, worker), status_code=upstream.status_code,
                 media_type=upstream.headers.get("content-type"),
                 headers={"x-openinfer-worker": worker.url, "x-openinfer-route": decision.reason})
 
     return route
 
 
-async def _relay(upstream: httpx.Response, worker: Worker) -> AsyncIterator[bytes]:
+async def _relay(upstream: httpx.Response, first: bytes, chunks: AsyncIterator[bytes],
+                 worker: Worker) -> AsyncIterator[bytes]:
     sse = "text/event-stream" in upstream.headers.get("content-type", "")
     try:
-        async for chunk in upstream.aiter_raw():
+        yield first
+        async for chunk in chunks:
             yield chunk
     except (httpx.HTTPError, OSError) as e:
         if sse:  # the client has a partial stream: end it with an error, not a hang

@@ -111,12 +111,26 @@ class Worker:
     in_flight: int = 0
     """Requests routed here whose responses have not ended."""
     kv_usage: float = 0.0
+    external_load: int = 0
+    """Requests the replica reported (running + waiting) beyond those this router had in
+    flight there when it asked: load from other routers or direct clients."""
     index: WorkerCacheIndex = field(default_factory=WorkerCacheIndex)
     approx: ApproxIndex = field(default_factory=ApproxIndex)
     routed: int = 0
 
     def match(self, hashes: list[BlockHash]) -> int:
         return self.index.match(hashes) if self.index.live else self.approx.match(hashes)
+
+    @property
+    def load(self) -> int:
+        """Requests this replica is busy with: ours counted from the moment they are routed
+        (a replica's own report lags by up to a poll interval, and counting only from the
+        first token makes a hot spot of the replica that is slowest to answer), plus what
+        it last reported from elsewhere."""
+        return self.in_flight + self.external_load
+
+    def report(self, running_and_waiting: int, in_flight_at_report: int) -> None:
+        self.external_load = max(0, running_and_waiting - in_flight_at_report)
 
 
 @dataclass(frozen=True)
@@ -175,7 +189,7 @@ class Router:
         least = min(candidates, key=_load_key)
         if policy == "least_load":
             return Decision(least, "least_load")
-        loads = [w.in_flight for w in candidates]
+        loads = [w.load for w in candidates]
         if (max(loads) - min(loads) > self.config.balance_abs
                 and max(loads) > self.config.balance_rel * min(loads)):
             return Decision(least, "load_override")
@@ -192,5 +206,6 @@ class Router:
 
 
 def _load_key(w: Worker) -> tuple[int, float, int]:
-    # Equal loads: the replica that was given the least so far, so ties spread.
-    return (w.in_flight, w.kv_usage, w.routed)
+    # Equal loads: the fuller KV cache loses, then the replica given the least so far, so
+    # ties spread.
+    return (w.load, w.kv_usage, w.routed)

@@ -7,6 +7,7 @@ import json
 import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -41,10 +42,10 @@ def _stop(proc) -> None:
         proc.kill()
 
 
-def _complete(base: str, prompt, **extra) -> tuple[str, str, str]:
+def _complete(base: str, prompt, max_tokens: int = 6, **extra) -> tuple[str, str, str]:
     """(text, replica that served it, routing reason)."""
     resp = httpx.post(f"{base}/v1/completions", timeout=120, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True, **extra})
     assert resp.status_code == 200, resp.text
     return (resp.json()["choices"][0]["text"], resp.headers.get("x-openinfer-worker"),
@@ -116,18 +117,53 @@ def test_cache_aware_keeps_each_conversation_on_the_replica_holding_it(replicas,
 
 
 @pytest.mark.slow
-def test_a_dead_replica_is_ejected_requests_rerouted_and_readmitted(qwen3_checkpoint):
-    started = [_replica(qwen3_checkpoint) for _ in range(2)]
+def test_cache_aware_load_guard_holds_under_concurrent_load(replicas, qwen3_checkpoint):
+    """Every request shares a prefix one replica holds, so affinity alone would send all of
+    them there; under 24 concurrent requests the guard must spread them, and no request may
+    go to a replica more than --balance-abs requests above the least loaded."""
+    router, proc = start_router(replicas, qwen3_checkpoint, "--policy", "cache_aware",
+                                "--balance-abs", "2", "--balance-rel", "1.5")
+    shared = list(range(100, 164))  # 4 full blocks
+    try:
+        time.sleep(1.0)  # subscriptions to the replicas' KV events
+        _, home, _ = _complete(router, shared + [1])
+        time.sleep(0.5)  # its BlockStored events reach the router
+        with ThreadPoolExecutor(24) as pool:
+            served = list(pool.map(lambda i: _complete(router, shared + [2, i], max_tokens=12),
+                                   range(24)))
+        reasons = {reason for _, _, reason in served}
+        assert {"cache_hit", "load_override"} <= reasons, reasons
+        assert len({worker for _, worker, _ in served}) >= 2
+        metrics = httpx.get(f"{router}/metrics", timeout=30).text
+        excess = next(float(line.split()[1]) for line in metrics.splitlines()
+                      if line.startswith("openinfer_router:max_load_excess "))
+        assert excess <= 2, excess
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.slow
+def test_a_replica_killed_under_load_loses_no_request_and_comes_back(qwen3_checkpoint):
+    started = [_replica(qwen3_checkpoint) for _ in range(3)]
+    prompts = [f"load request {i} asks for a story" for i in range(36)]
+    expected = [_complete(started[0][0], p)[0] for p in prompts]
     router, proc = start_router([b for b, _ in started], qwen3_checkpoint,
-                                "--policy", "round_robin")
+                                "--policy", "least_load")
     try:
         victim_url, victim = started[1]
-        victim.kill()
-        victim.wait()
-        texts = [_complete(router, p)[0] for p in PROMPTS[:4]]  # none may fail
-        assert len(texts) == 4
+        done = []
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(_complete, router, p, max_tokens=6) for p in prompts]
+            for future in futures[:8]:
+                done.append(future.result())
+            victim.kill()  # while the rest are queued or running on all three
+            victim.wait()
+            done += [future.result() for future in futures[8:]]  # none may fail
+        assert [text for text, _, _ in done] == expected
+        assert any(worker == victim_url for _, worker, _ in done[:8])
         workers = {w["url"]: w for w in httpx.get(f"{router}/admin/workers").json()["workers"]}
         assert not workers[victim_url]["healthy"]
+        assert sum(w["in_flight"] for w in workers.values()) == 0  # nothing counted twice
         port = int(victim_url.rsplit(":", 1)[1])
         started[1] = _replica(qwen3_checkpoint, port=port)  # back on the same address
         for _ in range(100):
@@ -136,7 +172,7 @@ def test_a_dead_replica_is_ejected_requests_rerouted_and_readmitted(qwen3_checkp
                 break
             time.sleep(0.1)
         assert workers[victim_url]["healthy"]
-        assert {_complete(router, p)[1] for p in PROMPTS[:4]} == {b for b, _ in started}
+        assert victim_url in {_complete(router, p)[1] for p in prompts[:6]}
     finally:
         _stop(proc)
         for _, p in started:

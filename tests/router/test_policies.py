@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from openinfer.router.policies import Router, RouterConfig, Worker, WorkerCacheIndex
 
 
@@ -72,3 +75,30 @@ def test_session_affinity_sticks_until_the_replica_fails():
     assert r.choose([b"other"], session="alice").worker is home
     home.healthy = False
     assert r.choose([b"other"], session="alice").worker is not home
+
+
+def test_least_load_adds_what_replicas_report_beyond_our_own_requests():
+    r = _router("least_load", n=2)
+    r.workers[0].in_flight = 1
+    r.workers[1].report(running_and_waiting=5, in_flight_at_report=0)  # another client's load
+    assert r.workers[1].load == 5 and r.choose([]).worker.url == "w0"
+    r.workers[1].report(running_and_waiting=2, in_flight_at_report=4)  # lagging report
+    assert r.workers[1].external_load == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 2)), max_size=200))
+def test_cache_aware_never_lets_load_imbalance_exceed_the_guard(ops):
+    """Every request shares one cached prefix held by w0 only, so cache affinity alone would
+    send everything there. Whatever finishes when, no request may go to a replica that is
+    loaded beyond the guard relative to the least loaded one."""
+    r = _router("cache_aware", balance_abs=4, balance_rel=1.5)
+    r.workers[0].index.apply(0, [_stored(b"p", b"q")])
+    for arrive, which in ops:
+        if arrive:
+            least = min(w.load for w in r.workers)
+            chosen = r.choose([b"p", b"q"]).worker
+            assert chosen.load - least <= 4 or chosen.load <= 1.5 * least
+            chosen.in_flight += 1
+        elif r.workers[which].in_flight:
+            r.workers[which].in_flight -= 1
