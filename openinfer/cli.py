@@ -50,6 +50,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER address for replaying "
                                                        "missed KV event batches")
     g.add_argument("--kv-events-topic", default="")
+    d = parser.add_argument_group("disaggregation")
+    d.add_argument("--role", dest="kv_role", choices=("both", "prefill", "decode"), default="both",
+                   help="prefill: hold prompts' KV for decode instances to pull; decode: pull "
+                        "it before decoding; both: colocated (default)")
+    d.add_argument("--kv-connector", choices=("tcp", "shm", "file"), default="tcp",
+                   help="how a decode instance pulls KV: tcp, shm (same host), file (the "
+                        "shared --kv-store-dir)")
+    d.add_argument("--kv-transfer-host", default="127.0.0.1",
+                   help="address the KV server binds and advertises")
+    d.add_argument("--kv-transfer-port", type=int,
+                   help="KV server port (default: any free port for --role prefill)")
+    d.add_argument("--kv-transfer-timeout", type=float, default=10.0,
+                   help="seconds a stalled pull waits before falling back")
+    d.add_argument("--kv-lease-timeout", type=float, default=30.0,
+                   help="seconds a prefill instance holds KV nobody pulls")
+    d.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"), default="recompute",
+                   help="when a pull fails: recompute locally (default) or fail the request")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
@@ -67,6 +84,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_events_topic=args.kv_events_topic,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy, seed=args.seed,
+        kv_role=args.kv_role, kv_connector=args.kv_connector,
+        kv_transfer_host=args.kv_transfer_host, kv_transfer_port=args.kv_transfer_port,
+        kv_transfer_timeout=args.kv_transfer_timeout, kv_lease_s=args.kv_lease_timeout,
+        kv_load_failure_policy=args.kv_load_failure_policy,
     )
 
 
@@ -100,7 +121,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    if args.data_parallel_size > 1:
+    if args.data_parallel_size > 1 or args.backend == "ray":
         from openinfer.router.launch import serve_data_parallel
 
         return serve_data_parallel(args, args.argv)
@@ -190,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds to let in-flight requests finish on SIGTERM/Ctrl-C")
     serve.add_argument("--data-parallel-size", type=int, default=1,
                        help="run N engine replicas behind a router on --port")
-    add_router_args(serve)
+    add_router_args(serve, data_parallel=True)
     serve.set_defaults(func=cmd_serve)
 
     router = sub.add_parser("router", help="route the OpenAI/Anthropic API over replicas")

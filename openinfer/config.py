@@ -122,6 +122,48 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+KV_ROLES = ("both", "prefill", "decode")
+KV_CONNECTORS = ("tcp", "shm", "file")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (openinfer/disagg/)."""
+    role: str = "both"
+    """prefill: hold finished prompts' KV for pickup; decode: pull it before decoding;
+    both: a colocated instance (serves the KV it holds only when ``port`` is set)."""
+    connector: str = "tcp"
+    """How a decode instance pulls blocks: tcp, shm (same host) or file (a shared store)."""
+    host: str = "127.0.0.1"
+    """Address this instance's KV server binds and advertises to decode instances."""
+    port: int | None = None
+    """KV server port (0: any free port). A prefill instance always runs one."""
+    timeout_s: float = 10.0
+    """A pull that makes no progress for this long fails (and falls back)."""
+    lease_s: float = 30.0
+    """A prefill instance frees KV nobody pulled (or renewed) for this long."""
+    load_failure_policy: str = "recompute"
+    """When a pull fails: recompute the missing blocks locally, or fail the request."""
+
+    def __post_init__(self) -> None:
+        if self.role not in KV_ROLES:
+            raise ValueError(f"kv role must be one of {', '.join(KV_ROLES)}, got {self.role!r}")
+        if self.connector not in KV_CONNECTORS:
+            raise ValueError(f"kv connector must be one of {', '.join(KV_CONNECTORS)}, "
+                             f"got {self.connector!r}")
+        if self.load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("kv load failure policy must be 'recompute' or 'fail', "
+                             f"got {self.load_failure_policy!r}")
+
+    @property
+    def serves_kv(self) -> bool:
+        return self.role == "prefill" or (self.role == "both" and self.port is not None)
+
+    @property
+    def pulls_kv(self) -> bool:
+        return self.role in ("decode", "both")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -134,6 +176,7 @@ class EngineConfig:
     """Tokenizer path; defaults to the model path."""
     skip_tokenizer_init: bool = False
     """Run on token ids only (no text in or out)."""
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     @staticmethod
     def create(
@@ -159,6 +202,13 @@ class EngineConfig:
         share_inflight_prefixes: bool = True,
         seed: int | None = None,
         skip_tokenizer_init: bool = False,
+        kv_role: str = "both",
+        kv_connector: str = "tcp",
+        kv_transfer_host: str = "127.0.0.1",
+        kv_transfer_port: int | None = None,
+        kv_transfer_timeout: float = 10.0,
+        kv_lease_s: float = 30.0,
+        kv_load_failure_policy: str = "recompute",
     ) -> EngineConfig:
         """Build the whole config from flat options (the offline API's and the CLI's)."""
         return EngineConfig(
@@ -179,6 +229,10 @@ class EngineConfig:
             seed=seed,
             tokenizer=tokenizer,
             skip_tokenizer_init=skip_tokenizer_init,
+            kv_transfer=KVTransferConfig(
+                role=kv_role, connector=kv_connector, host=kv_transfer_host,
+                port=kv_transfer_port, timeout_s=kv_transfer_timeout, lease_s=kv_lease_s,
+                load_failure_policy=kv_load_failure_policy),
         )
 
 

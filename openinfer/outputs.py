@@ -58,3 +58,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (the first sample's, when n > 1)."""
+    kv_transfer_params: dict | None = None
+    """A prefill-only request's held KV: where a decode instance pulls it from."""

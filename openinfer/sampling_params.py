@@ -50,6 +50,10 @@ class SamplingParams:
     cache_salt: str | None = None
     """Prefix-cache isolation key (e.g. per tenant): requests with different salts never
     share cached KV, even for identical prompts."""
+    kv_transfer_params: dict | None = None
+    """Disaggregation: {"do_remote_decode": true} asks a prefill instance to hold the
+    prompt's KV for pickup; a prefill instance's answer (remote_host, remote_port,
+    remote_lease_id, remote_block_hashes) tells a decode instance where to pull it."""
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -113,6 +117,8 @@ class SamplingParams:
             )
             self.stop_token_ids = list(self.stop_token_ids)
         require(_is_int(self.priority), "priority", f"must be an integer, got {self.priority!r}")
+        require(self.kv_transfer_params is None or isinstance(self.kv_transfer_params, dict),
+                "kv_transfer_params", "must be an object")
         require(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
                 "cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
 

@@ -7,6 +7,7 @@ It speaks token ids only; text lives in the front end (offline LLM or API server
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from openinfer.config import (
     DEFAULT_KV_HOST_MEMORY_WITH_STORE,
     EngineConfig,
 )
+from openinfer.disagg.connector import make_connector
+from openinfer.disagg.server import KVServer
 from openinfer.engine.outputs import EngineCoreOutput
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.runner import ModelRunner
@@ -51,10 +54,12 @@ class EngineCore:
                 f"kv_cache_memory holds {capacity} tokens, fewer than max_model_len "
                 f"({mc.max_model_len}): raise kv_cache_memory or lower max_model_len")
         self.kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv,
+                                   config.kv_transfer.load_failure_policy)
         self.runner = ModelRunner(model, groups, num_blocks, mc.num_layers, mc.dtype, config.device,
                                   seed=config.seed)
         self.transfer = self._attach_kv_tiers(groups[0], dtype_name)
+        self.kv_server = self._attach_kv_transfer(dtype_name)
         self.event_sink: Callable[[list[KVEvent]], None] | None = None
         """Receives the KV events of each step (else they are dropped)."""
         self.publisher = None
@@ -70,17 +75,16 @@ class EngineCore:
 
     def _attach_kv_tiers(self, group: LayerGroup, dtype_name: str) -> KVTransfer | None:
         """Tier L2 (host memory) and L3 (file store), when configured."""
-        cache, mc = self.config.cache, self.config.model
+        cache = self.config.cache
         host_memory = cache.kv_host_memory
-        if cache.kv_store_dir is not None and host_memory is None:
-            host_memory = DEFAULT_KV_HOST_MEMORY_WITH_STORE  # file blocks pass through it
+        if host_memory is None and (cache.kv_store_dir is not None
+                                    or self.config.kv_transfer.role == "decode"):
+            host_memory = DEFAULT_KV_HOST_MEMORY_WITH_STORE  # loaded blocks pass through it
         if host_memory is None or not cache.enable_prefix_caching:
             return None
         store = None
         if cache.kv_store_dir is not None:
-            layout = StoreLayout(model_fingerprint(mc.path), cache.block_size, mc.num_layers,
-                                 mc.num_kv_heads, mc.head_dim, dtype_name)
-            store = FileStore(cache.kv_store_dir, layout, cache.kv_store_bytes)
+            store = FileStore(cache.kv_store_dir, self._layout(dtype_name), cache.kv_store_bytes)
         num_slots = host_memory // group.bytes_per_block
         host = HostCacheIndex(num_slots)
         self.kv.attach_tiers(host, store.contains if store is not None else None)
@@ -89,6 +93,33 @@ class EngineCore:
         logger.info("KV tiers: L2 %d host blocks%s", num_slots,
                     f", L3 {cache.kv_store_dir}" if store else "")
         return transfer
+
+    def _layout(self, dtype_name: str) -> StoreLayout:
+        """What a block's bytes mean: instances that share blocks must agree on all of it."""
+        cache, mc = self.config.cache, self.config.model
+        return StoreLayout(model_fingerprint(mc.path), cache.block_size, mc.num_layers,
+                           mc.num_kv_heads, mc.head_dim, dtype_name)
+
+    def _attach_kv_transfer(self, dtype_name: str) -> KVServer | None:
+        """Disaggregation: a KV server that lends finished prompts' blocks (prefill), a
+        connector that pulls them (decode). Both move whole cached blocks by hash."""
+        kt = self.config.kv_transfer
+        if kt.role == "both" and kt.port is None and self.transfer is None:
+            return None  # colocated, nothing to lend, nowhere to pull into
+        if kt.role != "both" and not self.config.cache.enable_prefix_caching:
+            raise ValueError(f"--kv-role {kt.role} needs prefix caching: blocks move by hash")
+        if len(self.kv.groups) != 1:
+            raise ValueError("KV transfer needs a model with one KV layer group")
+        layout = dataclasses.asdict(self._layout(dtype_name))
+        if kt.pulls_kv and self.transfer is not None:
+            self.transfer.attach_connector(make_connector(
+                kt.connector, layout, self.transfer.block_bytes, kt.timeout_s,
+                self.transfer.store))
+        if not kt.serves_kv:
+            return None
+        server = KVServer(self.runner.kv_blocks, layout, kt.host, kt.port or 0, kt.lease_s)
+        logger.info("KV server on %s:%d (leases of %.0f s)", server.host, server.port, kt.lease_s)
+        return server
 
     def _num_blocks(self, groups: list[LayerGroup]) -> int:
         bytes_per_block = sum(g.bytes_per_block for g in groups)
@@ -122,18 +153,45 @@ class EngineCore:
         self._finish_file_io()
         scheduled = self.scheduler.schedule()
         if self.transfer is not None:
-            for load in self.kv.pending_file_loads:
+            for load in self.kv.pending_block_loads:
                 self.transfer.submit_load(load)
-            self.kv.pending_file_loads.clear()
+            self.kv.pending_block_loads.clear()
         result = self.runner.execute(scheduled)
         if self.transfer is not None:
             self._after_host_stores(scheduled.kv_stores)
             if scheduled.is_empty and self.scheduler.num_loading:
                 self._finish_file_io(wait_s=0.01)  # nothing else to do: let loads land
         outputs = self.scheduler.update_from_output(scheduled, result)
+        outputs += self._settle_kv_transfers(outputs)
         self._release_if_idle()
         self._flush_events()
         return outputs
+
+    def _settle_kv_transfers(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Lease the blocks of finished prefill-only requests (telling their outputs where
+        to pull them), free leases that ended, and end requests whose pull failed under
+        the 'fail' policy; returns the outputs of those."""
+        holds, self.scheduler.new_holds = self.scheduler.new_holds, {}
+        for out in outputs:
+            if out.kv_transfer_params is None:
+                continue
+            if self.kv_server is None:  # nobody could pull them: free them now
+                out.kv_transfer_params = None
+                self.kv.release(out.request_id)
+                continue
+            self.kv_server.add_lease(out.request_id, holds[out.request_id])
+            out.kv_transfer_params.update(remote_host=self.kv_server.host,
+                                          remote_port=self.kv_server.port)
+        self.collect_leases()
+        failed, self.scheduler.failed = self.scheduler.failed, []
+        return [EngineCoreOutput(req.request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value,
+                                 stop_reason="kv_transfer_failed") for req in failed]
+
+    def collect_leases(self) -> None:
+        """Free the blocks of leases that were released or expired (also called when idle)."""
+        if self.kv_server is not None:
+            for lease_id in self.kv_server.collect():
+                self.kv.release(lease_id)
 
     def _flush_events(self) -> None:
         if self.kv.events:
@@ -170,6 +228,12 @@ class EngineCore:
             stats["kv_host_stores_skipped"] = kv.num_host_stores_skipped
             if self.transfer.store is not None:
                 stats["kv_store_bytes"] = self.transfer.store.bytes_used
+            if self.transfer.connector is not None:
+                stats["kv_remote_blocks_pulled"] = s.num_remote_blocks_pulled
+                stats["kv_remote_pull_failures"] = self.transfer.stats.remote_pull_failures
+        if self.kv_server is not None:
+            stats["kv_leases"] = self.kv_server.num_leases
+            stats["kv_bytes_served"] = self.kv_server.bytes_sent
         return stats
 
     def _after_host_stores(self, stores: list[tuple[int, int]]) -> None:
@@ -187,7 +251,7 @@ class EngineCore:
             if done[0] == "write":
                 self.transfer.finish_write(done[1])
             else:
-                self.scheduler.finish_file_load(done[1], done[2])
+                self.scheduler.finish_load(done[1], done[2])
 
     def drain_file_io(self, timeout_s: float = 30.0) -> None:
         """Wait until every file read and write has finished (tests, shutdown)."""
@@ -198,6 +262,8 @@ class EngineCore:
             self._finish_file_io(wait_s=0.05)
 
     def shutdown(self) -> None:
+        if self.kv_server is not None:
+            self.kv_server.close()
         self.drain_file_io()
         if self.transfer is not None:
             self.transfer.shutdown()
@@ -208,7 +274,10 @@ class EngineCore:
         # The runner learns of finished requests at the next step; with no next step
         # in sight, send it an empty one so it drops their state now.
         if not self.scheduler.has_unfinished_requests():
-            self.runner.execute(self.scheduler.schedule())
+            scheduled = self.scheduler.schedule()
+            self.runner.execute(scheduled)
+            if self.transfer is not None:  # the last step's blocks still go to L2 (and L3)
+                self._after_host_stores(scheduled.kv_stores)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -55,6 +55,7 @@ def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid
         if not busy and not inputs.poll(IDLE_POLL_MS):
             if os.getppid() != parent_pid:
                 return  # the front end is gone
+            core.collect_leases()  # KV nobody pulled is freed even when idle
             continue
         while inputs.poll(0):
             kind, body = protocol.decode(inputs.recv())

@@ -74,6 +74,7 @@ class _RequestState:
     stream: bool = False
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int | None = None
+    kv_transfer_params: dict | None = None
 
 
 class OutputProcessor:
@@ -120,6 +121,8 @@ class OutputProcessor:
             sample = state.samples[out.request_id]
             if state.num_cached_tokens is None and (out.new_token_ids or out.finish_reason):
                 state.num_cached_tokens = out.num_cached_tokens
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 self._store_prompt_logprobs(state, *out.prompt_logprobs)
             if out.new_token_ids:
@@ -192,7 +195,8 @@ class OutputProcessor:
                 request_id=state.request_id, prompt=state.prompt,
                 prompt_token_ids=state.prompt_token_ids, outputs=deltas,
                 prompt_logprobs=prompt_logprobs, finished=finished, metrics=state.metrics,
-                num_cached_tokens=state.num_cached_tokens or 0)
+                num_cached_tokens=state.num_cached_tokens or 0,
+                kv_transfer_params=state.kv_transfer_params if finished else None)
         completions = [
             CompletionOutput(
                 index=s.index,
@@ -213,4 +217,5 @@ class OutputProcessor:
             finished=True,
             metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens or 0,
+            kv_transfer_params=state.kv_transfer_params,
         )

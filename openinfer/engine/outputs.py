@@ -77,3 +77,5 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     """Prompt tokens the request took from the prefix cache."""
+    kv_transfer_params: dict | None = None
+    """On the last output of a prefill-only request: where a decode instance pulls its KV."""

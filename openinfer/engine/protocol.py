@@ -60,11 +60,12 @@ def pack_output(out: EngineCoreOutput) -> list:
         prompt = [start, [_pack_logprobs(e) for e in entries]]
     return [out.request_id, out.new_token_ids,
             None if out.new_logprobs is None else [_pack_logprobs(e) for e in out.new_logprobs],
-            prompt, out.finish_reason, out.stop_reason, out.num_cached_tokens]
+            prompt, out.finish_reason, out.stop_reason, out.num_cached_tokens,
+            out.kv_transfer_params]
 
 
 def unpack_output(packed: list) -> EngineCoreOutput:
-    request_id, tokens, logprobs, prompt, finish_reason, stop_reason, num_cached = packed
+    request_id, tokens, logprobs, prompt, finish_reason, stop_reason, num_cached, kv = packed
     return EngineCoreOutput(
         request_id=request_id,
         new_token_ids=tokens,
@@ -74,4 +75,5 @@ def unpack_output(packed: list) -> EngineCoreOutput:
         finish_reason=finish_reason,
         stop_reason=stop_reason,
         num_cached_tokens=num_cached,
+        kv_transfer_params=kv,
     )

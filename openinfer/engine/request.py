@@ -16,6 +16,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+    """Its KV could not be pulled and the policy is to fail (not recompute)."""
 
 
 @dataclass
@@ -40,6 +42,11 @@ class Request:
     store_load_tried: bool = False
     """Its prefix blocks were looked for in the file store once (a failed read is not retried)."""
     num_blocks_from_store: int = 0
+    remote_load_tried: bool = False
+    """Its prompt's blocks were pulled from a prefill instance once (not retried)."""
+    num_blocks_from_remote: int = 0
+    kv_transfer_params: dict | None = None
+    """For a finished prefill-only request: where its held KV can be pulled."""
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +63,17 @@ class Request:
     @property
     def cache_salt(self) -> str | None:
         return self.sampling_params.cache_salt
+
+    @property
+    def remote_prefill(self) -> dict | None:
+        """The prefill instance's kv_transfer_params, when this request pulls its KV."""
+        params = self.sampling_params.kv_transfer_params
+        return params if params and params.get("remote_block_hashes") else None
+
+    @property
+    def wants_remote_decode(self) -> bool:
+        params = self.sampling_params.kv_transfer_params
+        return bool(params and params.get("do_remote_decode"))
 
     @property
     def priority(self) -> int:

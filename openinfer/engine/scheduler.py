@@ -42,13 +42,23 @@ from openinfer.engine.outputs import (
 )
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.kv.block_hash import extend_block_hashes
-from openinfer.kv.kv_manager import FileLoad, KVCacheManager, PrefixHit
+from openinfer.kv.kv_manager import BlockLoad, KVCacheManager, PrefixHit
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 kv_load_failure_policy: str = "recompute") -> None:
         self.config = config
         self.kv = kv
+        self.kv_load_failure_policy = kv_load_failure_policy
+        self.new_holds: dict[str, dict[bytes, int]] = {}
+        """Finished prefill-only requests whose blocks were kept: hash -> block, for the
+        engine core to lease to decode instances."""
+        self.failed: list[Request] = []
+        """Requests ended by a failed KV pull under the 'fail' policy (their last output
+        is sent by the engine core)."""
+        self.num_remote_blocks_pulled = 0
+        self.num_remote_pull_failures = 0
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self._waiting: list[tuple[tuple, Request]] = []  # heap by _order
@@ -61,7 +71,7 @@ class Scheduler:
         self._claims: dict[str, deque[tuple[int, bytes]]] = {}
         """In-flight sharing: per claimant, (block index, hash) of the blocks it claimed."""
         self._loading: set[str] = set()
-        """Waiting requests whose prefix blocks are being read from the file store."""
+        """Waiting requests whose prefix blocks are being read (file store or remote)."""
         self.num_prompt_tokens_computed = 0
         """Prompt tokens this scheduler sent to the model (cache hits excluded)."""
 
@@ -133,7 +143,14 @@ class Scheduler:
             hit = self._cached_prefix(req)
             if hit.store_hashes and not req.store_load_tried:
                 req.store_load_tried = True
-                if self.kv.start_file_load(req.request_id, hit.store_hashes):
+                if self.kv.start_load(req.request_id, hit.store_hashes):
+                    self._loading.add(req.request_id)
+                    stepped_aside.append(heapq.heappop(self._waiting))
+                    continue
+            if req.remote_prefill is not None and not req.remote_load_tried:
+                req.remote_load_tried = True
+                pull = self._blocks_to_pull(req, hit)
+                if pull and self.kv.start_load(req.request_id, pull, req.remote_prefill):
                     self._loading.add(req.request_id)
                     stepped_aside.append(heapq.heappop(self._waiting))
                     continue
@@ -150,9 +167,13 @@ class Scheduler:
                 break  # head-of-line waits: later requests must not overtake it
             heapq.heappop(self._waiting)
             if req.num_cached_tokens < 0:  # first scheduling: what the user is told
-                req.num_cached_tokens = num_hit
-                self.kv.record_prefix_query(req.num_tokens, hit,
-                                            min(req.num_blocks_from_store, len(hit.host_slots)))
+                # Blocks pulled from a prefill instance were computed for this request,
+                # not found in a cache: they count as neither hit nor query.
+                remote = min(req.num_blocks_from_remote, len(hit.host_slots))
+                req.num_cached_tokens = num_hit - remote * self.kv.block_size
+                self.kv.record_prefix_query(req.num_tokens - remote * self.kv.block_size, hit,
+                                            min(req.num_blocks_from_store,
+                                                len(hit.host_slots) - remote), remote)
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -177,13 +198,41 @@ class Scheduler:
             return PrefixHit([[] for _ in self.kv.groups], block_size=self.kv.block_size)
         return self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
 
-    def finish_file_load(self, load: FileLoad, num_loaded: int) -> None:
-        """Blocks read from the file store are in the host tier: the request may start."""
-        self.kv.finish_file_load(load, num_loaded)
+    def _blocks_to_pull(self, req: Request, hit: PrefixHit) -> list[bytes]:
+        """The prompt blocks after every local hit that the prefill instance holds: only
+        what this instance lacks crosses the wire."""
+        held = set(req.remote_prefill["remote_block_hashes"])
+        # (Blocks in the file store were loaded already, or failed to load: pull them too.)
+        first = len(hit.blocks[0]) + len(hit.host_slots)
+        pull = []
+        for block_hash in req.block_hashes[first:(req.num_tokens - 1) // self.kv.block_size]:
+            if block_hash not in held:
+                break
+            pull.append(block_hash)
+        return pull
+
+    def finish_load(self, load: BlockLoad, num_loaded: int) -> None:
+        """Blocks read from the file store or pulled from a prefill instance are in the host
+        tier: the request may start (recomputing what did not arrive, or failing, as the
+        policy says)."""
+        self.kv.finish_load(load, num_loaded)
         self._loading.discard(load.request_id)
         req = self.requests.get(load.request_id)
-        if req is not None:
-            req.num_blocks_from_store = num_loaded
+        if load.source is None:
+            if req is not None:
+                req.num_blocks_from_store = num_loaded
+            return
+        self.num_remote_blocks_pulled += num_loaded
+        if num_loaded < len(load.blocks):
+            self.num_remote_pull_failures += 1
+        if req is None:
+            return
+        req.num_blocks_from_remote = num_loaded
+        if num_loaded < len(load.blocks) and self.kv_load_failure_policy == "fail":
+            self._waiting = [(k, r) for k, r in self._waiting if r is not req]
+            heapq.heapify(self._waiting)
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            self.failed.append(req)
 
     @property
     def num_loading(self) -> int:
@@ -295,6 +344,10 @@ class Scheduler:
             ))
             if status is not None:
                 self._finish(req, status)
+                held = self.new_holds.get(request_id)
+                if held is not None:
+                    outputs[-1].kv_transfer_params = {"remote_lease_id": request_id,
+                                                      "remote_block_hashes": list(held)}
         return outputs
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
@@ -317,7 +370,12 @@ class Scheduler:
         req.status = status
         self._loading.discard(req.request_id)
         self._settle_claims(req, release_all=True)
-        self.kv.free(req.request_id)
+        if req.wants_remote_decode and status in (RequestStatus.FINISHED_LENGTH,
+                                                  RequestStatus.FINISHED_STOPPED):
+            self.new_holds[req.request_id] = self.kv.hold(
+                req.request_id, req.block_hashes, req.num_prompt_tokens)
+        else:
+            self.kv.free(req.request_id)
         self._forget_in_runner(req.request_id, self._dropped_since_last_step)
         del self.requests[req.request_id]
         del self._arrival_index[req.request_id]

@@ -67,10 +67,12 @@ class PrefixHit:
 
 
 @dataclass
-class FileLoad:
-    """Blocks of the file store to read into reserved host slots for a request."""
+class BlockLoad:
+    """Blocks to read into reserved host slots for a request, from the file store or, with
+    ``source``, from a prefill instance (its kv_transfer_params)."""
     request_id: str
     blocks: list[tuple[BlockHash, int]]
+    source: dict | None = None
 
 
 class KVCacheManager:
@@ -102,7 +104,9 @@ class KVCacheManager:
         """(device block, host slot): copy to the host at the start of the next step."""
         self.pending_loads: list[tuple[int, int]] = []
         """(host slot, device block): copy to the device at the start of the next step."""
-        self.pending_file_loads: list[FileLoad] = []
+        self.pending_block_loads: list[BlockLoad] = []
+        self._held: dict[str, list[list[int]]] = {}
+        """Block tables of finished requests kept for a decode instance to pull."""
         self.num_host_stores_skipped = 0
 
     def attach_tiers(self, host: HostCacheIndex | None,
@@ -155,8 +159,10 @@ class KVCacheManager:
                 hit.store_hashes.append(block_hash)
         return hit
 
-    def start_file_load(self, request_id: str, block_hashes: list[BlockHash]) -> bool:
-        """Reserve host slots and queue a read of these store blocks; False if no slot."""
+    def start_load(self, request_id: str, block_hashes: list[BlockHash],
+                   source: dict | None = None) -> bool:
+        """Reserve host slots and queue a read of these blocks (from the file store, or
+        the remote ``source``); False if no slot is free."""
         blocks = []
         for block_hash in block_hashes:
             slot = self.host.reserve()
@@ -165,10 +171,10 @@ class KVCacheManager:
             blocks.append((block_hash, slot))
         if not blocks:
             return False
-        self.pending_file_loads.append(FileLoad(request_id, blocks))
+        self.pending_block_loads.append(BlockLoad(request_id, blocks, source))
         return True
 
-    def finish_file_load(self, load: FileLoad, num_loaded: int) -> None:
+    def finish_load(self, load: BlockLoad, num_loaded: int) -> None:
         """The first ``num_loaded`` blocks arrived in their slots; the rest did not."""
         for i, (block_hash, slot) in enumerate(load.blocks):
             if i < num_loaded:
@@ -182,12 +188,14 @@ class KVCacheManager:
         for slot in slots:
             self.host.unpin(slot)
 
-    def record_prefix_query(self, num_tokens: int, hit: PrefixHit, num_from_store: int) -> None:
+    def record_prefix_query(self, num_tokens: int, hit: PrefixHit, num_from_store: int,
+                            num_from_remote: int = 0) -> None:
         """Count one request's lookup in the hit-rate counters (once per request);
-        ``num_from_store`` of its L2 blocks were read from the file store for it."""
+        ``num_from_store`` of its L2 blocks were read from the file store for it, and the
+        last ``num_from_remote`` pulled from a prefill instance (not hits)."""
         self.num_queried_tokens += num_tokens
-        self.num_hit_tokens += hit.num_tokens
-        l2 = len(hit.host_slots) - num_from_store
+        self.num_hit_tokens += hit.num_tokens - num_from_remote * self.block_size
+        l2 = len(hit.host_slots) - num_from_store - num_from_remote
         self.hit_tokens_by_tier["L1"] += len(hit.blocks[0]) * self.block_size
         self.hit_tokens_by_tier["L2"] += l2 * self.block_size
         self.hit_tokens_by_tier["L3"] += num_from_store * self.block_size
@@ -265,6 +273,29 @@ class KVCacheManager:
         for pool, table in zip(self.pools, tables):
             pool.free(table[::-1])
 
+    def hold(self, request_id: str, block_hashes: list[BlockHash],
+             num_tokens: int) -> dict[BlockHash, int]:
+        """Instead of freeing a finished request, keep its cached full blocks of the first
+        ``num_tokens`` tokens referenced (for a decode instance to pull) and free the
+        rest; returns hash -> device block of what is held. ``release`` frees them."""
+        tables = self._tables.pop(request_id, None)
+        num_cached = self._num_cached_blocks.pop(request_id, 0)
+        if tables is None:
+            return {}
+        n = min(num_cached, num_tokens // self.block_size, len(block_hashes))
+        for pool, table in zip(self.pools, tables):
+            pool.free(table[n:][::-1])
+        self._held[request_id] = [table[:n] for table in tables]
+        return dict(zip(block_hashes[:n], tables[0][:n]))
+
+    def release(self, request_id: str) -> None:
+        for pool, table in zip(self.pools, self._held.pop(request_id, [])):
+            pool.free(table[::-1])
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
     def reset_cache(self) -> int:
         """Forget every cached prefix (admin reset); returns how many blocks were cached."""
         count = self.pools[0].num_cached
@@ -279,7 +310,7 @@ class KVCacheManager:
         """Assert every block's refcount equals the number of tables that hold it."""
         for g, pool in enumerate(self.pools):
             held: dict[int, int] = {}
-            for tables in self._tables.values():
+            for tables in [*self._tables.values(), *self._held.values()]:
                 for b in tables[g]:
                     held[b] = held.get(b, 0) + 1
             pool.check_integrity(held)

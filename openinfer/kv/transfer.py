@@ -6,13 +6,15 @@ The scheduler decides (pure Python, kv_manager.py); this moves bytes:
   at the start of a step, stores before loads, before the forward pass writes any
   block. The device cache is block-major, so each block is one contiguous chunk. On
   CUDA the host pool is pinned and the copies are asynchronous on the compute stream.
-* host <-> file store reads and writes run on a small thread pool; their completions
+* host <-> file store reads and writes, and pulls from a prefill instance through a KV
+  connector (openinfer/disagg/), run on a small thread pool; their completions
   are polled by the engine core each step, so the engine loop never waits on a disk
   (except, when nothing else can run, briefly for the load a request waits on).
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,24 +24,30 @@ import torch
 
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.file_store import FileStore, StoreFileError
-from openinfer.kv.kv_manager import FileLoad
+from openinfer.kv.kv_manager import BlockLoad
+
+logger = logging.getLogger(__name__)
+DIRECTIONS = ("device_to_host", "host_to_device", "host_to_store", "store_to_host",
+              "remote_to_host")
 
 
 @dataclass
 class TransferStats:
     """Running totals, reported with the engine's stats (and so in /metrics)."""
-    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("device_to_host", "host_to_device", "host_to_store", "store_to_host"), 0))
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("device_to_host", "host_to_device", "host_to_store", "store_to_host"), 0.0))
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0.0))
     store_read_failures: int = 0
     store_writes_skipped: int = 0
     """Blocks not written to the file store because the disk lagged too far behind."""
+    remote_pull_failures: int = 0
+    """Pulls from prefill instances that delivered fewer blocks than asked."""
 
 
 class KVTransfer:
     def __init__(self, device_blocks: torch.Tensor, num_host_slots: int,
                  store: FileStore | None, io_threads: int = 2) -> None:
+        self.connector = None
+        """A disagg KVConnector when this instance pulls KV from prefill instances."""
         self.device_blocks = device_blocks
         pin = device_blocks.is_cuda
         self.host_blocks = torch.zeros((num_host_slots, *device_blocks.shape[1:]),
@@ -47,7 +55,9 @@ class KVTransfer:
         self.block_bytes = self.host_blocks[0].numel() * self.host_blocks.element_size()
         self.store = store
         self.stats = TransferStats()
-        self._io = ThreadPoolExecutor(io_threads, "openinfer-kv-io") if store else None
+        self._io: ThreadPoolExecutor | None = None
+        if store is not None:
+            self._io = ThreadPoolExecutor(io_threads, "openinfer-kv-io")
         self._done: queue.Queue[tuple] = queue.Queue()
         self.num_in_flight = 0
         self.max_pending_write_bytes = 256 * 1024**2
@@ -96,9 +106,41 @@ class KVTransfer:
     def finish_write(self, num_bytes: int) -> None:
         self._pending_write_bytes -= num_bytes
 
-    def submit_load(self, load: FileLoad) -> None:
+    def attach_connector(self, connector, max_concurrent_pulls: int = 16) -> None:
+        self.connector = connector
+        # Pulls wait on the network, not the CPU: more of them overlap.
+        self._pulls = ThreadPoolExecutor(max_concurrent_pulls, "openinfer-kv-pull")
+
+    def submit_load(self, load: BlockLoad) -> None:
         self.num_in_flight += 1
-        self._io.submit(self._load, load)
+        if load.source is None:
+            self._io.submit(self._load, load)
+        else:
+            self._pulls.submit(self._pull, load)
+
+    def _pull(self, load: BlockLoad) -> None:
+        from openinfer.disagg.protocol import KVTransferError
+
+        start, loaded = time.perf_counter(), 0
+        shape, dtype = self.host_blocks.shape[1:], self.host_blocks.dtype
+
+        def put(i: int, data: memoryview) -> None:
+            nonlocal loaded
+            slot = load.blocks[i][1]
+            self.host_blocks[slot].copy_(torch.frombuffer(data, dtype=dtype).view(shape))
+            loaded = i + 1
+
+        try:
+            self.connector.fetch(load.source, [h for h, _ in load.blocks], put)
+        except Exception as e:  # never let a pull take the engine down: recompute instead
+            kind = "" if isinstance(e, KVTransferError) else f"{type(e).__name__}: "
+            logger.warning("KV pull for %s failed after %d of %d blocks: %s%s", load.request_id,
+                           loaded, len(load.blocks), kind, e)
+        finally:
+            if loaded < len(load.blocks):
+                self.stats.remote_pull_failures += 1
+            self._account("remote_to_host", loaded, start)
+            self._done.put(("load", load, loaded))
 
     def _write(self, block_hash: BlockHash, payload: bytes) -> None:
         start = time.perf_counter()
@@ -110,7 +152,7 @@ class KVTransfer:
         finally:
             self._done.put(("write", len(payload)))
 
-    def _load(self, load: FileLoad) -> None:
+    def _load(self, load: BlockLoad) -> None:
         start, loaded = time.perf_counter(), 0
         try:
             for block_hash, slot in load.blocks:
@@ -127,7 +169,7 @@ class KVTransfer:
             self._done.put(("load", load, loaded))
 
     def poll(self, timeout_s: float = 0.0) -> list[tuple]:
-        """Finished file I/O: ("write", bytes) and ("load", FileLoad, blocks loaded)."""
+        """Finished I/O: ("write", bytes) and ("load", BlockLoad, blocks loaded)."""
         done = []
         try:
             done.append(self._done.get(timeout=timeout_s) if timeout_s else self._done.get_nowait())
@@ -141,3 +183,5 @@ class KVTransfer:
     def shutdown(self) -> None:
         if self._io is not None:
             self._io.shutdown(wait=True)
+        if self.connector is not None:
+            self._pulls.shutdown(wait=True)

@@ -14,7 +14,8 @@ import urllib.request
 from openinfer.router.policies import POLICIES, RouterConfig
 
 
-def add_router_args(parser: argparse.ArgumentParser) -> None:
+def add_router_args(parser: argparse.ArgumentParser, data_parallel: bool = False) -> None:
+    """Routing flags; with data_parallel (serve), also where the replicas run."""
     g = parser.add_argument_group("router")
     g.add_argument("--policy", choices=POLICIES, default="cache_aware")
     g.add_argument("--balance-abs", type=int, default=8,
@@ -22,6 +23,16 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         "requests exceeds this ...")
     g.add_argument("--balance-rel", type=float, default=1.5,
                    help="... and max exceeds this times min")
+    if not data_parallel:
+        return
+    g.add_argument("--backend", choices=("local", "ray"), default="local",
+                   help="start the --data-parallel-size replicas as local processes, or as "
+                        "Ray actors on a Ray cluster (pip install 'openinfer[ray]')")
+    g.add_argument("--ray-address",
+                   help="Ray cluster to join, e.g. auto or HOST:6379 (default: start a "
+                        "local Ray instance)")
+    g.add_argument("--ray-num-cpus-per-replica", type=float, default=1,
+                   help="CPUs Ray reserves for each replica (also its OMP_NUM_THREADS)")
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -49,11 +60,15 @@ def run_router(urls: list[str], tokenizer_path: str, args: argparse.Namespace, h
 
 
 def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start ``--data-parallel-size`` replicas of this serve command on free loopback ports,
-    each publishing KV events, and the router in front of them on --host/--port."""
+    """Start ``--data-parallel-size`` replicas of this serve command on free loopback ports
+    (or as Ray actors: --backend ray), each publishing KV events, and the router in front
+    of them on --host/--port."""
     child_argv = _strip(argv, {"--data-parallel-size", "--port", "--host", "--policy",
                                "--balance-abs", "--balance-rel", "--kv-events-endpoint",
-                               "--kv-events-replay-endpoint"})
+                               "--kv-events-replay-endpoint", "--backend", "--ray-address",
+                               "--ray-num-cpus-per-replica"})
+    if args.backend == "ray":
+        return _serve_on_ray(args, child_argv)
     replicas, urls = [], []
     try:
         for _ in range(args.data_parallel_size):
@@ -79,6 +94,24 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace, child_argv: list[str]) -> int:
+    from openinfer.router.ray_backend import start_ray_replicas
+
+    # From the start, not after startup as above: a SIGTERM while Ray starts must still
+    # reach `finally` (or start_ray_replicas' own cleanup) and stop what has started.
+    # Again after: ray.init installs its own handler, which exits with status 15.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    stop = None
+    try:
+        urls, stop = start_ray_replicas(args, child_argv)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        run_router(urls, args.tokenizer or args.model, args, args.host, args.port)
+    finally:
+        if stop is not None:
+            stop()  # the replicas, then ray.shutdown(): no Ray process outlives us
     return 0
 
 

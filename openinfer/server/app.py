@@ -195,7 +195,8 @@ def build_app(llm: AsyncLLM, served_model_name: str,
         usage = _usage(sum(len(ids) for _, ids in prompts),
                        sum(len(c.token_ids) for out in finals for c in out.outputs),
                        sum(out.num_cached_tokens for out in finals))
-        return JSONResponse({**header, "choices": choices, "usage": usage})
+        return JSONResponse({**header, "choices": choices, "usage": usage,
+                             **_kv_transfer_field(finals[0])})
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest):
@@ -239,7 +240,8 @@ def build_app(llm: AsyncLLM, served_model_name: str,
                     "finish_reason": c.finish_reason} for c in final.outputs]
         usage = _usage(len(token_ids), sum(len(c.token_ids) for c in final.outputs),
                        final.num_cached_tokens)
-        return JSONResponse({**header, "choices": choices, "usage": usage})
+        return JSONResponse({**header, "choices": choices, "usage": usage,
+                             **_kv_transfer_field(final)})
 
     install_anthropic_routes(app, llm, served_model_name, check_model, chat_prompt_ids,
                              tokenized, _final)
@@ -276,7 +278,20 @@ async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
             last = delta
     last.prompt_logprobs = prompt_logprobs
     last.outputs = [merged[i] for i in sorted(merged)]
+    if any(c.finish_reason == "error" for c in last.outputs):
+        raise APIError(503, "the request's KV could not be pulled from its prefill instance "
+                       "(kv load failure policy: fail)", type_="service_unavailable",
+                       code="kv_transfer_failed")
     return last
+
+
+def _kv_transfer_field(out: RequestOutput) -> dict:
+    """vLLM's response field for disaggregation: where a decode instance pulls the KV."""
+    params = out.kv_transfer_params
+    if not params:
+        return {}
+    return {"kv_transfer_params": {**params, "remote_block_hashes": [
+        h.hex() for h in params.get("remote_block_hashes", [])]}}
 
 
 async def _merged(streams: list[AsyncIterator[RequestOutput]],

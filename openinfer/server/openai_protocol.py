@@ -45,6 +45,9 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     """Prefix-cache isolation (vLLM's field): different salts never share cached KV."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """Disaggregation (vLLM's field): {"do_remote_decode": true} to a prefill instance;
+    the kv_transfer_params of its answer to a decode instance."""
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -58,11 +61,25 @@ class SamplingFields(BaseModel):
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             cache_salt=self.cache_salt,
+            kv_transfer_params=_engine_kv_transfer_params(self.kv_transfer_params),
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _engine_kv_transfer_params(params: dict | None) -> dict | None:
+    """Block hashes travel as hex in JSON and as bytes in the engine."""
+    if not params or "remote_block_hashes" not in params:
+        return params
+    hashes = params["remote_block_hashes"]
+    try:
+        assert isinstance(hashes, list)
+        return {**params, "remote_block_hashes": [bytes.fromhex(h) for h in hashes]}
+    except (AssertionError, TypeError, ValueError):
+        raise ValueError("kv_transfer_params.remote_block_hashes must be a list of hex "
+                         "strings") from None
 
 
 class CompletionRequest(SamplingFields):

@@ -216,10 +216,10 @@ def test_a_request_loading_from_the_file_store_steps_aside_then_starts_after_its
     in_store.update(s.requests["loading"].block_hashes)   # both full blocks are on disk
     out = s.schedule()
     assert list(out.num_scheduled_tokens) == ["other"]    # not held up by the load
-    (load,) = s.kv.pending_file_loads
-    s.kv.pending_file_loads.clear()
+    (load,) = s.kv.pending_block_loads
+    s.kv.pending_block_loads.clear()
     s.update_from_output(out, FakeRunner().execute(out))
-    s.finish_file_load(load, num_loaded=2)                # now in host memory (L2)
+    s.finish_load(load, num_loaded=2)                # now in host memory (L2)
     out = s.schedule()
     (started,) = [n for n in out.new_requests if n.request_id == "loading"]
     assert started.num_computed_tokens == 8 and out.num_scheduled_tokens["loading"] == 2

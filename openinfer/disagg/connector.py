@@ -1,0 +1,158 @@
+"""KV connectors: how a decode instance pulls a prefill instance's blocks.
+
+A connector fills the decode instance's host slots (the L2 tier) with the blocks a
+request's ``kv_transfer_params`` point at; from there the request starts like any
+host-tier hit (copied to the device before the forward pass). It runs on the KV I/O
+threads, never on the engine loop, and delivers blocks in order, one by one, so each
+is copied while the next is in flight. A failure after k blocks keeps those k: the rest
+is recomputed (or the request fails, by policy).
+
+* ``tcp``: the blocks' bytes over the prefill instance's KV server socket.
+* ``shm``: one host, no bytes on the socket: the decode side creates a shared-memory
+  segment, the prefill side copies the blocks into it and sends only their checksums.
+* ``file``: through a shared L3 store (a 3FS/NFS directory both instances mount): the
+  prefill side writes blocks through to it as they are cached; the decode side reads
+  them, waiting up to the timeout for writes still in flight.
+
+A GPU connector (NIXL, Mooncake's transfer engine) implements the same ``fetch``:
+register both caches with the transfer engine, send the block ids over the control
+connection, and let it RDMA-write straight into device blocks instead of host slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+import zlib
+from collections.abc import Callable
+from multiprocessing import shared_memory
+
+from openinfer.disagg.protocol import KVTransferError, recv_frame, send_frame
+from openinfer.kv.file_store import FileStore, StoreFileError
+
+PutBlock = Callable[[int, memoryview], None]
+"""Called with (index into the requested hashes, the block's bytes), in order."""
+
+
+class KVConnector:
+    name = "base"
+
+    def __init__(self, layout: dict, block_bytes: int, timeout_s: float) -> None:
+        self.layout = layout
+        self.block_bytes = block_bytes
+        self.timeout_s = timeout_s
+
+    def fetch(self, params: dict, hashes: list[bytes], put: PutBlock) -> int:
+        """Deliver the leading blocks of ``hashes`` the prefill instance holds; returns
+        how many. Raises KVTransferError (carrying ``delivered``) when it fails."""
+        raise NotImplementedError
+
+    def _connect(self, params: dict) -> socket.socket:
+        try:
+            sock = socket.create_connection((params["remote_host"], int(params["remote_port"])),
+                                            timeout=self.timeout_s)
+        except (OSError, KeyError, ValueError) as e:
+            raise KVTransferError(f"cannot reach the prefill instance: {e}") from e
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _check(self, header: dict, i: int, expected: bytes, data) -> None:
+        if header.get("op") != "block" or header.get("i") != i or header.get("hash") != expected:
+            raise KVTransferError(f"unexpected frame {header.get('op')!r} for block {i}")
+        if header.get("group", 0) != 0:
+            raise KVTransferError("a layer group this engine does not have")
+        if len(data) != self.block_bytes or zlib.crc32(data) != header.get("crc"):
+            raise KVTransferError(f"block {i} is corrupt (size or checksum)")
+
+
+class TcpConnector(KVConnector):
+    name = "tcp"
+    mode = "tcp"
+
+    def fetch(self, params: dict, hashes: list[bytes], put: PutBlock) -> int:
+        delivered = 0
+        with self._connect(params) as sock:
+            try:
+                shm = self._open_segment(len(hashes))
+                try:
+                    send_frame(sock, {"op": "pull", "lease": params.get("remote_lease_id"),
+                                      "hashes": hashes, "layout": self.layout, "mode": self.mode,
+                                      "shm": shm.name if shm else None, "release": True})
+                    while True:
+                        header, payload = recv_frame(sock, self.block_bytes)
+                        if header.get("op") == "end":
+                            if header.get("error"):
+                                raise KVTransferError(f"prefill instance: {header['error']}")
+                            return delivered
+                        data = memoryview(payload)
+                        if shm is not None:
+                            offset = delivered * self.block_bytes
+                            data = shm.buf[offset:offset + self.block_bytes]
+                        with data:  # no view may outlive the segment
+                            self._check(header, delivered, hashes[delivered]
+                                        if delivered < len(hashes) else b"", data)
+                            put(delivered, data)
+                        delivered += 1
+                finally:
+                    if shm is not None:
+                        shm.close()
+                        shm.unlink()
+            except KVTransferError as e:
+                e.delivered = delivered
+                raise
+
+    def _open_segment(self, num_blocks: int) -> shared_memory.SharedMemory | None:
+        return None
+
+
+class ShmConnector(TcpConnector):
+    name = mode = "shm"
+
+    def _open_segment(self, num_blocks: int) -> shared_memory.SharedMemory:
+        return shared_memory.SharedMemory(create=True, size=max(1, num_blocks) * self.block_bytes)
+
+
+class FileConnector(KVConnector):
+    name = "file"
+
+    def __init__(self, layout: dict, block_bytes: int, timeout_s: float,
+                 store: FileStore) -> None:
+        super().__init__(layout, block_bytes, timeout_s)
+        self.store = store
+
+    def fetch(self, params: dict, hashes: list[bytes], put: PutBlock) -> int:
+        deadline = time.monotonic() + self.timeout_s
+        delivered = 0
+        try:
+            for i, block_hash in enumerate(hashes):
+                while True:
+                    try:
+                        payload = self.store.read(block_hash)
+                        break
+                    except FileNotFoundError:
+                        if time.monotonic() > deadline:  # the prefill side's write lags
+                            raise KVTransferError("timed out waiting for the store") from None
+                        time.sleep(0.005)
+                    except (StoreFileError, OSError) as e:
+                        raise KVTransferError(f"store block unreadable: {e}") from e
+                put(i, memoryview(bytearray(payload)))
+                delivered += 1
+        except KVTransferError as e:
+            e.delivered = delivered
+            raise
+        finally:
+            with contextlib.suppress(KVTransferError, OSError), self._connect(params) as sock:
+                send_frame(sock, {"op": "release", "lease": params.get("remote_lease_id")})
+                recv_frame(sock, 0)  # the lease is no longer needed either way
+        return delivered
+
+
+def make_connector(name: str, layout: dict, block_bytes: int, timeout_s: float,
+                   store: FileStore | None) -> KVConnector:
+    if name == "file":
+        if store is None:
+            raise ValueError("--kv-connector file needs --kv-store-dir (the store both "
+                             "instances share)")
+        return FileConnector(layout, block_bytes, timeout_s, store)
+    return {"tcp": TcpConnector, "shm": ShmConnector}[name](layout, block_bytes, timeout_s)

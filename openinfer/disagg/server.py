@@ -1,0 +1,178 @@
+"""A prefill instance's KV server: hands finished prompts' blocks to decode instances.
+
+When a request that asked for remote decode finishes, the engine keeps its full prompt
+blocks referenced (kv_manager.hold) and registers them here as a *lease*. Decode
+instances pull blocks by hash over TCP (bytes on the socket) or, on the same host,
+through shared memory they name; each pull renews the lease. The engine thread frees a
+lease's blocks (``collect``) once it is released by the puller, or has not been touched
+for ``lease_s`` and no pull is streaming from it, so a decode instance that never comes
+costs memory for at most ``lease_s``.
+
+The serving threads only read blocks that a lease holds: the engine never writes a
+referenced block, so no lock is needed around the tensor itself. (On CUDA a block is
+copied to the host first; a GPU connector such as NIXL or Mooncake's transfer engine
+would instead register the cache tensor and let the decode side read it by RDMA, with
+this same lease protocol deciding when the blocks may be reused.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+from openinfer.disagg.protocol import KVTransferError, recv_frame, send_frame
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Lease:
+    blocks: dict[bytes, int]
+    """Block hash -> device block id."""
+    deadline: float
+    pulls: int = 0
+    """Pulls streaming from it now: it is not freed under them."""
+    released: bool = False
+
+
+class KVServer:
+    def __init__(self, device_blocks: torch.Tensor, layout: dict, host: str, port: int,
+                 lease_s: float) -> None:
+        self.device_blocks = device_blocks
+        self.layout = layout
+        self.lease_s = lease_s
+        self._leases: dict[str, _Lease] = {}
+        self._lock = threading.Lock()
+        self._sock = socket.create_server((host, port), backlog=128)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self.bytes_sent = 0
+        self.num_pulls = 0
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name="openinfer-kv-server", daemon=True).start()
+
+    # ---- engine thread ---------------------------------------------------------------
+
+    def add_lease(self, lease_id: str, blocks: dict[bytes, int]) -> None:
+        with self._lock:
+            self._leases[lease_id] = _Lease(blocks, time.monotonic() + self.lease_s)
+
+    def collect(self) -> list[str]:
+        """Leases that ended (released, or expired with no pull streaming): the engine
+        frees their blocks."""
+        now = time.monotonic()
+        with self._lock:
+            ended = [lid for lid, lease in self._leases.items()
+                     if lease.pulls == 0 and (lease.released or now > lease.deadline)]
+            for lid in ended:
+                del self._leases[lid]
+        return ended
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (close alone may not)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    # ---- serving threads -------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(60)
+            try:
+                while True:
+                    header, _ = recv_frame(conn, max_payload=0)
+                    if header.get("op") == "pull":
+                        self._pull(conn, header)
+                    elif header.get("op") == "release":
+                        self._release(str(header.get("lease")))
+                        send_frame(conn, {"op": "ok"})
+                    else:
+                        send_frame(conn, {"op": "end", "n": 0, "error": "unknown op"})
+            except (KVTransferError, OSError):
+                return  # the puller hung up (normally, after its last frame) or failed
+
+    def _pull(self, conn: socket.socket, header: dict) -> None:
+        lease_id = str(header.get("lease"))
+        if header.get("layout") != self.layout:
+            send_frame(conn, {"op": "end", "n": 0, "error": "KV layout differs (another model?)"})
+            return
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                lease.pulls += 1
+                lease.deadline = time.monotonic() + self.lease_s
+        if lease is None:
+            send_frame(conn, {"op": "end", "n": 0, "error": f"no lease {lease_id!r} (expired?)"})
+            return
+        shm = None
+        sent = 0
+        try:
+            if header.get("mode") == "shm":
+                shm = shared_memory.SharedMemory(name=str(header["shm"]))
+                # The puller owns the segment; without this, Python's resource tracker
+                # would unlink it when this process exits (bpo-39959).
+                resource_tracker.unregister(shm._name, "shared_memory")
+            for i, block_hash in enumerate(header.get("hashes") or []):
+                block = lease.blocks.get(block_hash)
+                if block is None:
+                    break  # only a leading run of held blocks is useful to the puller
+                data = self._block_bytes(block)
+                frame = {"op": "block", "i": i, "hash": block_hash, "group": 0,
+                         "crc": zlib.crc32(data)}
+                if shm is not None:
+                    offset = i * len(data)
+                    shm.buf[offset:offset + len(data)] = data
+                    send_frame(conn, frame)
+                else:
+                    send_frame(conn, frame, data)
+                sent += 1
+                self.bytes_sent += len(data)
+                with self._lock:
+                    lease.deadline = time.monotonic() + self.lease_s
+            send_frame(conn, {"op": "end", "n": sent, "error": None})
+            self.num_pulls += 1
+        except (OSError, ValueError, KeyError) as e:
+            logger.warning("KV pull of lease %s failed after %d blocks: %s", lease_id, sent, e)
+            with contextlib.suppress(OSError):
+                send_frame(conn, {"op": "end", "n": sent, "error": str(e)})
+        finally:
+            if shm is not None:
+                shm.close()
+            with self._lock:
+                lease.pulls -= 1
+                if header.get("release"):
+                    lease.released = True
+
+    def _release(self, lease_id: str) -> None:
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                lease.released = True
+
+    def _block_bytes(self, block: int) -> memoryview:
+        data = self.device_blocks[block]
+        if data.device.type != "cpu":
+            data = data.cpu()
+        return memoryview(data.contiguous().view(torch.uint8).numpy()).cast("B")

@@ -1,0 +1,76 @@
+"""`openinfer serve --data-parallel-size 2 --backend ray`: the replicas as Ray actors on a
+local Ray instance, behind the router, their KV events reaching it; nothing left behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+import subprocess
+import time
+
+import httpx
+import psutil
+import pytest
+from server_process import MODEL, start_server
+
+# Only whether it is installed: importing ray here would change this test process for the
+# tests after it (it altered how an offline tokenizer decodes a partial UTF-8 byte).
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("ray is not installed (pip install 'openinfer[ray]')", allow_module_level=True)
+
+
+PROMPT = "the replicas started by Ray answer the same thing " * 2  # > one 16-token block
+
+
+def _complete(base: str) -> tuple[str, str | None, str | None]:
+    resp = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    return (resp.json()["choices"][0]["text"], resp.headers.get("x-openinfer-worker"),
+            resp.headers.get("x-openinfer-route"))
+
+
+def _workers(base: str) -> list[dict]:
+    return httpx.get(f"{base}/admin/workers", timeout=30).json()["workers"]
+
+
+def _wait_for(condition, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_serve_data_parallel_on_ray(qwen3_checkpoint):
+    base, proc = start_server(qwen3_checkpoint, "--data-parallel-size", "2", "--backend", "ray")
+    # Ray's processes, the actors, the replicas and their engine cores: all must go with it.
+    descendants = psutil.Process(proc.pid).children(recursive=True)
+    try:
+        urls = [w["url"] for w in _workers(base)]
+        assert len(urls) == 2 and not any("127.0.0.1" in u for u in urls)  # the node's address
+
+        text, worker, route = _complete(base)
+        assert worker in urls and route != "cache_hit"
+        # The replica's KV events reach the router's exact index ...
+        _wait_for(lambda: any(w["url"] == worker and w["events"] and w["indexed_blocks"]
+                              for w in _workers(base)))
+        # ... so the repeat goes back to it as a cache hit.
+        assert _complete(base) == (text, worker, "cache_hit")
+        # Each replica, reached at the address Ray's node gave it, answers the same; now
+        # both have published events.
+        assert [_complete(url)[0] for url in urls] == [text, text]
+        _wait_for(lambda: all(w["healthy"] and w["events"] for w in _workers(base)))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert proc.returncode == 0, proc.stdout.read()
+    for url in urls:  # the replicas went with it
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/health", timeout=5)
+    _, alive = psutil.wait_procs(descendants, timeout=30)
+    assert not alive, alive
