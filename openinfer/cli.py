@@ -121,7 +121,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    if args.data_parallel_size > 1 or args.backend == "ray":
+    if args.data_parallel_size > 1 or args.backend == "ray" or args.disaggregate:
         from openinfer.router.launch import serve_data_parallel
 
         return serve_data_parallel(args, args.argv)
@@ -215,7 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     router = sub.add_parser("router", help="route the OpenAI/Anthropic API over replicas")
-    router.add_argument("--worker", action="append", default=[], help="replica URL (repeatable)")
+    router.add_argument("--worker", "--decode", dest="worker", action="append", default=[],
+                        help="replica URL (repeatable); with --prefill, the decode instances")
+    router.add_argument("--prefill", action="append", default=[],
+                        help="prefill instance URL (repeatable): disaggregate long prompts")
     router.add_argument("--tokenizer", required=True,
                         help="the replicas' tokenizer (so prompt hashes match theirs)")
     router.add_argument("--block-size", type=int, default=16, help="the replicas' KV block size")

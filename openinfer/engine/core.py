@@ -115,6 +115,7 @@ class EngineCore:
             self.transfer.attach_connector(make_connector(
                 kt.connector, layout, self.transfer.block_bytes, kt.timeout_s,
                 self.transfer.store))
+            self.kv.can_pull = True
         if not kt.serves_kv:
             return None
         server = KVServer(self.runner.kv_blocks, layout, kt.host, kt.port or 0, kt.lease_s)
@@ -156,6 +157,9 @@ class EngineCore:
             for load in self.kv.pending_block_loads:
                 self.transfer.submit_load(load)
             self.kv.pending_block_loads.clear()
+            for source in self.kv.pending_releases:
+                self.transfer.submit_release(source)
+            self.kv.pending_releases.clear()
         result = self.runner.execute(scheduled)
         if self.transfer is not None:
             self._after_host_stores(scheduled.kv_stores)
@@ -187,11 +191,15 @@ class EngineCore:
         return [EngineCoreOutput(req.request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value,
                                  stop_reason="kv_transfer_failed") for req in failed]
 
-    def collect_leases(self) -> None:
-        """Free the blocks of leases that were released or expired (also called when idle)."""
-        if self.kv_server is not None:
-            for lease_id in self.kv_server.collect():
-                self.kv.release(lease_id)
+    def collect_leases(self) -> int:
+        """Free the blocks of leases that were released or expired (also called when idle);
+        returns how many ended."""
+        if self.kv_server is None:
+            return 0
+        ended = self.kv_server.collect()
+        for lease_id in ended:
+            self.kv.release(lease_id)
+        return len(ended)
 
     def _flush_events(self) -> None:
         if self.kv.events:

@@ -55,7 +55,9 @@ def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid
         if not busy and not inputs.poll(IDLE_POLL_MS):
             if os.getppid() != parent_pid:
                 return  # the front end is gone
-            core.collect_leases()  # KV nobody pulled is freed even when idle
+            if core.collect_leases():  # KV pulled or abandoned is freed even when idle
+                outputs.send(protocol.encode(protocol.OUTPUTS, {"outputs": [],
+                                                                "stats": core.stats()}))
             continue
         while inputs.poll(0):
             kind, body = protocol.decode(inputs.recv())

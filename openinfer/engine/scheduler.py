@@ -147,10 +147,12 @@ class Scheduler:
                     self._loading.add(req.request_id)
                     stepped_aside.append(heapq.heappop(self._waiting))
                     continue
-            if req.remote_prefill is not None and not req.remote_load_tried:
+            if req.remote_prefill is not None and not req.remote_load_tried and self.kv.can_pull:
                 req.remote_load_tried = True
                 pull = self._blocks_to_pull(req, hit)
-                if pull and self.kv.start_load(req.request_id, pull, req.remote_prefill):
+                if not pull:  # it holds them all already: the prefill side may let go
+                    self.kv.pending_releases.append(req.remote_prefill)
+                elif self.kv.start_load(req.request_id, pull, req.remote_prefill):
                     self._loading.add(req.request_id)
                     stepped_aside.append(heapq.heappop(self._waiting))
                     continue

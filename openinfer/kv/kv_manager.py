@@ -105,6 +105,10 @@ class KVCacheManager:
         self.pending_loads: list[tuple[int, int]] = []
         """(host slot, device block): copy to the device at the start of the next step."""
         self.pending_block_loads: list[BlockLoad] = []
+        self.can_pull = False
+        """A KV connector is attached: requests may pull their prefix from a prefill instance."""
+        self.pending_releases: list[dict] = []
+        """kv_transfer_params of prefill instances whose blocks this side did not need."""
         self._held: dict[str, list[list[int]]] = {}
         """Block tables of finished requests kept for a decode instance to pull."""
         self.num_host_stores_skipped = 0

@@ -118,6 +118,16 @@ class KVTransfer:
         else:
             self._pulls.submit(self._pull, load)
 
+    def submit_release(self, source: dict) -> None:
+        """Tell a prefill instance its blocks are not needed (a pull of nothing)."""
+        self._pulls.submit(self._release, source)
+
+    def _release(self, source: dict) -> None:
+        try:
+            self.connector.fetch(source, [], lambda i, data: None)
+        except Exception as e:  # its lease expires instead
+            logger.info("KV release of %s failed: %s", source.get("remote_lease_id"), e)
+
     def _pull(self, load: BlockLoad) -> None:
         from openinfer.disagg.protocol import KVTransferError
 

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from openinfer.kv.block_hash import extend_block_hashes
+from openinfer.router.pd import prefill_first
 from openinfer.router.policies import Router, RouterConfig, Worker
 from openinfer.server.errors import error_body
 
@@ -38,8 +39,14 @@ HEALTH_INTERVAL_S = 1.0
 
 
 class RouterState:
-    def __init__(self, urls: list[str], config: RouterConfig, tokenizer, block_size: int) -> None:
+    def __init__(self, urls: list[str], config: RouterConfig, tokenizer, block_size: int,
+                 prefill_urls: list[str] = (), disagg_min_tokens: int = 256) -> None:
         self.router = Router(config, [Worker(u.rstrip("/")) for u in urls])
+        """The replicas that answer clients (decode instances, when disaggregated)."""
+        self.prefill = Router(config, [Worker(u.rstrip("/")) for u in prefill_urls]) \
+            if prefill_urls else None
+        """Disaggregation: the prefill instances, chosen by the same policy."""
+        self.disagg_min_tokens = disagg_min_tokens
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
@@ -66,6 +73,10 @@ class RouterState:
                                 "Most requests a chosen replica had in flight beyond the least "
                                 "loaded one, at the moment of a routing decision", registry=r)
         self.max_excess_seen = 0
+        self.disagg = Counter("openinfer_router:disagg_decisions",
+                              "Disaggregation per request: prefill_then_decode, decode_only "
+                              "(short or cached prompt), prefill_failed (decode recomputed)",
+                              ["decision"], registry=r)
         self.routed = Counter("openinfer_router:worker_requests", "Requests routed per replica",
                               ["worker"], registry=r)
 
@@ -91,8 +102,12 @@ class RouterState:
         return True
 
     def start(self) -> None:
-        for worker in self.router.workers:
+        for worker in self.all_workers:
             self._start_watch(worker)
+
+    @property
+    def all_workers(self) -> list[Worker]:
+        return self.router.workers + (self.prefill.workers if self.prefill else [])
 
     def _start_watch(self, worker: Worker) -> None:
         self._tasks[worker.url] = [asyncio.create_task(self._health_loop(worker)),
@@ -189,8 +204,8 @@ class RouterState:
 
     # ---- requests --------------------------------------------------------------------
 
-    def block_hashes(self, path: str, body: dict) -> list[bytes]:
-        """The request's full prompt blocks, hashed as its engine will hash them."""
+    def prompt_hashes(self, path: str, body: dict) -> tuple[int, list[bytes]]:
+        """The request's prompt length and full blocks, hashed as its engine will hash them."""
         try:
             if path == "/v1/completions":
                 prompt = body.get("prompt")
@@ -205,10 +220,10 @@ class RouterState:
                                                           add_generation_prompt=True)
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
         except Exception:
-            return []  # the replica will explain what is wrong with it
+            return 0, []  # the replica will explain what is wrong with it
         hashes: list[bytes] = []
         extend_block_hashes(hashes, ids, self.block_size, body.get("cache_salt"))
-        return hashes
+        return len(ids), hashes
 
 
 def build_router_app(state: RouterState) -> FastAPI:
@@ -230,7 +245,7 @@ def build_router_app(state: RouterState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        for w in state.router.workers:
+        for w in state.all_workers:
             state.load.labels(worker=w.url).set(w.in_flight)
             state.external_load.labels(worker=w.url).set(w.external_load)
         return Response(generate_latest(state.registry), media_type="text/plain; version=0.0.4")
@@ -241,10 +256,12 @@ def build_router_app(state: RouterState) -> FastAPI:
 
     @app.get("/admin/workers")
     async def list_workers() -> dict:
-        return {"workers": [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight,
+        prefill = {w.url for w in state.prefill.workers} if state.prefill else set()
+        return {"workers": [{"url": w.url, "role": "prefill" if w.url in prefill else "serve",
+                             "healthy": w.healthy, "in_flight": w.in_flight,
                              "external_load": w.external_load, "routed": w.routed,
                              "indexed_blocks": len(w.index),
-                             "events": w.index.live} for w in state.router.workers]}
+                             "events": w.index.live} for w in state.all_workers]}
 
     @app.post("/admin/workers")
     async def add_worker(body: dict) -> dict:
@@ -270,14 +287,18 @@ def _generate_route(state: RouterState, path: str):
         except (ValueError, AssertionError):
             return JSONResponse(error_body("request body is not a JSON object",
                                            "invalid_request_error"), status_code=400)
-        hashes = state.block_hashes(path, body)
+        num_tokens, hashes = state.prompt_hashes(path, body)
         session = request.headers.get("x-session-id") or body.get("user")
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "x-api-key", "content-type",
                                     "anthropic-version")}
         tried: set[str] = set()
+        prefilled_by = "none"
         while True:
             decision = state.router.choose(hashes, session, exclude=tried)
+            if decision is not None and state.prefill is not None and not tried:
+                raw, prefilled_by = await prefill_first(state, path, body, raw, headers,
+                                                        num_tokens, hashes, decision)
             if decision is None:
                 return JSONResponse(error_body("no healthy replica to serve the request",
                                                "service_unavailable", code="no_replica"),
@@ -314,7 +335,8 @@ def _generate_route(state: RouterState, path: str):
             return StreamingResponse(
                 _relay(upstream, first, chunks, worker), status_code=upstream.status_code,
                 media_type=upstream.headers.get("content-type"),
-                headers={"x-openinfer-worker": worker.url, "x-openinfer-route": decision.reason})
+                headers={"x-openinfer-worker": worker.url, "x-openinfer-route": decision.reason,
+                         "x-openinfer-prefill": prefilled_by})
 
     return route
 

@@ -23,8 +23,14 @@ def add_router_args(parser: argparse.ArgumentParser, data_parallel: bool = False
                         "requests exceeds this ...")
     g.add_argument("--balance-rel", type=float, default=1.5,
                    help="... and max exceeds this times min")
+    g.add_argument("--disagg-min-tokens", type=int, default=256,
+                   help="with prefill instances: disaggregate a request only when the part "
+                        "of its prompt the decode instance lacks is at least this long")
     if not data_parallel:
         return
+    g.add_argument("--disaggregate", metavar="P:D",
+                   help="start P prefill and D decode instances behind the router, which "
+                        "sends each long prompt to a prefill instance, then to a decode one")
     g.add_argument("--backend", choices=("local", "ray"), default="local",
                    help="start the --data-parallel-size replicas as local processes, or as "
                         "Ray actors on a Ray cluster (pip install 'openinfer[ray]')")
@@ -37,14 +43,14 @@ def add_router_args(parser: argparse.ArgumentParser, data_parallel: bool = False
 
 def cmd_router(args: argparse.Namespace) -> int:
     if not args.worker:
-        print("openinfer router: give at least one --worker URL", file=sys.stderr)
+        print("openinfer router: give at least one --worker (or --decode) URL", file=sys.stderr)
         return 2
-    run_router(args.worker, args.tokenizer, args, args.host, args.port)
+    run_router(args.worker, args.tokenizer, args, args.host, args.port, args.prefill)
     return 0
 
 
 def run_router(urls: list[str], tokenizer_path: str, args: argparse.Namespace, host: str,
-               port: int) -> None:
+               port: int, prefill_urls: list[str] = ()) -> None:
     import uvicorn
     from transformers import AutoTokenizer
 
@@ -53,8 +59,10 @@ def run_router(urls: list[str], tokenizer_path: str, args: argparse.Namespace, h
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     config = RouterConfig(policy=args.policy, balance_abs=args.balance_abs,
                           balance_rel=args.balance_rel)
-    state = RouterState(urls, config, tokenizer, args.block_size)
-    print(f"openinfer router: {args.policy} over {', '.join(urls)} on http://{host}:{port}",
+    state = RouterState(urls, config, tokenizer, args.block_size, prefill_urls,
+                        args.disagg_min_tokens)
+    pd = f" (prefill: {', '.join(prefill_urls)})" if prefill_urls else ""
+    print(f"openinfer router: {args.policy} over {', '.join(urls)}{pd} on http://{host}:{port}",
           file=sys.stderr)
     uvicorn.run(build_router_app(state), host=host, port=port, log_level=args.log_level)
 
@@ -66,15 +74,24 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     child_argv = _strip(argv, {"--data-parallel-size", "--port", "--host", "--policy",
                                "--balance-abs", "--balance-rel", "--kv-events-endpoint",
                                "--kv-events-replay-endpoint", "--backend", "--ray-address",
-                               "--ray-num-cpus-per-replica"})
+                               "--ray-num-cpus-per-replica", "--disaggregate", "--role",
+                               "--kv-transfer-port", "--disagg-min-tokens"})
     if args.backend == "ray":
+        if args.disaggregate:
+            raise SystemExit("--disaggregate runs on this machine: not with --backend ray")
         return _serve_on_ray(args, child_argv)
+    roles = [[]] * args.data_parallel_size
+    num_prefill = 0
+    if args.disaggregate:
+        num_prefill, num_decode = _parse_pd(args.disaggregate)
+        roles = [["--role", "prefill", "--kv-transfer-port", str(_free_port())]
+                 for _ in range(num_prefill)] + [["--role", "decode"]] * num_decode
     replicas, urls = [], []
     try:
-        for _ in range(args.data_parallel_size):
+        for extra in roles:
             port, events, replay = _free_port(), _free_port(), _free_port()
             replicas.append(subprocess.Popen([
-                sys.executable, "-m", "openinfer.cli", "serve", *child_argv, "--host",
+                sys.executable, "-m", "openinfer.cli", "serve", *child_argv, *extra, "--host",
                 "127.0.0.1", "--port", str(port),
                 "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
                 "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"]))
@@ -84,7 +101,8 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
         # uvicorn re-raises the SIGTERM it drained on; as an exception (not the default
         # action, which would kill us on the spot) it lets `finally` stop the replicas.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        run_router(urls, args.tokenizer or args.model, args, args.host, args.port)
+        run_router(urls[num_prefill:], args.tokenizer or args.model, args, args.host, args.port,
+                   urls[:num_prefill])
     finally:
         for proc in replicas:
             if proc.poll() is None:
@@ -95,6 +113,15 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
     return 0
+
+
+def _parse_pd(text: str) -> tuple[int, int]:
+    try:
+        p, d = (int(x) for x in text.split(":"))
+        assert p >= 1 and d >= 1
+        return p, d
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--disaggregate takes P:D (at least 1 each), got {text!r}") from None
 
 
 def _serve_on_ray(args: argparse.Namespace, child_argv: list[str]) -> int:

@@ -43,7 +43,10 @@ class ServerMetrics:
         Gauge("openinfer:kv_store_bytes", "Bytes in the KV file store (L3), as this engine "
               "last counted them", registry=r).set_function(stat("kv_store_bytes"))
         Gauge("openinfer:num_requests_loading", "Waiting requests whose prefix is being read "
-              "from the file store", registry=r).set_function(stat("num_loading"))
+              "from the file store or pulled from a prefill instance",
+              registry=r).set_function(stat("num_loading"))
+        Gauge("openinfer:kv_leases", "Finished prompts whose KV a prefill instance holds for "
+              "decode instances to pull", registry=r).set_function(stat("kv_leases"))
         r.register(_EngineCounters(engine_stats))
         self.ttft = Histogram("openinfer:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -101,6 +104,12 @@ class _EngineCounters(Collector):
          "Cached blocks not offloaded to host memory (every slot pinned)"),
         ("openinfer:kv_store_writes_skipped", "kv_store_writes_skipped",
          "Blocks not written to the file store (the disk lagged too far behind)"),
+        ("openinfer:kv_remote_blocks_pulled", "kv_remote_blocks_pulled",
+         "Blocks a decode instance pulled from prefill instances"),
+        ("openinfer:kv_remote_pull_failures", "kv_remote_pull_failures",
+         "Pulls from prefill instances that failed (the rest was recomputed or failed)"),
+        ("openinfer:kv_bytes_served", "kv_bytes_served",
+         "Bytes a prefill instance sent to decode instances"),
     )
     LABELLED = (
         ("openinfer:prefix_cache_hits_by_tier", "prefix_cache_hits_by_tier", "tier",

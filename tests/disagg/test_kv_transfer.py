@@ -102,6 +102,13 @@ def test_decode_pulls_only_the_blocks_it_does_not_hold(engine, plain):
     assert decode.engine.core.scheduler.num_remote_blocks_pulled == 3
     assert out.num_cached_tokens == 48  # its own hits; pulled blocks are not cache hits
     _wait_leases_freed(prefill)
+    # Now it holds the whole prompt: nothing crosses, and the prefill side is told at once
+    # (not after its 30 s lease).
+    params = _prefill(prefill, [prompt])
+    out = decode.generate([prompt], SamplingParams(**DECODE, kv_transfer_params=params[0]))[0]
+    assert [out.outputs[0].token_ids] == expected and out.num_cached_tokens == 96
+    assert decode.engine.core.scheduler.num_remote_blocks_pulled == 3
+    _wait_leases_freed(prefill, timeout_s=5)
 
 
 def test_32_simultaneous_transfers(engine, plain):

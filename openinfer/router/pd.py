@@ -1,0 +1,70 @@
+"""The prefill leg of a disaggregated request (`openinfer router --prefill ... --decode ...`).
+
+The router has already chosen the decode instance by its policy, so that instance's own
+prefix cache counts. If the part of the prompt it lacks is at least --disagg-min-tokens
+long, a prefill instance (chosen by the same policy over the prefill pool) computes the
+prompt first: it gets the request with max_tokens 1, not streamed, and
+kv_transfer_params {"do_remote_decode": true}, and answers with the kv_transfer_params
+that say where its blocks wait. Those go with the client's request to the decode
+instance, which pulls the blocks it lacks and decodes, streaming to the client.
+
+Whatever fails on the prefill leg (no prefill instance, a dead one, an error answer)
+sends the request to decode unchanged: it recomputes, and the client only sees a
+slower first token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING
+
+import httpx
+
+from openinfer.router.policies import Decision
+
+if TYPE_CHECKING:
+    from openinfer.router.app import RouterState
+
+logger = logging.getLogger(__name__)
+
+
+async def prefill_first(state: RouterState, path: str, body: dict, raw: bytes,
+                        headers: dict, num_tokens: int, hashes: list[bytes],
+                        decode: Decision) -> tuple[bytes, str]:
+    """The body to send the decode instance, and the prefill instance used ("none")."""
+    uncached = num_tokens - decode.matched_blocks * state.block_size
+    # Anthropic's API has no kv_transfer_params field, and n > 1 samples would race for
+    # one lease: those, and short or mostly cached prompts, go straight to decode.
+    if path == "/v1/messages" or body.get("n", 1) != 1 or uncached < state.disagg_min_tokens:
+        state.disagg.labels(decision="decode_only").inc()
+        return raw, "none"
+    choice = state.prefill.choose(hashes)
+    params = None
+    if choice is not None:
+        worker = choice.worker
+        leg = {**body, "max_tokens": 1, "stream": False,
+               "kv_transfer_params": {"do_remote_decode": True}}
+        leg.pop("stream_options", None)
+        if "max_completion_tokens" in leg:
+            leg["max_completion_tokens"] = 1
+        worker.in_flight += 1
+        try:
+            resp = await state.http.post(worker.url + path, json=leg, headers=headers)
+            if resp.status_code == 200:
+                params = resp.json().get("kv_transfer_params")
+            else:
+                logger.warning("prefill %s answered %d: %s", worker.url, resp.status_code,
+                               resp.text[:200])
+        except (httpx.HTTPError, OSError, ValueError) as e:
+            if isinstance(e, httpx.TransportError):
+                worker.healthy = False  # the health loop re-admits it when it answers
+            logger.warning("prefill %s failed (%s); decode recomputes", worker.url, e)
+        finally:
+            worker.in_flight -= 1
+        worker.routed += 1
+    if not params:
+        state.disagg.labels(decision="prefill_failed").inc()
+        return raw, "none"
+    state.disagg.labels(decision="prefill_then_decode").inc()
+    return json.dumps({**body, "kv_transfer_params": params}).encode(), choice.worker.url

@@ -1,0 +1,124 @@
+"""Prefill/decode disaggregation through the real router and servers: a prefill instance,
+a decode instance, the router orchestrating them; outputs equal colocated serving, KV
+is freed on both sides, and a dead prefill instance costs no request."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+
+import httpx
+import pytest
+from server_process import MODEL, start_router, start_server
+
+from openinfer import LLM, SamplingParams
+
+MiB = 1024**2
+
+
+def _metric(base: str, name: str) -> float:
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in {base}/metrics")
+
+
+def _stop(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except Exception:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def pd(qwen3_checkpoint):
+    prefill, p_proc = start_server(qwen3_checkpoint, "--role", "prefill", "--kv-lease-timeout", "5")
+    decode, d_proc = start_server(qwen3_checkpoint, "--role", "decode")
+    router, r_proc = start_router([decode], qwen3_checkpoint, "--prefill", prefill,
+                                  "--disagg-min-tokens", "32")
+    yield {"prefill": prefill, "decode": decode, "router": router, "prefill_proc": p_proc}
+    for proc in (r_proc, d_proc, p_proc):
+        _stop(proc)
+
+
+def _complete(base: str, prompt, max_tokens: int = 8, **extra) -> httpx.Response:
+    resp = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, **extra})
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+@pytest.mark.slow
+def test_disaggregated_serving_equals_colocated_and_frees_kv_on_both_sides(pd, qwen3_checkpoint):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1000) for _ in range(100)] for _ in range(4)]
+    offline = LLM(str(qwen3_checkpoint), kv_cache_memory=32 * MiB, progress=False)
+    expected = [o.outputs[0].text for o in offline.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]
+    for prompt, text in zip(prompts, expected):
+        resp = _complete(pd["router"], prompt)
+        assert resp.json()["choices"][0]["text"] == text
+        assert resp.headers["x-openinfer-prefill"] == pd["prefill"]
+        assert resp.headers["x-openinfer-worker"] == pd["decode"]
+    # Streaming goes the same way.
+    with httpx.stream("POST", f"{pd['router']}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": prompts[0][:50] + [7] * 50, "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True, "stream": True}) as stream:
+        assert stream.headers["x-openinfer-prefill"] == pd["prefill"]
+        chunks = [json.loads(line[5:]) for line in stream.iter_lines()
+                  if line.startswith("data:") and "[DONE]" not in line]
+    streamed = "".join(c["choices"][0]["text"] for c in chunks)
+    direct = _complete(pd["decode"], prompts[0][:50] + [7] * 50).json()["choices"][0]["text"]
+    assert streamed == direct
+    # A short prompt, and a chat whose prefix the decode instance now holds, skip prefill.
+    assert _complete(pd["router"], "hello").headers["x-openinfer-prefill"] == "none"
+    assert _complete(pd["router"], prompts[1]).headers["x-openinfer-prefill"] == "none"
+    assert _metric(pd["decode"], "openinfer:kv_remote_blocks_pulled_total") >= 4 * 6
+    assert _metric(pd["decode"], "openinfer:kv_remote_pull_failures_total") == 0
+    assert _metric(pd["prefill"], "openinfer:kv_bytes_served_total") > 0
+    for _ in range(50):  # the last pull's release reaches the prefill engine
+        if _metric(pd["prefill"], "openinfer:kv_leases") == 0:
+            break
+        time.sleep(0.1)
+    assert _metric(pd["prefill"], "openinfer:kv_leases") == 0
+    assert _metric(pd["prefill"], "openinfer:kv_cache_usage_perc") == 0
+    assert _metric(pd["decode"], "openinfer:kv_cache_usage_perc") == 0
+    metrics = httpx.get(f"{pd['router']}/metrics", timeout=30).text
+    assert 'openinfer_router:disagg_decisions_total{decision="prefill_then_decode"} 5.0' in metrics
+    assert 'openinfer_router:disagg_decisions_total{decision="decode_only"} 2.0' in metrics
+
+
+@pytest.mark.slow
+def test_a_dead_prefill_instance_costs_no_request(pd):
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, 1000) for _ in range(80)]
+    pd["prefill_proc"].kill()
+    pd["prefill_proc"].wait()
+    resp = _complete(pd["router"], prompt)  # the decode instance recomputes
+    assert resp.headers["x-openinfer-prefill"] == "none"
+    assert resp.json()["choices"][0]["text"] == _complete(pd["decode"], prompt).json()[
+        "choices"][0]["text"]
+    workers = {w["url"]: w for w in httpx.get(f"{pd['router']}/admin/workers").json()["workers"]}
+    assert workers[pd["prefill"]]["role"] == "prefill" and not workers[pd["prefill"]]["healthy"]
+    metrics = httpx.get(f"{pd['router']}/metrics", timeout=30).text
+    assert 'openinfer_router:disagg_decisions_total{decision="prefill_failed"} 1.0' in metrics
+    assert _metric(pd["decode"], "openinfer:kv_cache_usage_perc") == 0
+
+
+@pytest.mark.slow
+def test_serve_disaggregate_starts_prefill_and_decode_behind_a_router(qwen3_checkpoint):
+    base, proc = start_server(qwen3_checkpoint, "--disaggregate", "1:1", "--disagg-min-tokens",
+                              "16")
+    try:
+        workers = httpx.get(f"{base}/admin/workers", timeout=30).json()["workers"]
+        assert sorted(w["role"] for w in workers) == ["prefill", "serve"]
+        resp = _complete(base, list(range(10, 90)))
+        prefill = next(w["url"] for w in workers if w["role"] == "prefill")
+        assert resp.headers["x-openinfer-prefill"] == prefill
+        assert resp.json()["usage"]["completion_tokens"] == 8
+    finally:
+        _stop(proc)
