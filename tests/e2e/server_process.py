@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -47,3 +48,12 @@ def _start(args: list[str], port: int | None) -> tuple[str, subprocess.Popen]:
                 proc.kill()
                 pytest.fail(f"{args[0]} did not start:\n{proc.stdout.read()}")
             time.sleep(0.3)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (a graceful drain), then SIGKILL if it takes more than 30 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import random
-import signal
 import time
 
 import httpx
 import pytest
-from server_process import MODEL, start_router, start_server
+from server_process import MODEL, start_router, start_server, stop
 
 from openinfer import LLM, SamplingParams
 
@@ -25,13 +24,6 @@ def _metric(base: str, name: str) -> float:
     raise AssertionError(f"{name} not in {base}/metrics")
 
 
-def _stop(proc) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except Exception:
-        proc.kill()
-
 
 @pytest.fixture(scope="module")
 def pd(qwen3_checkpoint):
@@ -41,7 +33,7 @@ def pd(qwen3_checkpoint):
                                   "--disagg-min-tokens", "32")
     yield {"prefill": prefill, "decode": decode, "router": router, "prefill_proc": p_proc}
     for proc in (r_proc, d_proc, p_proc):
-        _stop(proc)
+        stop(proc)
 
 
 def _complete(base: str, prompt, max_tokens: int = 8, **extra) -> httpx.Response:
@@ -121,4 +113,4 @@ def test_serve_disaggregate_starts_prefill_and_decode_behind_a_router(qwen3_chec
         assert resp.headers["x-openinfer-prefill"] == prefill
         assert resp.json()["usage"]["completion_tokens"] == 8
     finally:
-        _stop(proc)
+        stop(proc)

@@ -4,14 +4,13 @@ from KV events, and a replica that dies and comes back."""
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from server_process import MODEL, start_router, start_server
+from server_process import MODEL, start_router, start_server, stop
 
 
 def _tcp() -> str:
@@ -33,13 +32,6 @@ def replicas(qwen3_checkpoint):
         proc.kill()
         proc.wait()
 
-
-def _stop(proc) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except Exception:
-        proc.kill()
 
 
 def _complete(base: str, prompt, max_tokens: int = 6, **extra) -> tuple[str, str, str]:
@@ -86,7 +78,7 @@ def test_every_policy_serves_what_a_single_server_serves(replicas, qwen3_checkpo
         models = httpx.get(f"{router}/v1/models", timeout=30).json()
         assert models["data"][0]["id"] == MODEL
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 @pytest.mark.slow
@@ -113,7 +105,7 @@ def test_cache_aware_keeps_each_conversation_on_the_replica_holding_it(replicas,
         metrics = httpx.get(f"{router}/metrics", timeout=30).text
         assert 'openinfer_router:decisions_total{reason="cache_hit"}' in metrics
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 @pytest.mark.slow
@@ -139,7 +131,7 @@ def test_cache_aware_load_guard_holds_under_concurrent_load(replicas, qwen3_chec
                       if line.startswith("openinfer_router:max_load_excess "))
         assert excess <= 2, excess
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 @pytest.mark.slow
@@ -174,7 +166,7 @@ def test_a_replica_killed_under_load_loses_no_request_and_comes_back(qwen3_check
         assert workers[victim_url]["healthy"]
         assert victim_url in {_complete(router, p)[1] for p in prompts[:6]}
     finally:
-        _stop(proc)
+        stop(proc)
         for _, p in started:
             p.kill()
             p.wait()
@@ -189,7 +181,7 @@ def test_serve_data_parallel_starts_replicas_behind_a_router(qwen3_checkpoint):
         text, worker, _ = _complete(base, PROMPTS[0])
         assert text and worker in {w["url"] for w in workers}
     finally:
-        _stop(proc)
+        stop(proc)
     assert proc.returncode is not None
     for w in workers:  # the replicas went with it
         with pytest.raises(httpx.HTTPError):
