@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -47,6 +48,9 @@ class KVConnector:
         """Deliver the leading blocks of ``hashes`` the prefill instance holds; returns
         how many. Raises KVTransferError (carrying ``delivered``) when it fails."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Free what the connector keeps between pulls."""
 
     def _connect(self, params: dict) -> socket.socket:
         try:
@@ -74,43 +78,72 @@ class TcpConnector(KVConnector):
         delivered = 0
         with self._connect(params) as sock:
             try:
-                shm = self._open_segment(len(hashes))
-                try:
-                    send_frame(sock, {"op": "pull", "lease": params.get("remote_lease_id"),
-                                      "hashes": hashes, "layout": self.layout, "mode": self.mode,
-                                      "shm": shm.name if shm else None, "release": True})
-                    while True:
-                        header, payload = recv_frame(sock, self.block_bytes)
-                        if header.get("op") == "end":
-                            if header.get("error"):
-                                raise KVTransferError(f"prefill instance: {header['error']}")
-                            return delivered
-                        data = memoryview(payload)
-                        if shm is not None:
-                            offset = delivered * self.block_bytes
-                            data = shm.buf[offset:offset + self.block_bytes]
-                        with data:  # no view may outlive the segment
-                            self._check(header, delivered, hashes[delivered]
-                                        if delivered < len(hashes) else b"", data)
-                            put(delivered, data)
-                        delivered += 1
-                finally:
+                shm = self._segment(len(hashes))
+                send_frame(sock, {"op": "pull", "lease": params.get("remote_lease_id"),
+                                  "hashes": hashes, "layout": self.layout, "mode": self.mode,
+                                  "shm": shm.name if shm else None, "release": True})
+                while True:
+                    header, payload = recv_frame(sock, self.block_bytes)
+                    if header.get("op") == "end":
+                        if header.get("error"):
+                            raise KVTransferError(f"prefill instance: {header['error']}")
+                        return delivered
+                    data = memoryview(payload)
                     if shm is not None:
-                        shm.close()
-                        shm.unlink()
+                        offset = delivered * self.block_bytes
+                        data = shm.buf[offset:offset + self.block_bytes]
+                    with data:  # no view may outlive the segment
+                        self._check(header, delivered, hashes[delivered]
+                                    if delivered < len(hashes) else b"", data)
+                        put(delivered, data)
+                    delivered += 1
             except KVTransferError as e:
                 e.delivered = delivered
                 raise
 
-    def _open_segment(self, num_blocks: int) -> shared_memory.SharedMemory | None:
+    def _segment(self, num_blocks: int) -> shared_memory.SharedMemory | None:
         return None
+
+
+LOCAL_SEGMENTS: set[str] = set()
+"""Shared-memory segments this process created (the KV server must not disown them)."""
 
 
 class ShmConnector(TcpConnector):
     name = mode = "shm"
 
-    def _open_segment(self, num_blocks: int) -> shared_memory.SharedMemory:
-        return shared_memory.SharedMemory(create=True, size=max(1, num_blocks) * self.block_bytes)
+    def __init__(self, layout: dict, block_bytes: int, timeout_s: float) -> None:
+        super().__init__(layout, block_bytes, timeout_s)
+        # One segment per pulling thread, kept and grown: a fresh segment per pull costs a
+        # page fault per 4 KiB on both sides, more than the copy itself.
+        self._local = threading.local()
+        self._all: list[shared_memory.SharedMemory] = []
+        self._lock = threading.Lock()
+
+    def _segment(self, num_blocks: int) -> shared_memory.SharedMemory:
+        size = max(1, num_blocks) * self.block_bytes
+        shm = getattr(self._local, "shm", None)
+        if shm is None or shm.size < size:
+            if shm is not None:
+                self._drop(shm)
+            shm = shared_memory.SharedMemory(create=True, size=size)
+            LOCAL_SEGMENTS.add(shm.name)
+            with self._lock:
+                self._all.append(shm)
+            self._local.shm = shm
+        return shm
+
+    def _drop(self, shm: shared_memory.SharedMemory) -> None:
+        with self._lock:
+            self._all.remove(shm)
+        LOCAL_SEGMENTS.discard(shm.name)
+        with contextlib.suppress(BufferError, FileNotFoundError):
+            shm.close()
+            shm.unlink()
+
+    def close(self) -> None:
+        for shm in list(self._all):
+            self._drop(shm)
 
 
 class FileConnector(KVConnector):

@@ -23,11 +23,13 @@ import socket
 import threading
 import time
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
+from openinfer.disagg.connector import LOCAL_SEGMENTS
 from openinfer.disagg.protocol import KVTransferError, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class KVServer:
         self.layout = layout
         self.lease_s = lease_s
         self._leases: dict[str, _Lease] = {}
+        self._segments: OrderedDict[str, shared_memory.SharedMemory] = OrderedDict()
         self._lock = threading.Lock()
         self._sock = socket.create_server((host, port), backlog=128)
         self.host, self.port = host, self._sock.getsockname()[1]
@@ -85,6 +88,11 @@ class KVServer:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (close alone may not)
         with contextlib.suppress(OSError):
             self._sock.close()
+        with self._lock:
+            for shm in self._segments.values():
+                with contextlib.suppress(BufferError):
+                    shm.close()
+            self._segments.clear()
 
     # ---- serving threads -------------------------------------------------------------
 
@@ -130,10 +138,7 @@ class KVServer:
         sent = 0
         try:
             if header.get("mode") == "shm":
-                shm = shared_memory.SharedMemory(name=str(header["shm"]))
-                # The puller owns the segment; without this, Python's resource tracker
-                # would unlink it when this process exits (bpo-39959).
-                resource_tracker.unregister(shm._name, "shared_memory")
+                shm = self._attach(str(header["shm"]))
             for i, block_hash in enumerate(header.get("hashes") or []):
                 block = lease.blocks.get(block_hash)
                 if block is None:
@@ -158,12 +163,27 @@ class KVServer:
             with contextlib.suppress(OSError):
                 send_frame(conn, {"op": "end", "n": sent, "error": str(e)})
         finally:
-            if shm is not None:
-                shm.close()
             with self._lock:
                 lease.pulls -= 1
                 if header.get("release"):
                     lease.released = True
+
+    def _attach(self, name: str) -> shared_memory.SharedMemory:
+        """A puller's segment, mapped once and kept (pullers reuse theirs)."""
+        with self._lock:
+            shm = self._segments.pop(name, None)
+            if shm is None:
+                shm = shared_memory.SharedMemory(name=name)
+                if name not in LOCAL_SEGMENTS:
+                    # The puller owns it; without this, Python's resource tracker would
+                    # unlink it when this process exits (bpo-39959).
+                    resource_tracker.unregister(shm._name, "shared_memory")
+            self._segments[name] = shm
+            while len(self._segments) > 64:  # pullers that went away, or grew theirs
+                _, old = self._segments.popitem(last=False)
+                with contextlib.suppress(BufferError):
+                    old.close()
+        return shm
 
     def _release(self, lease_id: str) -> None:
         with self._lock:

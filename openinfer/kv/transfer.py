@@ -195,3 +195,4 @@ class KVTransfer:
             self._io.shutdown(wait=True)
         if self.connector is not None:
             self._pulls.shutdown(wait=True)
+            self.connector.close()
