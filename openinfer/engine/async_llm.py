@@ -25,6 +25,10 @@ from openinfer.outputs import CompletionOutput, RequestOutput
 from openinfer.sampling_params import SamplingParams
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended a request without an answer (a KV pull failed under the 'fail'
+    policy); the engine itself is fine."""
+
 class AsyncLLM:
     def __init__(self, model: str, **engine_options) -> None:
         self.config = EngineConfig.create(model, **engine_options)
@@ -70,6 +74,9 @@ class AsyncLLM:
                 item = await stream.get()
                 if isinstance(item, Exception):
                     raise item
+                if item.finished and any(c.finish_reason == "error" for c in item.outputs):
+                    raise RequestFailedError("the request's KV could not be pulled from its "
+                                             "prefill instance (kv load failure policy: fail)")
                 yield item
                 if item.finished:
                     return

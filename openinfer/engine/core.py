@@ -107,7 +107,7 @@ class EngineCore:
         if kt.role == "both" and kt.port is None and self.transfer is None:
             return None  # colocated, nothing to lend, nowhere to pull into
         if kt.role != "both" and not self.config.cache.enable_prefix_caching:
-            raise ValueError(f"--kv-role {kt.role} needs prefix caching: blocks move by hash")
+            raise ValueError(f"--role {kt.role} needs prefix caching: blocks move by hash")
         if len(self.kv.groups) != 1:
             raise ValueError("KV transfer needs a model with one KV layer group")
         layout = dataclasses.asdict(self._layout(dtype_name))

@@ -58,7 +58,6 @@ class Scheduler:
         """Requests ended by a failed KV pull under the 'fail' policy (their last output
         is sent by the engine core)."""
         self.num_remote_blocks_pulled = 0
-        self.num_remote_pull_failures = 0
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self._waiting: list[tuple[tuple, Request]] = []  # heap by _order
@@ -225,8 +224,6 @@ class Scheduler:
                 req.num_blocks_from_store = num_loaded
             return
         self.num_remote_blocks_pulled += num_loaded
-        if num_loaded < len(load.blocks):
-            self.num_remote_pull_failures += 1
         if req is None:
             return
         req.num_blocks_from_remote = num_loaded

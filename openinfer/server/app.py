@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import openinfer
-from openinfer.engine.async_llm import AsyncLLM
+from openinfer.engine.async_llm import AsyncLLM, RequestFailedError
 from openinfer.engine.core_client import EngineDeadError
 from openinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from openinfer.sampling_params import SamplingParams
@@ -278,10 +278,6 @@ async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
             last = delta
     last.prompt_logprobs = prompt_logprobs
     last.outputs = [merged[i] for i in sorted(merged)]
-    if any(c.finish_reason == "error" for c in last.outputs):
-        raise APIError(503, "the request's KV could not be pulled from its prefill instance "
-                       "(kv load failure policy: fail)", type_="service_unavailable",
-                       code="kv_transfer_failed")
     return last
 
 
@@ -335,6 +331,9 @@ async def _with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
         except EngineDeadError as e:
             yield _sse(error_body(f"the engine is unavailable: {e}", "service_unavailable",
                                   code="engine_dead"))
+            yield "data: [DONE]\n\n"
+        except RequestFailedError as e:
+            yield _sse(error_body(str(e), "service_unavailable", code="request_failed"))
             yield "data: [DONE]\n\n"
 
 

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from openinfer.engine.async_llm import RequestFailedError
 from openinfer.engine.core_client import EngineDeadError
 
 
@@ -72,6 +73,10 @@ def install_error_handlers(app: FastAPI) -> None:
         # Not the client's fault and not retryable here: a supervisor must restart us.
         return error_response(request, 503, f"the engine is unavailable: {e}",
                               "service_unavailable", code="engine_dead")
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(request: Request, e: RequestFailedError) -> JSONResponse:
+        return error_response(request, 503, str(e), "service_unavailable", code="request_failed")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import time
 
 import httpx
@@ -13,6 +14,7 @@ import pytest
 from server_process import MODEL, start_router, start_server, stop
 
 from openinfer import LLM, SamplingParams
+from openinfer.kv.block_hash import extend_block_hashes
 
 MiB = 1024**2
 
@@ -112,5 +114,36 @@ def test_serve_disaggregate_starts_prefill_and_decode_behind_a_router(qwen3_chec
         prefill = next(w["url"] for w in workers if w["role"] == "prefill")
         assert resp.headers["x-openinfer-prefill"] == prefill
         assert resp.json()["usage"]["completion_tokens"] == 8
+    finally:
+        stop(proc)
+
+
+@pytest.mark.slow
+def test_fail_policy_answers_503_and_an_error_event(qwen3_checkpoint):
+    base, proc = start_server(qwen3_checkpoint, "--role", "decode", "--kv-load-failure-policy",
+                              "fail", "--kv-transfer-timeout", "1")
+    prompt = list(range(20, 100))
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, prompt, 16, None)
+    with socket.socket() as s:  # a port nobody listens on: the prefill instance is gone
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+            "kv_transfer_params": {"remote_host": "127.0.0.1", "remote_port": dead,
+                                   "remote_lease_id": "gone",
+                                   "remote_block_hashes": [h.hex() for h in hashes]}}
+    try:
+        resp = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "request_failed"
+        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True},
+                          timeout=60) as stream:
+            events = [json.loads(line[5:]) for line in stream.iter_lines()
+                      if line.startswith("data:") and "[DONE]" not in line]
+        assert events[-1]["error"]["code"] == "request_failed"
+        ok = httpx.post(f"{base}/v1/completions", timeout=60, json={**body,
+                                                                     "kv_transfer_params": None})
+        assert ok.status_code == 200  # the engine serves on
+        assert _metric(base, "openinfer:kv_remote_pull_failures_total") == 2
+        assert _metric(base, "openinfer:kv_cache_usage_perc") == 0
     finally:
         stop(proc)
