@@ -99,10 +99,14 @@ class TcpConnector(KVConnector):
                     delivered += 1
             except KVTransferError as e:
                 e.delivered = delivered
+                self._abandon_segment()
                 raise
 
     def _segment(self, num_blocks: int) -> shared_memory.SharedMemory | None:
         return None
+
+    def _abandon_segment(self) -> None:
+        pass
 
 
 LOCAL_SEGMENTS: set[str] = set()
@@ -132,6 +136,13 @@ class ShmConnector(TcpConnector):
                 self._all.append(shm)
             self._local.shm = shm
         return shm
+
+    def _abandon_segment(self) -> None:
+        # After a failed pull the server may still be writing into it: never reuse it.
+        shm = getattr(self._local, "shm", None)
+        if shm is not None:
+            self._local.shm = None
+            self._drop(shm)
 
     def _drop(self, shm: shared_memory.SharedMemory) -> None:
         with self._lock:

@@ -150,17 +150,18 @@ class _BadPrefill:
             conn.close()
 
 
-@pytest.mark.parametrize("failure", ["dead_prefill", "stall", "corrupt", "garbage"])
+@pytest.mark.parametrize("failure", ["dead_prefill", "stall", "corrupt", "garbage", "corrupt_shm"])
 def test_failed_transfers_recompute_and_free_blocks_on_both_sides(engine, plain, failure):
     prefill = engine(kv_role="prefill", kv_lease_s=0.5)
-    decode = engine(kv_role="decode", kv_transfer_timeout=0.5)
+    decode = engine(kv_role="decode", kv_transfer_timeout=0.5,
+                    kv_connector="shm" if failure.endswith("shm") else "tcp")
     prompts = _prompts(2, seed=4)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, SamplingParams(**DECODE))]
     params = _prefill(prefill, prompts)
     if failure == "dead_prefill":
         prefill.engine.core.kv_server.close()
     else:
-        bad = _BadPrefill(failure, decode.engine.core.transfer.block_bytes)
+        bad = _BadPrefill(failure.removesuffix("_shm"), decode.engine.core.transfer.block_bytes)
         params = [{**p, "remote_port": bad.port} for p in params]
     assert _decode(decode, prompts, params) == expected  # recomputed locally
     core = decode.engine.core
