@@ -34,9 +34,9 @@ async def prefill_first(state: RouterState, path: str, body: dict, raw: bytes,
                         decode: Decision) -> tuple[bytes, str]:
     """The body to send the decode instance, and the prefill instance used ("none")."""
     uncached = num_tokens - decode.matched_blocks * state.block_size
-    # Anthropic's API has no kv_transfer_params field, and n > 1 samples would race for
-    # one lease: those, and short or mostly cached prompts, go straight to decode.
-    if path == "/v1/messages" or body.get("n", 1) != 1 or uncached < state.disagg_min_tokens:
+    # n > 1 samples would race for one lease: those, and short or mostly cached prompts,
+    # go straight to decode.
+    if body.get("n", 1) != 1 or uncached < state.disagg_min_tokens:
         state.disagg.labels(decision="decode_only").inc()
         return raw, "none"
     choice = state.prefill.choose(hashes)

@@ -12,11 +12,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from openinfer.engine.async_llm import AsyncLLM
+from openinfer.engine.async_llm import AsyncLLM, RequestFailedError
 from openinfer.engine.core_client import EngineDeadError
 from openinfer.outputs import CompletionOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.errors import anthropic_error_body
+from openinfer.server.openai_protocol import engine_kv_transfer_params, kv_transfer_field
 
 
 class AnthropicMessage(BaseModel):
@@ -38,6 +39,8 @@ class MessagesRequest(BaseModel):
     top_p: float = 1.0
     top_k: int = 0
     stream: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+    """Disaggregation, as on the OpenAI endpoints (an openinfer/vLLM extension)."""
 
 
 def _text(content: str | list[dict[str, Any]]) -> str:
@@ -74,8 +77,10 @@ def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str
         if body.system is not None:
             chat.insert(0, {"role": "system", "content": _text(body.system)})
         token_ids = chat_prompt_ids(chat, True)
-        params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature,
-                                top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences)
+        params = SamplingParams(
+            max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+            top_k=body.top_k, stop=body.stop_sequences,
+            kv_transfer_params=engine_kv_transfer_params(body.kv_transfer_params))
         _, token_ids = tokenized(token_ids, params)
         message_id = f"msg_{uuid.uuid4().hex}"
         stream = llm.generate(token_ids, params, message_id)
@@ -104,8 +109,10 @@ def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str
                                 if c.text:
                                     yield _event("content_block_delta", {"index": 0, "delta": {
                                         "type": "text_delta", "text": c.text}})
-                except EngineDeadError as e:  # Anthropic streams report failures in-band
-                    body = anthropic_error_body(503, f"the engine is unavailable: {e}")
+                except (EngineDeadError, RequestFailedError) as e:  # reported in-band
+                    reason = str(e) if isinstance(e, RequestFailedError) else (
+                        f"the engine is unavailable: {e}")
+                    body = anthropic_error_body(503, reason)
                     yield _event("error", {"error": body["error"]})
                     return
                 yield _event("content_block_stop", {"index": 0})
@@ -122,4 +129,5 @@ def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str
         return JSONResponse({**message, "content": [{"type": "text", "text": out.text}],
                              "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                              "usage": {**_input_usage(len(token_ids), whole.num_cached_tokens),
-                                       "output_tokens": len(out.token_ids)}})
+                                       "output_tokens": len(out.token_ids)},
+                             **kv_transfer_field(whole)})

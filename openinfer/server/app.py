@@ -28,6 +28,7 @@ from openinfer.server.openai_protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    kv_transfer_field,
 )
 
 
@@ -196,7 +197,7 @@ def build_app(llm: AsyncLLM, served_model_name: str,
                        sum(len(c.token_ids) for out in finals for c in out.outputs),
                        sum(out.num_cached_tokens for out in finals))
         return JSONResponse({**header, "choices": choices, "usage": usage,
-                             **_kv_transfer_field(finals[0])})
+                             **kv_transfer_field(finals[0])})
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest):
@@ -241,7 +242,7 @@ def build_app(llm: AsyncLLM, served_model_name: str,
         usage = _usage(len(token_ids), sum(len(c.token_ids) for c in final.outputs),
                        final.num_cached_tokens)
         return JSONResponse({**header, "choices": choices, "usage": usage,
-                             **_kv_transfer_field(final)})
+                             **kv_transfer_field(final)})
 
     install_anthropic_routes(app, llm, served_model_name, check_model, chat_prompt_ids,
                              tokenized, _final)
@@ -280,14 +281,6 @@ async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     last.outputs = [merged[i] for i in sorted(merged)]
     return last
 
-
-def _kv_transfer_field(out: RequestOutput) -> dict:
-    """vLLM's response field for disaggregation: where a decode instance pulls the KV."""
-    params = out.kv_transfer_params
-    if not params:
-        return {}
-    return {"kv_transfer_params": {**params, "remote_block_hashes": [
-        h.hex() for h in params.get("remote_block_hashes", [])]}}
 
 
 async def _merged(streams: list[AsyncIterator[RequestOutput]],

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
 
 
@@ -61,7 +62,7 @@ class SamplingFields(BaseModel):
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             cache_salt=self.cache_salt,
-            kv_transfer_params=_engine_kv_transfer_params(self.kv_transfer_params),
+            kv_transfer_params=engine_kv_transfer_params(self.kv_transfer_params),
         )
 
     @property
@@ -69,7 +70,7 @@ class SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-def _engine_kv_transfer_params(params: dict | None) -> dict | None:
+def engine_kv_transfer_params(params: dict | None) -> dict | None:
     """Block hashes travel as hex in JSON and as bytes in the engine."""
     if not params or "remote_block_hashes" not in params:
         return params
@@ -80,6 +81,15 @@ def _engine_kv_transfer_params(params: dict | None) -> dict | None:
     except (AssertionError, TypeError, ValueError):
         raise ValueError("kv_transfer_params.remote_block_hashes must be a list of hex "
                          "strings") from None
+
+
+def kv_transfer_field(out: RequestOutput) -> dict:
+    """vLLM's response field for disaggregation: where a decode instance pulls the KV."""
+    params = out.kv_transfer_params
+    if not params:
+        return {}
+    return {"kv_transfer_params": {**params, "remote_block_hashes": [
+        h.hex() for h in params.get("remote_block_hashes", [])]}}
 
 
 class CompletionRequest(SamplingFields):

@@ -68,7 +68,15 @@ def test_disaggregated_serving_equals_colocated_and_frees_kv_on_both_sides(pd, q
     streamed = "".join(c["choices"][0]["text"] for c in chunks)
     direct = _complete(pd["decode"], prompts[0][:50] + [7] * 50).json()["choices"][0]["text"]
     assert streamed == direct
-    # A short prompt, and a chat whose prefix the decode instance now holds, skip prefill.
+    # Anthropic's endpoint disaggregates too.
+    messages = {"model": MODEL, "max_tokens": 6, "temperature": 0,
+                "messages": [{"role": "user", "content": "tell me a story " * 12}]}
+    via_router = httpx.post(f"{pd['router']}/v1/messages", json=messages, timeout=120)
+    assert via_router.status_code == 200, via_router.text
+    assert via_router.headers["x-openinfer-prefill"] == pd["prefill"]
+    direct = httpx.post(f"{pd['decode']}/v1/messages", json=messages, timeout=120).json()
+    assert via_router.json()["content"] == direct["content"]
+    # A short prompt, and a prompt whose prefix the decode instance now holds, skip prefill.
     assert _complete(pd["router"], "hello").headers["x-openinfer-prefill"] == "none"
     assert _complete(pd["router"], prompts[1]).headers["x-openinfer-prefill"] == "none"
     assert _metric(pd["decode"], "openinfer:kv_remote_blocks_pulled_total") >= 4 * 6
@@ -82,7 +90,7 @@ def test_disaggregated_serving_equals_colocated_and_frees_kv_on_both_sides(pd, q
     assert _metric(pd["prefill"], "openinfer:kv_cache_usage_perc") == 0
     assert _metric(pd["decode"], "openinfer:kv_cache_usage_perc") == 0
     metrics = httpx.get(f"{pd['router']}/metrics", timeout=30).text
-    assert 'openinfer_router:disagg_decisions_total{decision="prefill_then_decode"} 5.0' in metrics
+    assert 'openinfer_router:disagg_decisions_total{decision="prefill_then_decode"} 6.0' in metrics
     assert 'openinfer_router:disagg_decisions_total{decision="decode_only"} 2.0' in metrics
 
 
