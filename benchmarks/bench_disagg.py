@@ -21,19 +21,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import os
 import random
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 from bench_server import ensure_demo_model, start_cli  # benchmarks/ is on sys.path as a script
 from doc_sections import write_section
+
+from openinfer.bench.client import RequestResult, stream_request
 
 REPO = Path(__file__).resolve().parent.parent
 SECTION = "bench_disagg"
@@ -49,51 +49,19 @@ def _pct(values: list[float], q: float) -> float:
 
 # ---- 1. interference -------------------------------------------------------------------
 
-@dataclass
-class Timed:
-    """One streamed request: when each token's chunk arrived (the demo model's padded
-    vocabulary makes many tokens decode to no text, so chunks are counted, not text)."""
-    ok: bool = False
-    error: str | None = None
-    ttft_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
-
-
-async def timed_stream(http: httpx.AsyncClient, url: str, body: dict) -> Timed:
-    result, start, last = Timed(), time.perf_counter(), None
-    try:
-        async with http.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                    continue
-                payload = json.loads(line[5:])
-                if "error" in payload:
-                    result.error = str(payload["error"])
-                    return result
-                if not payload.get("choices"):
-                    continue
-                now = time.perf_counter()
-                if last is None:
-                    result.ttft_s = now - start
-                else:
-                    result.itl_s.append(now - last)
-                last = now
-    except (httpx.HTTPError, ValueError) as e:
-        result.error = f"{type(e).__name__}: {e}"
-        return result
-    result.ok = result.ttft_s is not None
-    return result
+async def timed_stream(http: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+    # Chunks, not text, time the tokens: the demo model's vocabulary is padded past its
+    # tokenizer's, so many of its tokens decode to nothing.
+    return await stream_request(http, url, body, RequestResult(0, 0, 0.0), time.perf_counter(),
+                                count_empty_chunks=True)
 
 
 async def mixed_load(base: str, args, seed: int = 0) -> dict:
     rng = random.Random(seed)
     url = f"{base}/v1/completions"
     zero = time.perf_counter()
-    short: list[Timed] = []
-    long: list[Timed] = []
+    short: list[RequestResult] = []
+    long: list[RequestResult] = []
     done = asyncio.Event()
 
     def body(prompt_len: int, max_tokens: int) -> dict:

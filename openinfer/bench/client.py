@@ -40,8 +40,13 @@ class RequestResult:
 
 
 async def stream_request(http: httpx.AsyncClient, url: str, body: dict,
-                         result: RequestResult, clock_zero: float) -> RequestResult:
-    """POST ``body`` (with stream=True) to ``url`` and fill ``result`` as chunks arrive."""
+                         result: RequestResult, clock_zero: float,
+                         count_empty_chunks: bool = False) -> RequestResult:
+    """POST ``body`` (with stream=True) to ``url`` and fill ``result`` as chunks arrive.
+
+    A token is timed when its chunk brings text; with ``count_empty_chunks``, when any
+    chunk with a choice arrives (a model whose vocabulary is padded past its tokenizer's
+    emits tokens that decode to nothing)."""
     start = time.perf_counter()
     result.start_s = start - clock_zero
     last = None
@@ -64,8 +69,9 @@ async def stream_request(http: httpx.AsyncClient, url: str, body: dict,
                     return result
                 if payload.get("usage"):
                     _read_usage(payload["usage"], result)
-                piece = "".join(_choice_text(c) for c in payload.get("choices") or ())
-                if not piece:
+                choices = payload.get("choices") or ()
+                piece = "".join(_choice_text(c) for c in choices)
+                if not piece and not (count_empty_chunks and choices):
                     continue
                 now = time.perf_counter()
                 if last is None:
