@@ -58,6 +58,7 @@ class EngineCore:
                                    config.kv_transfer.load_failure_policy)
         self.runner = ModelRunner(model, groups, num_blocks, mc.num_layers, mc.dtype, config.device,
                                   seed=config.seed)
+        self._block_layout: StoreLayout | None = None
         self.transfer = self._attach_kv_tiers(groups[0], dtype_name)
         self.kv_server = self._attach_kv_transfer(dtype_name)
         self.event_sink: Callable[[list[KVEvent]], None] | None = None
@@ -95,10 +96,14 @@ class EngineCore:
         return transfer
 
     def _layout(self, dtype_name: str) -> StoreLayout:
-        """What a block's bytes mean: instances that share blocks must agree on all of it."""
-        cache, mc = self.config.cache, self.config.model
-        return StoreLayout(model_fingerprint(mc.path), cache.block_size, mc.num_layers,
-                           mc.num_kv_heads, mc.head_dim, dtype_name)
+        """What a block's bytes mean: instances that share blocks must agree on all of it.
+        (Computed once: the fingerprint reads the checkpoint's files.)"""
+        if self._block_layout is None:
+            cache, mc = self.config.cache, self.config.model
+            self._block_layout = StoreLayout(model_fingerprint(mc.path), cache.block_size,
+                                             mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                             dtype_name)
+        return self._block_layout
 
     def _attach_kv_transfer(self, dtype_name: str) -> KVServer | None:
         """Disaggregation: a KV server that lends finished prompts' blocks (prefill), a

@@ -45,8 +45,6 @@ class Request:
     remote_load_tried: bool = False
     """Its prompt's blocks were pulled from a prefill instance once (not retried)."""
     num_blocks_from_remote: int = 0
-    kv_transfer_params: dict | None = None
-    """For a finished prefill-only request: where its held KV can be pulled."""
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from openinfer.disagg.protocol import KVTransferError
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.file_store import FileStore, StoreFileError
 from openinfer.kv.kv_manager import BlockLoad
@@ -129,8 +130,6 @@ class KVTransfer:
             logger.info("KV release of %s failed: %s", source.get("remote_lease_id"), e)
 
     def _pull(self, load: BlockLoad) -> None:
-        from openinfer.disagg.protocol import KVTransferError
-
         start, loaded = time.perf_counter(), 0
         shape, dtype = self.host_blocks.shape[1:], self.host_blocks.dtype
 

@@ -84,12 +84,12 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     num_prefill = 0
     if args.disaggregate:
         num_prefill, num_decode = _parse_pd(args.disaggregate)
-        roles = [["--role", "prefill", "--kv-transfer-port", str(_free_port())]
+        roles = [["--role", "prefill", "--kv-transfer-port", str(free_port())]
                  for _ in range(num_prefill)] + [["--role", "decode"]] * num_decode
     replicas, urls = [], []
     try:
         for extra in roles:
-            port, events, replay = _free_port(), _free_port(), _free_port()
+            port, events, replay = free_port(), free_port(), free_port()
             replicas.append(subprocess.Popen([
                 sys.executable, "-m", "openinfer.cli", "serve", *child_argv, *extra, "--host",
                 "127.0.0.1", "--port", str(port),
@@ -159,9 +159,10 @@ def _strip(argv: list[str], flags: set[str]) -> list[str]:
     return out
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now ("" for every interface of this machine)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

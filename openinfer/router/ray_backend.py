@@ -18,7 +18,6 @@ import ctypes
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,7 +46,9 @@ class ReplicaActor:
         """Start the replica on free ports of this node; its URL once it is healthy."""
         import ray
 
-        port, events, replay = _free_port(), _free_port(), _free_port()
+        from openinfer.router.launch import free_port
+
+        port, events, replay = free_port(""), free_port(""), free_port("")
         # 0.0.0.0 and tcp://*: the router usually runs on another node. It learns the event
         # endpoints from the replica's GET /kv_events and puts this node's address in for *.
         # The replica inherits OMP_NUM_THREADS=--ray-num-cpus-per-replica from Ray.
@@ -139,12 +140,6 @@ def start_ray_replicas(args: argparse.Namespace,
             raise SystemExit(f"openinfer: {e.cause}") from None
         raise
     return urls, stop
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> Callable[[], None] | None:
