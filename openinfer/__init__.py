@@ -1,8 +1,11 @@
 """openinfer: an open LLM inference engine."""
 
 from openinfer.llm import LLM
+from openinfer.logger import configure_logging
 from openinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from openinfer.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+
+configure_logging()  # openinfer's INFO lines on stderr, as vLLM does (OPENINFER_CONFIGURE_LOGGING=0: off)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -18,12 +19,15 @@ DEFAULT_KV_HOST_MEMORY_WITH_STORE = 512 * 1024**2
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the engine needs from a Hugging Face checkpoint's config.json."""
+    """What the engine needs from a model: a Hugging Face checkpoint's config.json, or the
+    same facts read from a GGUF file's metadata."""
 
     path: str
+    """Local files: a checkpoint directory (format 'hf') or a .gguf file (format 'gguf'),
+    whatever ``--model`` named (see openinfer.models.source.resolve_model)."""
     architecture: str
     hf_config: dict = field(repr=False, hash=False, compare=False)
-    """The raw config.json; model classes read their own fields from it."""
+    """The raw config.json (or its GGUF equivalent); model classes read their own fields from it."""
     dtype: torch.dtype
     """Compute dtype (float32 on CPU unless asked otherwise; the checkpoint's on CUDA)."""
     vocab_size: int
@@ -35,21 +39,29 @@ class ModelConfig:
     max_model_len: int
     """Longest sequence (prompt + output) a request may have."""
     eos_token_ids: tuple[int, ...]
+    format: Literal["hf", "gguf"]
+    """'hf': config.json + safetensors in ``path``; 'gguf': ``path`` is one .gguf file."""
+    served_name: str
+    """The model name the server shows unless told otherwise (--served-model-name)."""
 
     @staticmethod
     def from_pretrained(
-        path: str | Path,
+        model: str | Path,
         dtype: str | torch.dtype = "auto",
         device: str = "cpu",
         max_model_len: int | None = None,
     ) -> ModelConfig:
-        path = Path(path)
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise ValueError(f"model: no config.json in {str(path)!r} (expected a Hugging Face checkpoint)")
-        hf = json.loads(config_file.read_text())
-        if "text_config" in hf and "num_hidden_layers" not in hf:
-            raise ValueError(f"model: multimodal checkpoints are not supported ({path})")
+        """Resolve ``model`` (a directory, .gguf file, built-in name or Hub id) and read it."""
+        from openinfer.models.source import resolve_model
+
+        source = resolve_model(str(model))
+        path = Path(source.path)
+        if source.format == "gguf":
+            from openinfer.models.gguf import read_config
+
+            hf = read_config(path)
+        else:
+            hf = _read_config_json(path)
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError(f"model: config.json in {str(path)!r} names no architectures")
@@ -75,6 +87,8 @@ class ModelConfig:
             head_dim=head_dim,
             max_model_len=max_model_len,
             eos_token_ids=_eos_token_ids(path, hf),
+            format=source.format,
+            served_name=source.served_name,
         )
 
 
@@ -173,7 +187,7 @@ class EngineConfig:
     seed: int | None = None
     """Seed of the engine-wide generator used by unseeded requests."""
     tokenizer: str | None = None
-    """Tokenizer path; defaults to the model path."""
+    """Tokenizer path; defaults to the model's resolved path (a .gguf file carries its own)."""
     skip_tokenizer_init: bool = False
     """Run on token ids only (no text in or out)."""
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
@@ -184,7 +198,7 @@ class EngineConfig:
         *,
         tokenizer: str | None = None,
         dtype: str = "auto",
-        device: str = "cpu",
+        device: str = "auto",
         max_model_len: int | None = None,
         kv_cache_memory: int | None = None,
         block_size: int = 16,
@@ -211,6 +225,7 @@ class EngineConfig:
         kv_load_failure_policy: str = "recompute",
     ) -> EngineConfig:
         """Build the whole config from flat options (the offline API's and the CLI's)."""
+        device = resolve_device(device)
         return EngineConfig(
             model=ModelConfig.from_pretrained(model, dtype=dtype, device=device,
                                               max_model_len=max_model_len),
@@ -234,6 +249,25 @@ class EngineConfig:
                 port=kv_transfer_port, timeout_s=kv_transfer_timeout, lease_s=kv_lease_s,
                 load_failure_policy=kv_load_failure_policy),
         )
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: the first CUDA device when torch sees one, else the CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
+    return device
+
+
+def _read_config_json(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model: no config.json in {str(path)!r} (expected a Hugging Face checkpoint)")
+    hf = json.loads(config_file.read_text())
+    if "text_config" in hf and "num_hidden_layers" not in hf:
+        raise ValueError(f"model: multimodal checkpoints are not supported ({path})")
+    return hf
 
 
 def _derive_max_model_len(hf: dict) -> int:
@@ -260,10 +294,11 @@ def _resolve_dtype(dtype: str | torch.dtype, hf: dict, device: str) -> torch.dty
 
 
 def _eos_token_ids(path: Path, hf: dict) -> tuple[int, ...]:
-    """EOS ids from generation_config.json (which may list several) or config.json."""
+    """EOS ids from generation_config.json (which may list several) or config.json (a GGUF's
+    config lists its end-of-generation ids)."""
     eos = None
     gen_file = path / "generation_config.json"
-    if gen_file.is_file():
+    if path.is_dir() and gen_file.is_file():
         eos = json.loads(gen_file.read_text()).get("eos_token_id")
     if eos is None:
         eos = hf.get("eos_token_id")

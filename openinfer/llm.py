@@ -54,9 +54,8 @@ class LLM:
                 raise ValueError(f"sampling_params: got {len(params_list)} for "
                                  f"{len(prompt_list)} prompts")
         engine = self.engine
-        processed = [engine.inputs.process_prompt(prompt) for prompt in prompt_list]
-        for (_, token_ids), params in zip(processed, params_list):
-            engine.inputs.validate(token_ids, params)
+        processed = [engine.inputs.process(prompt, params)
+                     for prompt, params in zip(prompt_list, params_list)]
 
         ids = [f"gen-{next(self._counter)}" for _ in prompt_list]
         for request_id, (text, token_ids), params in zip(ids, processed, params_list):

@@ -19,10 +19,22 @@ PositionLogprobs = dict[int, Logprob]
 
 @dataclass
 class RequestMetrics:
+    """A request's milestones, as time.monotonic() values (seconds; one clock for the
+    front end and its engine-core process, which run on one host). With n > 1 samples:
+    the earliest sample's scheduling and first token, the last sample's finish.
+
+        arrival -> first_scheduled -> first_token -> finished
+           queue time      prefill time    decode time
+    """
+
     arrival_time: float
+    """When the front end received it (before tokenization)."""
     first_scheduled_time: float | None = None
+    """When the engine core first gave it tokens to compute (reported by the core)."""
     first_token_time: float | None = None
+    """When the front end received its first generated token."""
     finished_time: float | None = None
+    """When the front end saw its last sample end (or aborted it)."""
 
     @property
     def time_to_first_token(self) -> float | None:

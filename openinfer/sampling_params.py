@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Temperatures below this are treated as greedy decoding.
 GREEDY_TEMPERATURE = 1e-5
+# logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range).
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -54,7 +57,26 @@ class SamplingParams:
     """Disaggregation: {"do_remote_decode": true} asks a prefill instance to hold the
     prompt's KV for pickup; a prefill instance's answer (remote_host, remote_port,
     remote_lease_id, remote_block_hashes) tells a decode instance where to pull it."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit before sampling (OpenAI semantics: each value in
+    [-100, 100]; -100 in effect bans the token, +100 in effect forces it). Keys may be given as
+    decimal strings, as JSON clients send them; they are stored as ints. The input processor
+    checks the ids against the vocabulary."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens can be sampled (every other logit becomes -inf). Non-empty; the input
+    processor checks the ids against the vocabulary."""
+    bad_words: list[str] | None = None
+    """Words never to generate (vLLM semantics). Each is tokenized as given and with a leading
+    space (when that gives other tokens); a one-token word is always banned, a longer one has
+    its last token banned whenever the output ends with the rest of it. Needs the tokenizer:
+    the input processor resolves the token sequences (see ``bad_words_token_ids``)."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last N prompt tokens (left truncation), before the prompt is validated;
+    -1 means as many as leave room for max_tokens (max_model_len - max_tokens, or
+    max_model_len - 1 when max_tokens is None). The truncated prompt is the one the engine,
+    ``prompt_token_ids`` and usage see."""
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -121,6 +143,28 @@ class SamplingParams:
                 "kv_transfer_params", "must be an object")
         require(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
                 "cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
+        if self.logit_bias is not None:
+            self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            require(
+                isinstance(self.allowed_token_ids, list | tuple) and len(self.allowed_token_ids) > 0
+                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids!r}",
+            )
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            require(
+                isinstance(self.bad_words, list | tuple)
+                and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words", f"must be a list of non-blank strings, got {self.bad_words!r}",
+            )
+            self.bad_words = list(dict.fromkeys(self.bad_words))
+        require(
+            self.truncate_prompt_tokens is None
+            or (_is_int(self.truncate_prompt_tokens)
+                and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)),
+            "truncate_prompt_tokens", f"must be an integer >= 1, or -1, got {self.truncate_prompt_tokens!r}",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -130,17 +174,61 @@ class SamplingParams:
     def stop_strings(self) -> list[str]:
         return self._stop_list
 
+    @property
+    def edits_logits(self) -> bool:
+        """Whether logit_bias, allowed_token_ids or bad_words touch this request's logits
+        (the sampler's one check before any of that work)."""
+        return bool(self.logit_bias or self.allowed_token_ids or self._bad_words_token_ids)
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """``bad_words`` as token-id sequences; None until the input processor resolved them
+        (or when there are no bad words)."""
+        return self._bad_words_token_ids
+
+    def set_bad_words_token_ids(self, sequences: list[list[int]]) -> None:
+        """Record the token sequences of ``bad_words`` (the input processor computes them with
+        the model's tokenizer). Each sequence is a non-empty list of token ids."""
+        if not self.bad_words:
+            raise ValueError("bad_words: token sequences given for a request without bad words")
+        if not (isinstance(sequences, list | tuple) and all(
+                isinstance(seq, list | tuple) and seq and all(_is_int(t) and t >= 0 for t in seq)
+                for seq in sequences)):
+            raise ValueError(f"bad_words: token sequences must be non-empty lists of token ids, "
+                             f"got {sequences!r}")
+        self._bad_words_token_ids = [list(seq) for seq in sequences]
+
     def child(self, index: int) -> SamplingParams:
-        """Parameters of the index-th of n parallel samples (each a request of its own).
+        """Parameters of the index-th of n parallel samples (each a request of its own),
+        resolved fields (bad-word token ids) included.
 
         Seeded children get distinct but reproducible seeds (seed + index), as vLLM does.
         """
         seed = None if self.seed is None else self.seed + index
-        params = SamplingParams(**{**self.public_dict(), "n": 1, "seed": seed})
-        return params
+        return SamplingParams.from_wire({**self.to_wire(), "n": 1, "seed": seed})
 
     def public_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def to_wire(self) -> dict:
+        """Everything the engine core needs, in msgpack-safe types: the public fields (with
+        ``logit_bias`` keyed by decimal strings, since msgpack maps only take string keys) plus
+        the input processor's resolved fields. ``from_wire(p.to_wire()) == p``."""
+        wire = self.public_dict()
+        if self.logit_bias is not None:
+            wire["logit_bias"] = {str(token): bias for token, bias in self.logit_bias.items()}
+        wire["_bad_words_token_ids"] = self._bad_words_token_ids
+        return wire
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> SamplingParams:
+        """The inverse of ``to_wire`` (validates again)."""
+        wire = dict(wire)
+        bad_words_token_ids = wire.pop("_bad_words_token_ids", None)
+        params = cls(**wire)
+        if bad_words_token_ids is not None:
+            params.set_bad_words_token_ids(bad_words_token_ids)
+        return params
 
 
 def _is_int(value: object) -> bool:
@@ -163,3 +251,32 @@ def _normalize_stop(stop: object) -> list[str]:
     if any(s == "" for s in stops):
         raise ValueError("stop must not contain empty strings")
     return stops
+
+
+def _normalize_logit_bias(bias: object) -> dict[int, float]:
+    """``{token id (int or decimal string): bias}`` -> ``{int: float}``; ValueError naming
+    logit_bias for a key that is not a token id or a value outside [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be an object mapping token ids to biases, got {bias!r}")
+    result: dict[int, float] = {}
+    for key, value in bias.items():
+        token = _token_id_key(key)
+        if token is None:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0, or strings of "
+                             f"them), got {key!r}")
+        if not (_is_number(value) and math.isfinite(value) and abs(value) <= MAX_LOGIT_BIAS):
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for "
+                             f"token {key!r}")
+        if token in result:
+            raise ValueError(f"logit_bias gives token {token} twice")
+        result[token] = float(value)
+    return result
+
+
+def _token_id_key(key: object) -> int | None:
+    """A logit_bias key as a token id: an int >= 0 or a string of decimal digits; else None."""
+    if _is_int(key):
+        return key if key >= 0 else None
+    if isinstance(key, str) and key.strip().isascii() and key.strip().isdecimal():
+        return int(key)
+    return None

@@ -35,12 +35,16 @@ class AsyncLLM:
         self.inputs = InputProcessor(self.config)
         self.tokenizer = self.inputs.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.client = EngineCoreClient({"model": model, **engine_options})
+        # The resolved local path: the engine process must not resolve (or download) again.
+        self.client = EngineCoreClient({"model": self.config.model.path, **engine_options})
         self._core_outputs: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self._pump: asyncio.Task | None = None
         self.observers: list[Callable[[RequestOutput], None]] = []
         """Called with every delta and with the final output of an aborted request (metrics)."""
+        self.request_observers: list[Callable[[str, SamplingParams], None]] = []
+        """Called with a request's id and sampling params once it is accepted, before any of
+        its outputs reach ``observers`` (metrics)."""
 
     async def start(self) -> None:
         await self.client.start()
@@ -56,8 +60,7 @@ class AsyncLLM:
     async def generate(self, prompt: PromptInput, params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Stream a request's progress. Bad input raises ValueError before anything is queued."""
-        text, token_ids = self.inputs.process_prompt(prompt)
-        self.inputs.validate(token_ids, params)
+        text, token_ids = self.inputs.process(prompt, params)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
@@ -66,6 +69,8 @@ class AsyncLLM:
         arrival = time.monotonic()
         self.output_processor.add_request(request_id, text, token_ids, params,
                                           [cid for cid, _ in children], arrival, stream=True)
+        for observe in self.request_observers:
+            observe(request_id, params)
         try:
             for child_id, child_params in children:
                 self.client.add_request(child_id, token_ids, child_params, arrival,

@@ -42,7 +42,13 @@ class EngineCore:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
         mc = config.model
+        start = time.perf_counter()
         model = load_model(mc, config.device, progress=progress)
+        num_params = sum(p.numel() for p in model.parameters())
+        logger.info("%s (%s, %.0fM parameters) loaded in %.1f s: %s on %s (CPU capability %s)",
+                    mc.path, mc.architecture, num_params / 1e6, time.perf_counter() - start,
+                    str(mc.dtype).removeprefix("torch."), config.device,
+                    torch.backends.cpu.get_cpu_capability())
         dtype_name = str(mc.dtype).removeprefix("torch.")
         specs = [FullAttentionSpec(config.cache.block_size, mc.num_kv_heads, mc.head_dim, dtype_name)
                  for _ in range(mc.num_layers)]

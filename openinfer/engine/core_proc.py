@@ -17,6 +17,7 @@ import zmq
 from openinfer.config import EngineConfig
 from openinfer.engine import protocol
 from openinfer.engine.core import EngineCore
+from openinfer.logger import PeriodicStats, configure_logging
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 1000
@@ -26,13 +27,14 @@ def run_engine_core(engine_options: dict, input_addr: str, output_addr: str) -> 
     """Process entry point: connect, load the model, report ready, serve until shutdown."""
     # Ctrl-C reaches the whole process group; the front end decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging()  # a spawned interpreter: the level comes from the environment
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(input_addr)
     outputs = ctx.socket(zmq.PUSH)
     outputs.connect(output_addr)
     try:
-        core = EngineCore(EngineConfig.create(**engine_options), progress=False)
+        core = EngineCore(EngineConfig.create(**engine_options))
         outputs.send(protocol.encode(protocol.READY, {
             "num_blocks": core.kv.num_blocks,
             "block_size": core.kv.block_size,
@@ -50,8 +52,11 @@ def run_engine_core(engine_options: dict, input_addr: str, output_addr: str) -> 
 
 
 def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+    periodic = PeriodicStats()
     while True:
         busy = core.has_unfinished_requests()
+        if not busy:
+            periodic.idle()
         if not busy and not inputs.poll(IDLE_POLL_MS):
             if os.getppid() != parent_pid:
                 return  # the front end is gone
@@ -72,10 +77,12 @@ def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid
                 outputs.send(protocol.encode(protocol.UTILITY_RESULT, _call(core, body)))
         if core.has_unfinished_requests() or busy:
             step_outputs = core.step() if core.has_unfinished_requests() else []
+            stats = core.stats()
             outputs.send(protocol.encode(protocol.OUTPUTS, {
                 "outputs": [protocol.pack_output(o) for o in step_outputs],
-                "stats": core.stats(),
+                "stats": stats,
             }))
+            periodic.record(sum(len(o.new_token_ids) for o in step_outputs), stats)
 
 
 UTILITY_METHODS = {"reset_prefix_cache": EngineCore.reset_prefix_cache, "stats": EngineCore.stats}

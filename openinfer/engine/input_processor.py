@@ -6,7 +6,8 @@ a bad request raises ``ValueError`` (naming the field) and others are unaffected
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Iterable, Sequence
 
 from openinfer.config import EngineConfig
 from openinfer.sampling_params import SamplingParams
@@ -20,6 +21,41 @@ class InputProcessor:
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
             config.tokenizer or config.model.path)
         self.vocab_size = config.model.vocab_size
+
+    def process(self, prompt: PromptInput, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """One request, ready to queue: tokenized, truncated to ``params.truncate_prompt_tokens``
+        and validated (which resolves ``bad_words`` into ``params``). What front ends call.
+
+        Returns the prompt text as given (None for token ids) and the token ids the engine
+        sees; with truncation the text covers more than the ids. Raises ValueError naming the
+        field.
+        """
+        _require_sampling_params(params)
+        text, token_ids = self.process_prompt(prompt)
+        token_ids = self.truncate(token_ids, params)
+        self.validate(token_ids, params)
+        return text, token_ids
+
+    def truncate(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The last ``params.truncate_prompt_tokens`` tokens of the prompt (vLLM's left
+        truncation); the prompt itself when it is no longer. Idempotent."""
+        limit = self._truncation_limit(params)
+        if limit is None or len(token_ids) <= limit:
+            return token_ids
+        return token_ids[-limit:]
+
+    def _truncation_limit(self, params: SamplingParams) -> int | None:
+        """truncate_prompt_tokens with -1 resolved: the most prompt tokens that leave room for
+        max_tokens (for at least one token when max_tokens is None)."""
+        limit = params.truncate_prompt_tokens
+        if limit is None or limit >= 1:
+            return limit
+        max_len = self.config.model.max_model_len
+        limit = max_len - (1 if params.max_tokens is None else params.max_tokens)
+        if limit < 1:
+            raise ValueError(f"truncate_prompt_tokens=-1 leaves no room for a prompt: max_tokens "
+                             f"({params.max_tokens}) fills max_model_len ({max_len})")
+        return limit
 
     def process_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -47,9 +83,17 @@ class InputProcessor:
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Check the request against the model (raises ValueError naming the field)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        """Check the request against the model (raises ValueError naming the field), and
+        resolve ``params.bad_words`` into token sequences (stored in ``params``).
+
+        ``token_ids`` must already be truncated (``truncate``); ``process`` does both.
+        """
+        _require_sampling_params(params)
+        limit = self._truncation_limit(params)
+        if limit is not None and len(token_ids) > limit:
+            raise RuntimeError(f"truncate_prompt_tokens: the prompt ({len(token_ids)} tokens) was "
+                               f"not truncated to {limit}; call InputProcessor.process (or "
+                               f"truncate) before validate")
         max_len = self.config.model.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, which leaves no room to generate "
@@ -58,6 +102,45 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > self.vocab_size:
                 raise ValueError(f"{name} ({value}) exceeds the vocabulary size ({self.vocab_size})")
+        if params.logit_bias:
+            self._check_in_vocabulary("logit_bias", params.logit_bias)
+        if params.allowed_token_ids:
+            self._check_in_vocabulary("allowed_token_ids", params.allowed_token_ids)
+        if params.bad_words:
+            if self.tokenizer is not None:
+                params.set_bad_words_token_ids(bad_words_token_ids(self.tokenizer, params.bad_words))
+            elif params.bad_words_token_ids is None:
+                raise ValueError("bad_words need a tokenizer (skip_tokenizer_init is set)")
+            self._check_in_vocabulary(
+                "bad_words", (t for sequence in params.bad_words_token_ids for t in sequence))
+
+    def _check_in_vocabulary(self, name: str, token_ids: Iterable[int]) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+
+def bad_words_token_ids(tokenizer, words: Sequence[str]) -> list[list[int]]:
+    """The token sequences that ``bad_words`` ban: each word (leading whitespace dropped) as is,
+    and with one leading space when that gives other tokens, so the word is banned at the start
+    of the text and after a space. Duplicates are dropped.
+
+    vLLM adds the spaced form only when it also has as many tokens as the plain one; here any
+    different spaced form is added (with byte-level BPE, ' return' is often one token while
+    'return' is two, and vLLM's rule would leave ' return' allowed). The added sequence
+    decodes to the word after a space, so this bans a superset of what vLLM bans.
+    """
+    sequences: list[list[int]] = []
+    for word in words:
+        word = word.lstrip()
+        plain = list(tokenizer.encode(word, add_special_tokens=False))
+        if not plain:
+            raise ValueError(f"bad_words: {word!r} gives no tokens")
+        spaced = list(tokenizer.encode(" " + word, add_special_tokens=False))
+        for sequence in (plain, spaced):
+            if sequence and sequence not in sequences:
+                sequences.append(sequence)
+    return sequences
 
 
 def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
@@ -68,9 +151,40 @@ def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, Sampling
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer  # heavy import, only when text is used
+    """The tokenizer of a checkpoint directory (or Hub id), or the one a .gguf file describes
+    in its metadata, with the file's chat template. A GGUF without tokenizer metadata, or
+    with one transformers cannot build, is a ValueError naming the file."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # heavy: only when text is used
 
-    return AutoTokenizer.from_pretrained(path)
+    if not (path.lower().endswith(".gguf") and os.path.isfile(path)):
+        return AutoTokenizer.from_pretrained(path)
+    from openinfer.models import gguf
+
+    problem = gguf.tokenizer_metadata_problem(path)
+    if problem is not None:
+        raise ValueError(f"model: {path!r}: {problem}; pass a tokenizer (--tokenizer) or use "
+                         "token ids only (skip_tokenizer_init)")
+    folder, name = os.path.split(os.path.abspath(path))
+    # AutoTokenizer first parses the whole file again for a config, only to pick the class
+    # (seconds for a real vocabulary); a byte-level BPE is fully described by the metadata,
+    # and the generic fast class is what it gets anyway.
+    cls = PreTrainedTokenizerFast if gguf.tokenizer_model(path) == "gpt2" else AutoTokenizer
+    try:
+        tokenizer = cls.from_pretrained(folder, gguf_file=name)
+    except Exception as e:  # transformers' converters raise a variety of errors
+        message = " ".join(str(e).split())[:200]
+        raise ValueError(f"model: {path!r}: cannot build its tokenizer ({type(e).__name__}: "
+                         f"{message})") from None
+    # transformers copies the template today; the file is the authority either way.
+    template = gguf.chat_template(path)
+    if template is not None and tokenizer.chat_template != template:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def _require_sampling_params(params: object) -> None:
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
 
 
 def _is_int(value: object) -> bool:

@@ -25,11 +25,13 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
-        text, token_ids = self.inputs.process_prompt(prompt)
+        text, token_ids = self.inputs.process(prompt, params)
         self.add_tokenized_request(request_id, text, token_ids, params)
 
     def add_tokenized_request(self, request_id: str, text: str | None, token_ids: list[int],
                               params: SamplingParams) -> None:
+        """Add a tokenized prompt (truncated here if params.truncate_prompt_tokens asks)."""
+        token_ids = self.inputs.truncate(token_ids, params)
         self.inputs.validate(token_ids, params)
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")

@@ -123,6 +123,10 @@ class OutputProcessor:
                 state.num_cached_tokens = out.num_cached_tokens
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params
+            if out.first_scheduled_time is not None:  # the earliest of its samples'
+                scheduled = state.metrics.first_scheduled_time
+                state.metrics.first_scheduled_time = out.first_scheduled_time if scheduled is None \
+                    else min(scheduled, out.first_scheduled_time)
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 self._store_prompt_logprobs(state, *out.prompt_logprobs)
             if out.new_token_ids:

@@ -79,3 +79,7 @@ class EngineCoreOutput:
     """Prompt tokens the request took from the prefix cache."""
     kv_transfer_params: dict | None = None
     """On the last output of a prefill-only request: where a decode instance pulls its KV."""
+    first_scheduled_time: float | None = None
+    """time.monotonic() in the core when the request was first scheduled; set on its outputs
+    up to its first token, None after. The front end compares it with its own monotonic
+    timestamps: both processes run on one host, where that clock is system-wide."""

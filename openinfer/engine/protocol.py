@@ -38,11 +38,11 @@ def decode(frame: bytes) -> tuple[str, Any]:
 def add_body(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
              arrival_time: float) -> dict:
     return {"request_id": request_id, "prompt_token_ids": prompt_token_ids,
-            "params": params.public_dict(), "arrival_time": arrival_time}
+            "params": params.to_wire(), "arrival_time": arrival_time}
 
 
 def params_from_body(body: dict) -> SamplingParams:
-    return SamplingParams(**body["params"])
+    return SamplingParams.from_wire(body["params"])
 
 
 def _pack_logprobs(entry: PositionLogprobs) -> list:
@@ -61,11 +61,12 @@ def pack_output(out: EngineCoreOutput) -> list:
     return [out.request_id, out.new_token_ids,
             None if out.new_logprobs is None else [_pack_logprobs(e) for e in out.new_logprobs],
             prompt, out.finish_reason, out.stop_reason, out.num_cached_tokens,
-            out.kv_transfer_params]
+            out.kv_transfer_params, out.first_scheduled_time]
 
 
 def unpack_output(packed: list) -> EngineCoreOutput:
-    request_id, tokens, logprobs, prompt, finish_reason, stop_reason, num_cached, kv = packed
+    (request_id, tokens, logprobs, prompt, finish_reason, stop_reason, num_cached, kv,
+     scheduled) = packed
     return EngineCoreOutput(
         request_id=request_id,
         new_token_ids=tokens,
@@ -76,4 +77,5 @@ def unpack_output(packed: list) -> EngineCoreOutput:
         stop_reason=stop_reason,
         num_cached_tokens=num_cached,
         kv_transfer_params=kv,
+        first_scheduled_time=scheduled,
     )

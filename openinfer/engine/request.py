@@ -37,6 +37,8 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = -1
     """Prompt tokens served from the prefix cache when first scheduled (-1 until then)."""
+    first_scheduled_time: float | None = None
+    """time.monotonic() when the scheduler first gave it tokens (None until then)."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Content hashes of the request's full blocks (prompt, then outputs)."""
     store_load_tried: bool = False

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections import deque
 
 from openinfer.config import SchedulerConfig
@@ -168,6 +169,7 @@ class Scheduler:
                 break  # head-of-line waits: later requests must not overtake it
             heapq.heappop(self._waiting)
             if req.num_cached_tokens < 0:  # first scheduling: what the user is told
+                req.first_scheduled_time = time.monotonic()
                 # Blocks pulled from a prefill instance were computed for this request,
                 # not found in a cache: they count as neither hit nor query.
                 remote = min(req.num_blocks_from_remote, len(hit.host_slots))
@@ -340,6 +342,9 @@ class Scheduler:
                 finish_reason=status.value if status else None,
                 stop_reason=req.stop_reason,
                 num_cached_tokens=max(0, req.num_cached_tokens),
+                # Until the front end has seen its first token (then it is known there).
+                first_scheduled_time=req.first_scheduled_time
+                if len(req.output_token_ids) <= 1 else None,
             ))
             if status is not None:
                 self._finish(req, status)

@@ -61,10 +61,15 @@ class StoreLayout:
 
 def model_fingerprint(model_dir: str | Path) -> str:
     """sha256 over config.json and every safetensors file's size, first and last MiB
-    (which hold its header and weights): distinct checkpoints, distinct stores."""
+    (which hold its header and weights): distinct checkpoints, distinct stores. A .gguf
+    file (config and weights in one) is hashed the same way, alone."""
     root = Path(model_dir)
-    digest = hashlib.sha256((root / "config.json").read_bytes())
-    for path in sorted(root.glob("*.safetensors")):
+    if root.is_file():
+        digest, files = hashlib.sha256(b"gguf"), [root]
+    else:
+        digest = hashlib.sha256((root / "config.json").read_bytes())
+        files = sorted(root.glob("*.safetensors"))
+    for path in files:
         size = path.stat().st_size
         digest.update(f"{path.name}:{size}".encode())
         with path.open("rb") as f:

@@ -1,14 +1,23 @@
-"""Batched next-token sampling: penalties, greedy / temperature / top-k / top-p / min-p, logprobs.
+"""Batched next-token sampling: token constraints, penalties, greedy / temperature / top-k /
+top-p / min-p, logprobs.
 
 The semantics follow vLLM v1:
 
-1. Logprobs, when requested, are read from the *raw* model logits (before any processing).
-2. ``min_tokens``: the row's stop tokens are masked (-inf) until enough tokens were generated.
-3. Repetition penalty over prompt + output tokens (positive logits divided, negative multiplied),
+1. Logprobs, when requested, are read from the *raw* model logits (before any processing):
+   constraints, penalties and temperature never change them.
+2. Token constraints (``apply_token_constraints``): tokens outside ``allowed_token_ids`` get
+   -inf, so do the tokens that would complete one of the ``bad_words``, then ``logit_bias`` is
+   added.
+3. ``min_tokens``: the row's stop tokens are masked (-inf) until enough tokens were generated.
+   (vLLM masks these before adding the bias; -inf masks and a finite bias commute.)
+4. Repetition penalty over prompt + output tokens (positive logits divided, negative multiplied),
    then presence / frequency penalties over output tokens only.
-4. Greedy rows take the argmax. Other rows: divide by the temperature, drop tokens below
+5. Greedy rows take the argmax. Other rows: divide by the temperature, drop tokens below
    ``min_p`` times the top probability, apply top-k then top-p (one sort for both), softmax,
    and sample with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)`` i.i.d.
+
+Steps 2-4 cost one attribute check per row when no row uses them (the common case): no tensor
+is created. Every step is row-local, so a row's processed logits never depend on the batch.
 
 Seeded rows draw their noise from a generator seeded with a mix of (seed, output position), so
 the token a seeded request gets depends only on its own logits, never on the rest of the batch
@@ -71,7 +80,9 @@ class Sampler:
             shape = tuple(logits.shape)
             raise ValueError(f"expected logits of shape [{len(rows)}, V], got {shape}")
         raw_logits = logits.float()
-        logits = apply_penalties(raw_logits, rows)
+        logits = apply_token_constraints(raw_logits, rows)
+        # Constraints returned a tensor of their own (or the raw one): penalties may work in place.
+        logits = apply_penalties(logits, rows, copy=logits is raw_logits)
         token_ids = self._sample(logits, rows)
         return SamplerOutput(
             token_ids=token_ids.tolist(),
@@ -155,15 +166,93 @@ class Sampler:
 
 
 # --------------------------------------------------------------------------------------------
+# Token constraints: allowed_token_ids, bad_words, logit_bias
+# --------------------------------------------------------------------------------------------
+
+
+def apply_token_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Tokens outside a row's ``allowed_token_ids`` and tokens that would complete one of its bad
+    words get -inf; then its ``logit_bias`` is added. One batched write per kind, for all rows.
+
+    Returns ``logits`` itself when no row uses any of them (one attribute check per row, no
+    tensor work); otherwise a new tensor. The input is never modified, so it can still serve
+    for the raw logprobs. Token ids must lie in [0, V) (the input processor checks them).
+    """
+    edited = [i for i, row in enumerate(rows) if row.params.edits_logits]
+    if not edited:
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    allowed = [i for i in edited if rows[i].params.allowed_token_ids]
+    if allowed:
+        row_index, token_index = _row_token_pairs(
+            allowed, [rows[i].params.allowed_token_ids for i in allowed], device)
+        drop = torch.zeros_like(logits, dtype=torch.bool)
+        drop[torch.tensor(allowed, device=device)] = True
+        drop[row_index, token_index] = False
+        logits.masked_fill_(drop, -math.inf)
+    banned = [(i, bad_word_bans(rows[i])) for i in edited if rows[i].params.bad_words_token_ids]
+    banned = [(i, tokens) for i, tokens in banned if tokens]
+    if banned:
+        row_index, token_index = _row_token_pairs(
+            [i for i, _ in banned], [tokens for _, tokens in banned], device)
+        logits[row_index, token_index] = -math.inf
+    biased = [i for i in edited if rows[i].params.logit_bias]
+    if biased:
+        biases = [rows[i].params.logit_bias for i in biased]
+        row_index, token_index = _row_token_pairs(biased, [b.keys() for b in biases], device)
+        values = torch.tensor(list(itertools.chain.from_iterable(b.values() for b in biases)),
+                              dtype=logits.dtype).to(device, non_blocking=True)
+        logits.index_put_((row_index, token_index), values, accumulate=True)
+    return logits
+
+
+def bad_word_bans(row: SamplingRow) -> list[int]:
+    """Tokens the row's bad words forbid as its next token (vLLM semantics): the last token of
+    every bad word whose other tokens are the last tokens of the output so far. A one-token bad
+    word is always banned. Only output tokens count, never the prompt."""
+    output = row.output_token_ids
+    num_output = len(output)
+    banned: list[int] = []
+    for sequence in row.params.bad_words_token_ids or ():
+        prefix_len = len(sequence) - 1
+        if prefix_len == 0 or (
+            prefix_len <= num_output
+            and list(output[num_output - prefix_len:]) == sequence[:prefix_len]
+        ):
+            banned.append(sequence[-1])
+    return banned
+
+
+def _row_token_pairs(
+    row_ids: list[int], token_lists: Sequence[Iterable[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index tensors (row, token) for every token of every row's list, to write all rows in one
+    indexed operation: ``row_ids[j]`` is repeated once per token of ``token_lists[j]``."""
+    lengths: list[int] = []
+    flat: list[int] = []
+    for tokens in token_lists:
+        before = len(flat)
+        flat.extend(tokens)
+        lengths.append(len(flat) - before)
+    row_index = torch.repeat_interleave(torch.tensor(row_ids), torch.tensor(lengths))
+    token_index = torch.tensor(flat, dtype=torch.long)
+    return row_index.to(device, non_blocking=True), token_index.to(device, non_blocking=True)
+
+
+# --------------------------------------------------------------------------------------------
 # Penalties and min_tokens
 # --------------------------------------------------------------------------------------------
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, rows: list[SamplingRow], *, copy: bool = True
+) -> torch.Tensor:
     """min_tokens masking, then repetition, presence and frequency penalties.
 
     Returns ``logits`` itself when no row needs any of them (the common, cheap case); otherwise a
-    new tensor. The input is never modified, so it can still serve for the raw logprobs.
+    new tensor, so the input can still serve for the raw logprobs. ``copy=False``: the caller
+    owns ``logits`` and lets it be modified in place (and returned).
     """
     masked = [
         i for i, row in enumerate(rows)
@@ -176,7 +265,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     ]
     if not (masked or repeated or counted):
         return logits
-    logits = logits.clone()
+    if copy:
+        logits = logits.clone()
     if masked:
         _mask_stop_tokens(logits, rows, masked)
     if repeated:

@@ -1,4 +1,5 @@
-"""Builds a model from a Hugging Face checkpoint directory (config.json + *.safetensors)."""
+"""Builds a model from a Hugging Face checkpoint directory (config.json + *.safetensors) or a
+GGUF file (openinfer.models.gguf turns its tensors into Hugging Face names and float32)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,13 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True) -> None:
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for name, tensor in _iter_checkpoint(path, progress):
+    if path.is_file():  # a checkpoint is a directory; a single file is a GGUF
+        from openinfer.models import gguf
+
+        tensors = gguf.iter_tensors(path, _checkpoint_names(model, packed), progress)
+    else:
+        tensors = _iter_checkpoint(path, progress)
+    for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         target, shard = _map_name(name, packed)
@@ -68,6 +75,24 @@ def _map_name(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int |
             merged, shard = packed[part]
             return ".".join([*parts[:i], merged, *parts[i + 1:]]), shard
     return name, None
+
+
+def _checkpoint_names(model: nn.Module, packed: dict[str, tuple[str, int]]) -> list[str]:
+    """The Hugging Face names of the tensors ``model`` loads: each merged parameter
+    (qkv_proj) under the names of its parts (q_proj, k_proj, v_proj)."""
+    parts_of: dict[str, list[str]] = {}
+    for part, (merged, _) in packed.items():
+        parts_of.setdefault(merged, []).append(part)
+    names = []
+    for name in dict(model.named_parameters()):
+        pieces = name.split(".")
+        merged_at = next((i for i, p in enumerate(pieces) if p in parts_of), None)
+        if merged_at is None:
+            names.append(name)
+            continue
+        names.extend(".".join([*pieces[:merged_at], part, *pieces[merged_at + 1:]])
+                     for part in parts_of[pieces[merged_at]])
+    return names
 
 
 def _iter_checkpoint(path: Path, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:

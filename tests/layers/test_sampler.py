@@ -11,7 +11,9 @@ from openinfer.layers.sampler import (
     Sampler,
     SamplingRow,
     apply_penalties,
+    apply_token_constraints,
     apply_top_k_top_p,
+    bad_word_bans,
     compute_logprobs,
     row_seed,
 )
@@ -432,3 +434,167 @@ def test_sampler_logprobs_are_raw():
     top3 = raw[0].argsort(descending=True)[:3].tolist()
     assert all(out.logprobs[0][t].rank == i for i, t in enumerate(top3, start=1))
     assert list(out.logprobs[2]) == [out.token_ids[2]]
+
+
+# --------------------------------------------------------------------------------------------
+# Token constraints: logit_bias, allowed_token_ids, bad_words
+# --------------------------------------------------------------------------------------------
+
+
+def bad_words_params(sequences: list[list[int]], **kwargs) -> SamplingParams:
+    """Params with bad words resolved to the given token sequences (as the input processor
+    would with a tokenizer)."""
+    params = SamplingParams(bad_words=[f"w{i}" for i in range(len(sequences))], **kwargs)
+    params.set_bad_words_token_ids(sequences)
+    return params
+
+
+def test_logit_bias_flips_greedy_argmax_and_logprobs_stay_raw():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    before = logits.clone()
+    params = SamplingParams(temperature=0.0, logit_bias={2: 1.6}, logprobs=1)
+    out = Sampler(seed=0)(logits, [make_row(params)])
+    assert out.token_ids == [2]  # 0.5 + 1.6 > 2.0
+    raw = torch.log_softmax(before, dim=-1)
+    assert out.logprobs[0][2].logprob == pytest.approx(raw[0, 2].item(), abs=1e-6)
+    assert out.logprobs[0][0].rank == 1  # ranks too come from the raw logits
+    assert torch.equal(logits, before)
+
+
+def test_logit_bias_string_keys_act_like_int_keys():
+    logits = random_logits(2, 40, seed=20)
+    rows = [make_row(SamplingParams(temperature=0.0, logit_bias={"7": 100})),
+            make_row(SamplingParams(temperature=0.0, logit_bias={7: 100}))]
+    assert Sampler(seed=0)(logits, rows).token_ids == [7, 7]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 5.0])
+def test_logit_bias_minus_100_bans_the_top_tokens(temperature):
+    logits = random_logits(1, 20, seed=21, scale=2.0).repeat(400, 1)
+    top = logits[0].topk(3).indices.tolist()
+    params = SamplingParams(temperature=temperature, logit_bias={t: -100 for t in top})
+    out = Sampler(seed=0)(logits, [make_row(params)] * 400)
+    assert not set(out.token_ids) & set(top)
+    assert temperature == 0.0 or len(set(out.token_ids)) > 3
+
+
+def test_logit_bias_plus_100_forces_a_token_even_when_hot():
+    logits = random_logits(200, 50, seed=22)
+    rows = [make_row(SamplingParams(temperature=1.5, top_p=0.9, logit_bias={13: 100}))] * 200
+    assert set(Sampler(seed=0)(logits, rows).token_ids) == {13}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 10.0])
+def test_allowed_token_ids_restrict_the_support(temperature):
+    allowed = [3, 17, 40]
+    logits = random_logits(500, 64, seed=23)
+    params = SamplingParams(temperature=temperature, allowed_token_ids=allowed)
+    out = Sampler(seed=0)(logits, [make_row(params)] * 500)
+    assert set(out.token_ids) <= set(allowed)
+    if temperature == 0.0:
+        expected = torch.tensor(allowed)[logits[:, allowed].argmax(dim=-1)].tolist()
+        assert out.token_ids == expected
+    else:
+        assert set(out.token_ids) == set(allowed)
+
+
+def test_allowed_token_ids_win_over_logit_bias_outside_them():
+    logits = random_logits(50, 30, seed=24)
+    params = SamplingParams(temperature=1.0, allowed_token_ids=[1, 2], logit_bias={5: 100, 2: 3})
+    out = Sampler(seed=0)(logits, [make_row(params)] * 50)
+    assert set(out.token_ids) <= {1, 2}
+
+
+def test_single_token_bad_word_is_always_banned():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])
+    params = bad_words_params([[1]], temperature=0.0)
+    for output in [(), (1,), (2, 3)]:
+        assert Sampler(seed=0)(logits, [make_row(params, output=output)]).token_ids == [2]
+
+
+def test_multi_token_bad_word_bans_its_last_token_only_after_its_prefix():
+    params = bad_words_params([[7, 8, 9]], temperature=0.0)
+    row = lambda output, prompt=(): make_row(params, output=output, prompt=prompt)  # noqa: E731
+    assert bad_word_bans(row((1, 7, 8))) == [9]
+    assert bad_word_bans(row((7, 8, 1))) == []
+    assert bad_word_bans(row((8,))) == []            # too short for the prefix
+    assert bad_word_bans(row((9, 8))) == []          # prefix out of order
+    assert bad_word_bans(row((8,), prompt=(7,))) == []  # the prompt does not count (vLLM)
+
+    logits = torch.zeros(2, 12)
+    logits[:, 9] = 5.0
+    logits[:, 4] = 4.0
+    out = Sampler(seed=0)(logits, [row((7, 8)), row((8, 7))])
+    assert out.token_ids == [4, 9]
+
+
+def test_bad_words_several_sequences_and_allowed_ids_together():
+    params = bad_words_params([[2], [5, 3], [6, 3]], temperature=0.0, allowed_token_ids=[2, 3, 4])
+    logits = torch.tensor([[9.0, 0.0, 8.0, 7.0, 1.0, 0.0, 0.0]])
+    assert Sampler(seed=0)(logits, [make_row(params, output=(5,))]).token_ids == [4]
+    assert Sampler(seed=0)(logits, [make_row(params, output=(1,))]).token_ids == [3]
+
+
+def test_logit_bias_comes_before_the_repetition_penalty():
+    # vLLM order: (-1 + 2) / 2 = 0.5 > 0.25. Penalty first would give -1 * 2 + 2 = 0 < 0.25,
+    # and no bias -2.
+    logits = torch.tensor([[-1.0, 0.25, -5.0]])
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={0: 2.0})
+    assert Sampler(seed=0)(logits, [make_row(params, prompt=(0,))]).token_ids == [0]
+
+
+def test_no_constraints_returns_input_unchanged():
+    logits = random_logits(4, 20)
+    rows = [make_row(SamplingParams(temperature=t, repetition_penalty=1.2)) for t in (0, 1, 2)]
+    # Bad words the input processor has not resolved into token ids are nothing to apply yet.
+    rows.append(make_row(SamplingParams(bad_words=["x"])))
+    assert apply_token_constraints(logits, rows) is logits
+
+
+def test_constraints_only_touch_their_rows_and_never_the_input():
+    logits = random_logits(5, 40, seed=25)
+    before = logits.clone()
+    rows = [
+        make_row(SamplingParams()),
+        make_row(SamplingParams(logit_bias={3: -100, 4: 2.5})),
+        make_row(SamplingParams(temperature=0.0)),
+        make_row(SamplingParams(allowed_token_ids=[0, 39])),
+        make_row(bad_words_params([[11], [1, 12]]), output=(1,)),
+    ]
+    out = apply_token_constraints(logits, rows)
+    assert torch.equal(logits, before)
+    for r in (0, 2):
+        assert torch.equal(out[r], logits[r])
+    expected = logits[1].clone()
+    expected[3] -= 100
+    expected[4] += 2.5
+    assert torch.allclose(out[1], expected)
+    assert torch.isfinite(out[3]).tolist() == [t in (0, 39) for t in range(40)]
+    assert torch.equal(out[3, [0, 39]], logits[3, [0, 39]])
+    assert torch.isinf(out[4]).nonzero().flatten().tolist() == [11, 12]
+
+
+def test_seeded_row_same_alone_and_beside_constrained_rows():
+    seeded = SamplingParams(seed=3, temperature=1.0)
+    alone = generate(Sampler(seed=1), [(0, seeded)], steps=10)[0]
+    busy = generate(
+        Sampler(seed=2),
+        [
+            (4, SamplingParams(logit_bias={5: 100})),
+            (0, seeded),
+            (2, SamplingParams(temperature=0.0, allowed_token_ids=[1, 2, 3])),
+            (3, bad_words_params([[alone[0]], [alone[1], alone[2]]], temperature=0.7)),
+        ],
+        steps=10,
+    )
+    assert busy[1] == alone
+    assert set(busy[0]) == {5} and set(busy[2]) <= {1, 2, 3}
+    assert alone[0] not in busy[3]
+
+
+def test_seeded_row_with_constraints_is_batch_independent():
+    params = SamplingParams(seed=11, temperature=1.0, allowed_token_ids=list(range(0, VOCAB, 3)),
+                            logit_bias={0: 2.0})
+    alone = generate(Sampler(seed=1), [(0, params)], steps=10)[0]
+    busy = generate(Sampler(seed=5), [(7, SamplingParams()), (0, params)], steps=10)[1]
+    assert busy == alone and all(t % 3 == 0 for t in alone)

@@ -1,0 +1,7 @@
+"""``python -m openinfer ...`` is the ``openinfer`` command."""
+
+import sys
+
+from openinfer.cli import main
+
+sys.exit(main())
