@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import math
 import os
 import sys
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from openinfer.bench import BenchError
+from openinfer.bench.client import first_served_model
 from openinfer.bench.metrics import Prices, economics, summarize
 from openinfer.bench.report import columns_of, plot, table
 from openinfer.bench.runner import RunConfig, run_workload
+from openinfer.bench.tokenizer import BenchTokenizer, LocalTokenizer, ServerTokenizer
+from openinfer.bench.vllm_result import vllm_file_name, vllm_result
 from openinfer.bench.workloads import WORKLOADS, WorkloadError, WorkloadOptions, build_workload
 
 
@@ -24,8 +29,10 @@ def add_bench_parser(subparsers) -> None:
 
     serve = commands.add_parser("serve", help="send a workload to a server and measure it")
     serve.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    serve.add_argument("--model", required=True, help="the served model name")
-    serve.add_argument("--tokenizer", help="tokenizer path or name (default: --model)")
+    serve.add_argument("--model", help="the served model name (default: the first model the "
+                                       "server's /v1/models lists)")
+    serve.add_argument("--tokenizer", help="a local tokenizer: path or hub name (default: the "
+                                           "server's /tokenize and /detokenize)")
     serve.add_argument("--workload", choices=WORKLOADS, default="random")
     serve.add_argument("--dataset", help="sharegpt: a ShareGPT JSON file; replay: a Mooncake "
                                          "JSONL trace (timestamp ms, input_length, output_length, "
@@ -60,7 +67,17 @@ def add_bench_parser(subparsers) -> None:
     serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--output", help="write the results (JSON) here")
+    serve.add_argument("--output", help="write the results here (format: --save-result)")
+    serve.add_argument("--save-result", choices=("openinfer", "vllm"),
+                       help="save the results: openinfer (default; every run and request in "
+                            "one file, what `bench compare` reads) or vllm (the flat JSON of "
+                            "`vllm bench serve --save-result`, one object per request rate); "
+                            "to --output, else into --result-dir")
+    serve.add_argument("--result-dir", help="with --save-result: the directory (default: .)")
+    serve.add_argument("--result-filename",
+                       help="with --save-result: the file name (default: vLLM's "
+                            "{backend}-{rate}qps[-concurrency{N}]-{model}-{date}.json for vllm, "
+                            "one file per rate; openinfer-{workload}-{model}-{date}.json)")
     serve.add_argument("--no-progress", dest="progress", action="store_false")
 
     compare = commands.add_parser("compare", help="print results side by side")
@@ -78,7 +95,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     try:
         return asyncio.run(_serve(args))
-    except WorkloadError as e:
+    except BenchError as e:
         print(f"openinfer bench: {e}", file=sys.stderr)
         return 2
 
@@ -87,7 +104,26 @@ async def _serve(args: argparse.Namespace) -> int:
     rates = _rates(args.request_rate)
     slo = _key_values(args.slo, {"ttft", "tpot", "e2e"}, "--slo")
     prices = Prices(**_key_values(args.price, {f.name for f in fields(Prices)}, "--price"))
-    tokenizer = _load_tokenizer(args.tokenizer or args.model)
+    if args.output and (args.result_dir or args.result_filename):
+        raise BenchError("--output names the file, --result-dir/--result-filename build its "
+                         "name: give one or the other")
+    now = dt.datetime.now()
+    model = args.model or first_served_model(args.base_url, args.api_key)
+    saver = _Saver.plan(args, model, now)
+    if args.tokenizer:
+        opened = contextlib.nullcontext(LocalTokenizer.load(args.tokenizer))
+    else:
+        opened = ServerTokenizer(args.base_url, model, args.api_key)
+    print(f"openinfer bench: model {model!r}{'' if args.model else ' (from /v1/models)'}, "
+          f"tokenizer {args.tokenizer or 'of the server (/tokenize)'}", file=sys.stderr)
+    with opened as tokenizer:
+        return await _measure(args, model, tokenizer, rates, slo, prices, saver, now)
+
+
+async def _measure(args: argparse.Namespace, model: str, tokenizer: BenchTokenizer,
+                   rates: list[float], slo: dict[str, float], prices: Prices,
+                   saver: _Saver | None, now: dt.datetime) -> int:
+    """Build the workload, run it at every request rate, save and print the results."""
     options = WorkloadOptions(
         num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, prefix_len=args.prefix_len, num_groups=args.num_groups,
@@ -96,15 +132,15 @@ async def _serve(args: argparse.Namespace) -> int:
         think_time_s=args.think_time, dataset=args.dataset,
         replay_block_size=args.replay_block_size, seed=args.seed)
     workload = build_workload(args.workload, options, tokenizer)  # fails early if it cannot
-    result = {"tool": "openinfer bench serve", "date": dt.datetime.now().isoformat(timespec="seconds"),
-              "base_url": args.base_url, "model": args.model, "workload": args.workload,
-              "workload_options": workload.options, "runs": []}
+    result = {"tool": "openinfer bench serve", "date": now.isoformat(timespec="seconds"),
+              "base_url": args.base_url, "model": model, "tokenizer": tokenizer.name,
+              "workload": args.workload, "workload_options": workload.options, "runs": []}
     failed = 0
     for i, rate in enumerate(rates):
         if i:  # fresh prompts: a sweep point must not hit the cache an earlier point filled
             workload = build_workload(args.workload, replace(options, seed=args.seed + i),
                                       tokenizer)
-        config = RunConfig(base_url=args.base_url, model=args.model, request_rate=rate,
+        config = RunConfig(base_url=args.base_url, model=model, request_rate=rate,
                            arrival=args.arrival, concurrency=args.concurrency,
                            ignore_eos=args.ignore_eos, api_key=args.api_key,
                            timeout_s=args.timeout, seed=args.seed, progress=args.progress)
@@ -117,17 +153,74 @@ async def _serve(args: argparse.Namespace) -> int:
                "requests": [{**asdict(r), "tpot_s": r.tpot_s} for r in results]}
         result["runs"].append(run)
         failed += summary["failed"]
-        if args.output:  # after every run, so a sweep that breaks keeps what it measured
-            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.output).write_text(json.dumps(result, indent=1))
+        if saver is not None:  # after every run, so a sweep that breaks keeps what it measured
+            saver.save(result if saver.fmt == "openinfer" else vllm_result(
+                results, duration, endpoint=workload.endpoint, model_id=model,
+                tokenizer_id=args.tokenizer or model, request_rate=rate, arrival=args.arrival,
+                max_concurrency=args.concurrency, goodput=summary["goodput"],
+                date=now.strftime("%Y%m%d-%H%M%S")))
         for error in summary["errors"]:
             print(f"error: {error}", file=sys.stderr)
     print(table([(f"rate={run['request_rate']}", run) for run in result["runs"]]))
+    saved = f"results saved to {', '.join(map(str, saver.written))}" if saver else ""
     if failed:
-        print(f"openinfer bench: {failed} request(s) failed"
-              + (f"; results saved to {args.output}" if args.output else ""), file=sys.stderr)
+        print(f"openinfer bench: {failed} request(s) failed" + (f"; {saved}" if saved else ""),
+              file=sys.stderr)
         return 1
+    if saved:
+        print(f"openinfer bench: {saved}", file=sys.stderr)
     return 0
+
+
+@dataclass
+class _Saver:
+    """Where and how results are saved after each run.
+
+    openinfer format: the whole result (every run so far) to ``path``. vllm format: one object
+    per run; with a fixed ``path`` they are written one per line (what `vllm bench serve
+    --append-result` makes; a single run is a plain JSON file), else each run gets vLLM's
+    file name in ``directory``."""
+
+    fmt: str
+    path: Path | None
+    directory: Path
+    vllm_runs: list[dict]
+    written: list[Path]
+
+    @classmethod
+    def plan(cls, args: argparse.Namespace, model: str, now: dt.datetime) -> _Saver | None:
+        """None when nothing is to be saved (no --output, --save-result or --result-*)."""
+        if not (args.output or args.save_result or args.result_dir or args.result_filename):
+            return None
+        fmt = args.save_result or "openinfer"
+        directory = Path(args.result_dir or ".")
+        if args.output:
+            path = Path(args.output)
+        elif args.result_filename:
+            path = directory / args.result_filename
+        elif fmt == "openinfer":
+            stamp = now.strftime("%Y%m%d-%H%M%S")
+            path = directory / f"openinfer-{args.workload}-{model.split('/')[-1]}-{stamp}.json"
+        else:
+            path = None
+        return cls(fmt, path, directory, [], [])
+
+    def save(self, run: dict) -> None:
+        """Save after a run: openinfer format, the whole result so far; vllm, this run."""
+        if self.fmt == "openinfer":
+            self._write(self.path, json.dumps(run, indent=1))
+            return
+        self.vllm_runs.append(run)
+        if self.path is None:
+            self._write(self.directory / vllm_file_name(run), json.dumps(run))
+        else:
+            self._write(self.path, "\n".join(json.dumps(r) for r in self.vllm_runs) + "\n")
+
+    def _write(self, path: Path, text: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        if path not in self.written:
+            self.written.append(path)
 
 
 def _rates(text: str) -> list[float]:
@@ -153,13 +246,3 @@ def _key_values(text: str | None, allowed: set[str], flag: str) -> dict[str, flo
         except ValueError as e:
             raise WorkloadError(f"{flag}: {key}={value!r} is not a number") from e
     return values
-
-
-def _load_tokenizer(name: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(name)
-    except Exception as e:  # a served name that is not a tokenizer path
-        raise WorkloadError(f"cannot load a tokenizer from {name!r} ({type(e).__name__}); "
-                            "pass --tokenizer PATH") from e

@@ -1,4 +1,5 @@
-"""One streamed request to an OpenAI-compatible server, timed chunk by chunk."""
+"""Talking to the server under test: one streamed request timed chunk by chunk, and the
+served model's name from ``/v1/models``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from openinfer.bench import BenchError
+
+
+class ServerError(BenchError):
+    """The server cannot be used as asked: unreachable, no model listed, no ``/tokenize``."""
 
 
 @dataclass
@@ -26,10 +33,12 @@ class RequestResult:
     output_tokens: int = 0
     cached_tokens: int = 0
     expected_output_tokens: int = 0
-    sent_prompt_tokens: int = 0
-    """The prompt's length by this client's tokenizer (the server's count should agree)."""
-    oracle_hit_tokens: int = 0
-    """Prompt tokens an infinite prefix cache would have held when this was sent."""
+    sent_prompt_tokens: int | None = None
+    """The prompt's length by this client's tokenizer (the server's count should agree);
+    None where it could not be counted."""
+    oracle_hit_tokens: int | None = None
+    """Prompt tokens an infinite prefix cache would have held when this was sent; None where
+    the oracle could not be scored."""
 
     @property
     def tpot_s(self) -> float | None:
@@ -55,7 +64,7 @@ async def stream_request(http: httpx.AsyncClient, url: str, body: dict,
         async with http.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 raw = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {_message(raw)}"
+                result.error = f"HTTP {response.status_code}: {error_message(raw)}"
                 return result
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
@@ -65,7 +74,7 @@ async def stream_request(http: httpx.AsyncClient, url: str, body: dict,
                     break
                 payload = json.loads(data)
                 if "error" in payload:
-                    result.error = f"stream error: {_message(data)}"
+                    result.error = f"stream error: {error_message(data)}"
                     return result
                 if payload.get("usage"):
                     _read_usage(payload["usage"], result)
@@ -108,9 +117,35 @@ def _read_usage(usage: dict, result: RequestResult) -> None:
     result.cached_tokens = details.get("cached_tokens") or usage.get("prompt_cache_hit_tokens") or 0
 
 
-def _message(raw: str) -> str:
+def error_message(raw: str) -> str:
+    """The ``error.message`` of an OpenAI-style error body, else the start of the body."""
     try:
         error = json.loads(raw).get("error")
         return error.get("message", raw) if isinstance(error, dict) else str(error or raw)
     except (ValueError, AttributeError):
         return raw[:300]
+
+
+def first_served_model(base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> str:
+    """The id of the first model ``GET {base_url}/v1/models`` lists (what ``vllm bench serve``
+    takes when ``--model`` is not given). ServerError if the server cannot be reached, does not
+    answer that API, or lists no model."""
+    url = base_url.rstrip("/") + "/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(url, headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise ServerError(f"cannot list the served models: {url} ({type(e).__name__}: {e}); "
+                          "is the server up? (or pass --model NAME)") from e
+    if response.status_code != 200:
+        raise ServerError(f"cannot list the served models: {url} answered HTTP "
+                          f"{response.status_code}: {error_message(response.text)}; pass --model NAME")
+    try:
+        models = response.json()["data"]
+        return str(models[0]["id"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ServerError(f"{url} is not an OpenAI model list: {response.text[:200]}; "
+                          "pass --model NAME") from e
+    except IndexError as e:
+        raise ServerError(f"the server at {base_url} lists no model ({url} is empty); "
+                          "pass --model NAME") from e

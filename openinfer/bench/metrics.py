@@ -7,7 +7,7 @@
 * Goodput: requests per second that met every SLO given.
 * Input-cache hit rate: cached prompt tokens reported in ``usage`` / prompt tokens.
 * Oracle hit rate: prompt tokens an infinite cache holding every earlier prompt and answer
-  would have served / prompt tokens.
+  would have served / prompt tokens (None when the oracle could not be scored).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def summarize(results: list[RequestResult], duration_s: float,
     prompt = sum(r.prompt_tokens for r in done)
     output = sum(r.output_tokens for r in done)
     cached = sum(r.cached_tokens for r in done)
-    oracle = sum(r.oracle_hit_tokens for r in done)
+    oracle = (None if any(r.oracle_hit_tokens is None for r in done)
+              else sum(r.oracle_hit_tokens for r in done))
     good = [r for r in done if _meets(r, slo_ms or {})]
     return {
         "num_requests": len(results),
@@ -57,7 +58,8 @@ def summarize(results: list[RequestResult], duration_s: float,
         "prompt_tokens": prompt,
         "output_tokens": output,
         "output_tokens_exact": all(r.output_tokens == r.expected_output_tokens for r in done),
-        "prompt_tokens_agree": all(r.prompt_tokens == r.sent_prompt_tokens for r in done),
+        "prompt_tokens_agree": (None if any(r.sent_prompt_tokens is None for r in done)
+                                else all(r.prompt_tokens == r.sent_prompt_tokens for r in done)),
         "cached_tokens": cached,
         "request_throughput": len(done) / duration_s,
         "input_token_throughput": prompt / duration_s,
@@ -66,7 +68,7 @@ def summarize(results: list[RequestResult], duration_s: float,
         "goodput": len(good) / duration_s if slo_ms else None,
         "slo_ms": slo_ms or None,
         "cache_hit_rate": cached / prompt if prompt else 0.0,
-        "oracle_hit_rate": oracle / prompt if prompt else 0.0,
+        "oracle_hit_rate": None if oracle is None else oracle / prompt if prompt else 0.0,
         "ttft_ms": latency_stats([r.ttft_s for r in done]),
         "tpot_ms": latency_stats([t for r in done if (t := r.tpot_s) is not None]),
         "itl_ms": latency_stats([gap for r in done for gap in r.itl_s]),

@@ -5,20 +5,40 @@ another, each after the previous answer arrived (plus think time), and a chat tu
 the whole conversation so far, as chat clients do. Single-request workloads are sessions of
 one turn. Prompts that must have an exact token count are sent as token ids to
 ``/v1/completions``; conversations go to ``/v1/chat/completions`` as text.
+
+Random tokens are drawn from the ids that the tokenizer gives :data:`PROBE_TEXT`
+(:func:`vocabulary`), not from the whole vocabulary: that needs nothing but ``encode`` (one
+``/tokenize`` call when the tokenizer is the server's), never yields a special token, and makes
+a workload depend only on the options and the tokenizer's answers, not on where it runs.
+The tokenizer is asked in batches (one call per kind of question per build).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+from openinfer.bench import BenchError
+from openinfer.bench.tokenizer import BenchTokenizer, as_bench_tokenizer
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "sharegpt", "replay")
 
+_WORDS = ["".join(letters) for n in (1, 2, 3) for letters in itertools.product(string.ascii_lowercase,
+                                                                                repeat=n)]
+PROBE_TEXT = " ".join([*_WORDS, *(w.capitalize() for w in _WORDS[:26 + 26 * 26]),
+                       *map(str, range(1000)), *string.punctuation])
+"""Every word of one to three lowercase letters, the capitalized ones of one or two letters,
+the numbers 0-999 and the ASCII punctuation marks (about 80 kB): its token ids are the
+vocabulary of random prompts (382 ids of the 1,024-token test tokenizer, 2,368 of SmolLM2's
+49,152)."""
 
-class WorkloadError(ValueError):
+
+class WorkloadError(BenchError, ValueError):
     """A workload that cannot be built (bad options, a file that does not parse)."""
 
 
@@ -74,9 +94,14 @@ class WorkloadOptions:
     seed: int = 0
 
 
-def build_workload(name: str, options: WorkloadOptions, tokenizer) -> Workload:
+def build_workload(name: str, options: WorkloadOptions, tokenizer: BenchTokenizer | Any) -> Workload:
+    """The named workload, the same for the same options and tokenizer answers.
+
+    ``tokenizer``: a :class:`BenchTokenizer`, or a Hugging Face tokenizer (wrapped). Raises
+    WorkloadError for bad options or files, ServerError when a server tokenizer fails."""
+    tokenizer = as_bench_tokenizer(tokenizer)
     rng = random.Random(options.seed)
-    vocab = _usable_ids(tokenizer)
+    vocab = vocabulary(tokenizer)
     if name == "random":
         sessions = [Session([Turn(_length(options.output_len, options, rng),
                                   prompt_ids=_random_ids(rng, vocab,
@@ -107,23 +132,32 @@ def _shared_prefix(options: WorkloadOptions, rng: random.Random, vocab: list[int
 
 
 def _multi_turn(options: WorkloadOptions, rng: random.Random, vocab: list[int],
-                tokenizer) -> Workload:
-    sessions = []
-    shared = tokenizer.decode(_random_ids(rng, vocab, options.prefix_len))
+                tokenizer: BenchTokenizer) -> Workload:
+    # Draw every token first (the order fixes the workload), then decode them in one batch.
+    shared = _random_ids(rng, vocab, options.prefix_len)
+    users = []  # (system ids, [(output_len, user ids)])
     for _ in range(options.num_users):
-        system = shared if options.shared_system_prompt else tokenizer.decode(
-            _random_ids(rng, vocab, options.prefix_len))
-        turns = [Turn(_length(options.output_len, options, rng),
-                      user_text=tokenizer.decode(_random_ids(
-                          rng, vocab, _length(options.input_len, options, rng))))
-                 for _ in range(options.num_turns)]
-        sessions.append(Session(turns, system=system))
+        system = shared if options.shared_system_prompt else _random_ids(rng, vocab,
+                                                                         options.prefix_len)
+        users.append((system, [(_length(options.output_len, options, rng),
+                                _random_ids(rng, vocab, _length(options.input_len, options, rng)))
+                               for _ in range(options.num_turns)]))
+    texts = tokenizer.decode([ids for system, turns in users
+                              for ids in [system, *(user for _, user in turns)]])
+    sessions, at = [], 0  # texts: each user's system prompt, then its turns
+    for _, turns in users:
+        system_text, user_texts = texts[at], texts[at + 1:at + 1 + len(turns)]
+        at += 1 + len(turns)
+        sessions.append(Session([Turn(output_len, user_text=text)
+                                 for (output_len, _), text in zip(turns, user_texts)],
+                                system=system_text))
     return Workload("multi-turn", "chat", sessions, think_time_s=options.think_time_s,
                     options=_dict(options))
 
 
-def _sharegpt(options: WorkloadOptions, rng: random.Random, tokenizer) -> Workload:
-    """The first human message of each conversation; its first reply's length as output_len."""
+def _sharegpt(options: WorkloadOptions, rng: random.Random, tokenizer: BenchTokenizer) -> Workload:
+    """The first human message of each conversation; its first reply's length as output_len.
+    Only the replies of the conversations chosen are tokenized."""
     data = _load_json(options.dataset, "sharegpt")
     if not isinstance(data, list):
         raise WorkloadError("a ShareGPT file is a JSON list of {'conversations': [...]} objects")
@@ -135,13 +169,14 @@ def _sharegpt(options: WorkloadOptions, rng: random.Random, tokenizer) -> Worklo
         first, reply = turns[0], turns[1]
         if not all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in (first, reply)):
             raise WorkloadError("ShareGPT turns are objects with 'from' and 'value' strings")
-        pairs.append((first["value"], max(1, len(tokenizer.encode(reply["value"],
-                                                                  add_special_tokens=False)))))
+        pairs.append((first["value"], reply["value"]))
     if not pairs:
         raise WorkloadError(f"{options.dataset}: no conversation with at least two turns")
     rng.shuffle(pairs)
     chosen = [pairs[i % len(pairs)] for i in range(options.num_requests)]
-    return Workload("sharegpt", "chat", [Session([Turn(n, user_text=text)]) for text, n in chosen],
+    reply_ids = tokenizer.encode([reply for _, reply in chosen])
+    return Workload("sharegpt", "chat", [Session([Turn(max(1, len(ids)), user_text=text)])
+                                         for (text, _), ids in zip(chosen, reply_ids)],
                     options=_dict(options))
 
 
@@ -195,10 +230,12 @@ def _load_json(path: str | None, name: str):
         raise WorkloadError(f"cannot read {path} as JSON: {e}") from e
 
 
-def _usable_ids(tokenizer) -> list[int]:
-    """Token ids a random prompt may use: the vocabulary without special tokens."""
-    special = set(tokenizer.all_special_ids)
-    return [i for i in range(len(tokenizer)) if i not in special]
+def vocabulary(tokenizer: BenchTokenizer) -> list[int]:
+    """Token ids a random prompt may use: those of :data:`PROBE_TEXT`, sorted."""
+    ids = sorted(set(tokenizer.encode([PROBE_TEXT])[0]))
+    if not ids:
+        raise WorkloadError(f"the tokenizer {tokenizer.name} gives no token for plain text")
+    return ids
 
 
 def _random_ids(rng: random.Random, vocab: list[int], n: int) -> list[int]:

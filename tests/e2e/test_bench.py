@@ -1,10 +1,14 @@
-"""`openinfer bench` against a live server process: every workload, exact counts, failures."""
+"""`openinfer bench` against a live server process: every workload, exact counts, failures,
+the model and tokenizer taken from the server, vLLM's result format."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from server_process import MODEL, start_server
@@ -121,3 +125,156 @@ def test_failures_are_reported_saved_and_exit_nonzero(server, qwen3_checkpoint, 
                            "--workload", "replay", "--dataset", str(bad)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "bad.jsonl:1: not a trace record" in proc.stderr
+
+
+def _bench_from_server(server: str, out, *flags: str) -> tuple[int, dict | None]:
+    """`bench serve` as a vLLM user runs it: no --model, no --tokenizer."""
+    code = main(["bench", "serve", "--base-url", server, "--no-progress", "--output", str(out),
+                 *flags])
+    return code, json.loads(out.read_text()) if out.exists() else None
+
+
+def _in_order(result: dict) -> list[dict]:
+    return sorted(_requests(result), key=lambda r: (r["session"], r["turn"]))
+
+
+@pytest.mark.slow
+def test_model_and_tokenizer_from_the_server_give_the_same_counts(server, qwen3_checkpoint,
+                                                                   tmp_path):
+    cases = {"random": ["--num-requests", "5", "--input-len", "20", "--output-len", "3",
+                        "--range-ratio", "0.5"],
+             "multi-turn": ["--num-users", "2", "--num-turns", "2", "--prefix-len", "16",
+                            "--input-len", "8", "--output-len", "3"]}
+    for workload, flags in cases.items():
+        code, given = _bench(server, qwen3_checkpoint, tmp_path / f"{workload}-given.json",
+                             "--workload", workload, *flags)
+        assert code == 0, workload
+        code, served = _bench_from_server(server, tmp_path / f"{workload}-served.json",
+                                          "--workload", workload, *flags)
+        assert code == 0, workload
+        assert served["model"] == MODEL and served["tokenizer"] == f"{server}/tokenize"
+        for result in (given, served):
+            s = result["runs"][0]["summary"]
+            assert s["failed"] == 0 and s["prompt_tokens_agree"] and s["output_tokens_exact"]
+        pairs = list(zip(_in_order(given), _in_order(served), strict=True))
+        assert len(pairs) == (5 if workload == "random" else 4)
+        # A first turn is the same prompt either way (later turns carry the model's answers).
+        counts = lambda r: (r["session"], r["prompt_tokens"], r["sent_prompt_tokens"],
+                            r["output_tokens"], r["oracle_hit_tokens"])
+        assert [counts(a) for a, _ in pairs if a["turn"] == 0] == [
+            counts(b) for _, b in pairs if b["turn"] == 0], workload
+        if workload == "random":  # lengths drawn from [10, 30], as with a local tokenizer
+            lengths = [r["prompt_tokens"] for r in _requests(served)]
+            assert len(set(lengths)) > 1 and all(10 <= n <= 30 for n in lengths)
+
+
+VLLM_KEYS = {
+    "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
+    "request_rate", "burstiness", "max_concurrency", "duration", "completed", "failed",
+    "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
+    "output_throughput", "total_token_throughput", "input_lens", "output_lens", "ttfts", "itls",
+    "latencies", "start_times", "generated_texts", "errors", "max_output_tokens_per_s",
+    "max_concurrent_requests",
+    *(f"{stat}_{metric}_ms" for stat in ("mean", "median", "std", "p50", "p90", "p99")
+      for metric in ("ttft", "tpot", "itl", "e2el")),
+}
+
+
+def _check_vllm_result(r: dict, num_prompts: int, output_len: int) -> None:
+    assert r.keys() >= VLLM_KEYS, VLLM_KEYS - r.keys()
+    assert r["completed"] == r["num_prompts"] == num_prompts and r["failed"] == 0
+    for key in ("ttfts", "itls", "latencies", "input_lens", "output_lens", "generated_texts",
+                "errors"):
+        assert len(r[key]) == r["completed"], key
+    assert r["output_lens"] == [output_len] * num_prompts
+    assert r["total_output_tokens"] == output_len * num_prompts
+    assert r["total_input_tokens"] == sum(r["input_lens"]) and min(r["input_lens"]) > 0
+    assert r["errors"] == [""] * num_prompts and all(r["generated_texts"])
+    assert all(len(gaps) <= output_len - 1 for gaps in r["itls"])  # a chunk may be empty
+    assert min(r["ttfts"]) > 0 and all(t < e for t, e in zip(r["ttfts"], r["latencies"]))
+    assert r["request_throughput"] == pytest.approx(num_prompts / r["duration"])
+    assert re.fullmatch(r"\d{8}-\d{6}", r["date"]) and r["model_id"] == MODEL
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < r[f"p50_{metric}_ms"] <= r[f"p90_{metric}_ms"] <= r[f"p99_{metric}_ms"]
+    assert min(r["ttfts"]) * 1000 <= r["mean_ttft_ms"] <= max(r["ttfts"]) * 1000
+
+
+@pytest.mark.slow
+def test_save_result_vllm_writes_vllms_flat_json(server, tmp_path):
+    # A sweep into --result-dir: one file per rate, named as vLLM names them.
+    directory = tmp_path / "results"
+    code = main(["bench", "serve", "--base-url", server, "--no-progress", "--save-result", "vllm",
+                 "--result-dir", str(directory), "--num-requests", "4", "--input-len", "16",
+                 "--output-len", "3", "--request-rate", "20,inf", "--concurrency", "2"])
+    assert code == 0
+    files = sorted(directory.iterdir())
+    assert [re.sub(r"\d{8}-\d{6}", "DATE", f.name) for f in files] == [
+        "openai-20.0qps-concurrency2-tiny-DATE.json", "openai-infqps-concurrency2-tiny-DATE.json"]
+    for f, rate in zip(files, (20.0, "inf")):
+        r = json.loads(f.read_text())
+        _check_vllm_result(r, num_prompts=4, output_len=3)
+        assert (r["request_rate"], r["max_concurrency"], r["backend"]) == (rate, 2, "openai")
+        assert r["input_lens"] == [16] * 4 and r["max_concurrent_requests"] <= 2
+    # Chat, to --output: a single run is one plain JSON object.
+    code = main(["bench", "serve", "--base-url", server, "--no-progress", "--save-result", "vllm",
+                 "--output", str(tmp_path / "chat.json"), "--workload", "multi-turn",
+                 "--num-users", "2", "--num-turns", "2", "--prefix-len", "8", "--input-len", "8",
+                 "--output-len", "3"])
+    assert code == 0
+    r = json.loads((tmp_path / "chat.json").read_text())
+    _check_vllm_result(r, num_prompts=4, output_len=3)
+    assert r["backend"] == r["endpoint_type"] == "openai-chat" and r["tokenizer_id"] == MODEL
+
+
+class _Stub(BaseHTTPRequestHandler):
+    """A server that lists ``server.models`` and has no other endpoint."""
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._answer(200, {"object": "list", "data": self.server.models})
+        else:
+            self._answer(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:
+        self._answer(404, {"detail": "Not Found"})
+
+    def _answer(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def stub():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
+    httpd.models = []
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
+    thread.start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_a_server_without_models_or_tokenize_is_a_clear_error(stub, tmp_path, capsys):
+    base = f"http://127.0.0.1:{stub.server_address[1]}"
+    out = tmp_path / "out.json"
+    serve = ["bench", "serve", "--num-requests", "2", "--no-progress", "--output", str(out)]
+    assert main([*serve, "--base-url", base]) == 2
+    assert "lists no model" in capsys.readouterr().err
+    stub.models = [{"id": "m", "object": "model"}]
+    assert main([*serve, "--base-url", base]) == 2
+    err = capsys.readouterr().err
+    assert "model 'm' (from /v1/models)" in err and "no /tokenize endpoint" in err
+    assert "--tokenizer" in err
+    assert main([*serve, "--base-url", "http://127.0.0.1:9"]) == 2
+    assert "cannot list the served models" in capsys.readouterr().err
+    assert main([*serve, "--base-url", base, "--result-dir", str(tmp_path)]) == 2
+    assert "give one or the other" in capsys.readouterr().err
+    assert not out.exists()
