@@ -63,7 +63,8 @@ def engine_stats(base: str) -> dict:
     values = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            values[s.name + "".join(f"[{v}]" for v in s.labels.values())] = s.value
+            values[s.name + "".join(f"[{v}]" for k, v in s.labels.items()
+                                    if k not in ("model_name", "engine"))] = s.value
     return values
 
 

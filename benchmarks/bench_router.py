@@ -49,9 +49,12 @@ def _port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+ADMIN_KEY = "bench-admin"  # the replicas' cache reset between runs needs it
+
 
 def _start(args: list[str]) -> tuple[str, subprocess.Popen]:
-    return start_cli(args, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return start_cli(args, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                "OPENINFER_ADMIN_API_KEY": ADMIN_KEY})
 
 
 def replica(model: str) -> tuple[str, subprocess.Popen]:
@@ -72,8 +75,9 @@ def bench(base: str, model: str, out: Path) -> dict:
 
 def reset(urls: list[str]) -> None:
     for url in urls:
-        urllib.request.urlopen(urllib.request.Request(f"{url}/v1/cache/reset", method="POST"),
-                               timeout=60)
+        urllib.request.urlopen(urllib.request.Request(
+            f"{url}/v1/cache/reset", method="POST",
+            headers={"Authorization": f"Bearer {ADMIN_KEY}"}), timeout=60)
 
 
 async def _one_token(client: httpx.AsyncClient, base: str, i: int) -> float:

@@ -1,12 +1,21 @@
-"""`openinfer serve | generate | bench | demo-model` (the router joins when it lands)."""
+"""`openinfer serve | generate | router | bench | cache | demo-model` (also `python -m openinfer`)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import re
 import sys
 import time
 from pathlib import Path
+
+import openinfer
+from openinfer.logger import configure_logging
+
+logger = logging.getLogger(__name__)
+HelpFormatter = argparse.ArgumentDefaultsHelpFormatter
+DEFAULT_MODEL = "smollm2"
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -26,51 +35,65 @@ def parse_bytes(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that runs an engine."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                        help="the model, as --model (vLLM's `serve MODEL` form)")
+    g.add_argument("--model", help="a Hugging Face checkpoint directory, a .gguf file, a Hub id "
+                                   "(Org/Name) or a built-in name (smollm2) "
+                                   f"[default: {DEFAULT_MODEL}]")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto",
                    help="auto (float32 on CPU, checkpoint dtype on CUDA), float32, bfloat16, float16")
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
     g.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     g.add_argument("--kv-cache-memory", type=parse_bytes,
                    help="bytes for the KV block pool, e.g. 4GiB (default: 2GiB on CPU, "
                         "90%% of free memory on CUDA)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of earlier prompts' common prefixes")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="recompute every prompt (no KV reuse across requests)")
+                   help=argparse.SUPPRESS)  # the older spelling
     g.add_argument("--kv-host-memory", type=parse_bytes,
-                   help="host memory for the L2 KV tier, e.g. 8GiB (default: off; 512MiB "
+                   help="host memory for the L2 KV tier, e.g. 8GiB (off unless given; 512MiB "
                         "when --kv-store-dir is given)")
     g.add_argument("--kv-store-dir", help="directory of the L3 KV file store (local disk or a "
                                           "shared 3FS/NFS mount); survives restarts")
-    g.add_argument("--kv-store-bytes", type=parse_bytes, default=16 * 1024**3,
-                   help="most bytes the file store holds (default 16GiB)")
+    g.add_argument("--kv-store-bytes", type=parse_bytes, default="16GiB",
+                   help="most bytes the file store holds")
     g.add_argument("--kv-events-endpoint", help="publish KV events (vLLM's schema) on this ZMQ "
                                                 "PUB address, e.g. tcp://*:5557")
     g.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER address for replaying "
                                                        "missed KV event batches")
-    g.add_argument("--kv-events-topic", default="")
+    g.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events")
     d = parser.add_argument_group("disaggregation")
     d.add_argument("--role", dest="kv_role", choices=("both", "prefill", "decode"), default="both",
                    help="prefill: hold prompts' KV for decode instances to pull; decode: pull "
-                        "it before decoding; both: colocated (default)")
+                        "it before decoding; both: colocated")
     d.add_argument("--kv-connector", choices=("tcp", "shm", "file"), default="tcp",
                    help="how a decode instance pulls KV: tcp, shm (same host), file (the "
                         "shared --kv-store-dir)")
     d.add_argument("--kv-transfer-host", default="127.0.0.1",
                    help="address the KV server binds and advertises")
     d.add_argument("--kv-transfer-port", type=int,
-                   help="KV server port (default: any free port for --role prefill)")
+                   help="KV server port (unset: any free port for --role prefill)")
     d.add_argument("--kv-transfer-timeout", type=float, default=10.0,
                    help="seconds a stalled pull waits before falling back")
     d.add_argument("--kv-lease-timeout", type=float, default=30.0,
                    help="seconds a prefill instance holds KV nobody pulls")
     d.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"), default="recompute",
-                   help="when a pull fails: recompute locally (default) or fail the request")
+                   help="when a pull fails: recompute locally or fail the request")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="priority: lower `priority` values of requests run first")
     g.add_argument("--seed", type=int, help="seed for unseeded sampling")
+
+
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """`serve MODEL` and `--model MODEL` are one option; neither means the built-in model."""
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"model given twice: {args.model_tag!r} and --model {args.model!r}")
+    args.model = args.model or args.model_tag or DEFAULT_MODEL
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -94,9 +117,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def cmd_generate(args: argparse.Namespace) -> int:
     from openinfer import LLM, SamplingParams
 
-    if (Path(args.model) / "demo_spec.json").is_file():
-        print("Note: this is openinfer's demo model. ITS WEIGHTS ARE RANDOM: the text is gibberish.",
-              file=sys.stderr)
+    warn_if_demo_model(args.model)
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_tokens=args.max_tokens, seed=args.sample_seed, ignore_eos=args.ignore_eos,
@@ -118,9 +139,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def warn_if_demo_model(model: str) -> None:
+    if (Path(model) / "demo_spec.json").is_file():
+        logger.warning("%s is openinfer's demo model. ITS WEIGHTS ARE RANDOM: the text is "
+                       "gibberish. For real text, serve the default model (smollm2).", model)
 
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    args.api_key = args.api_key or os.environ.get("OPENINFER_API_KEY") or None
+    args.admin_api_key = args.admin_api_key or os.environ.get("OPENINFER_ADMIN_API_KEY") or None
     if args.data_parallel_size > 1 or args.backend == "ray" or args.disaggregate:
         from openinfer.router.launch import serve_data_parallel
 
@@ -129,19 +156,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from openinfer.engine.async_llm import AsyncLLM
     from openinfer.server.app import build_app
     from openinfer.server.limits import ServerLimits
+    from openinfer.server.listener import bind_socket, serve
+    from openinfer.server.sampling_defaults import load_chat_template, sampling_defaults
 
-    if (Path(args.model) / "demo_spec.json").is_file():
-        print("Note: serving openinfer's demo model. ITS WEIGHTS ARE RANDOM: the text is gibberish.",
-              file=sys.stderr)
+    sock = bind_socket(args.host, args.port)  # a port in use fails now, not after the load
+    warn_if_demo_model(args.model)
     llm = AsyncLLM(args.model, **engine_kwargs(args))
-    limits = ServerLimits(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+    if args.chat_template is not None and llm.tokenizer is not None:
+        llm.tokenizer.chat_template = load_chat_template(args.chat_template)
+    name = args.served_model_name or llm.config.model.served_name
+    limits = ServerLimits(api_key=args.api_key, admin_api_key=args.admin_api_key,
+                          max_body_bytes=args.max_body_bytes,
                           max_waiting_requests=args.max_waiting_requests)
-    app = build_app(llm, args.served_model_name or args.model, limits)
-    print(f"openinfer: serving {args.model} on http://{args.host}:{args.port}", file=sys.stderr)
+    url = f"http://{args.host}:{args.port}"
+    app = build_app(llm, name, limits,
+                    sampling_defaults=sampling_defaults(llm.config.model.path,
+                                                        args.generation_config),
+                    on_ready=lambda: logger.info("serving %s as %r on %s", llm.config.model.path,
+                                                 name, url),
+                    metrics_prefix=args.metrics_prefix,
+                    metrics_engine=str(args.metrics_engine_index))
     # SIGINT/SIGTERM: uvicorn stops accepting, waits for in-flight requests (bounded), then
     # the app's lifespan shuts the engine-core process down.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    serve(app, sock, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
+          timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
 
 
@@ -180,41 +218,67 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from openinfer.router.launch import add_router_args, cmd_router
 
-    parser = argparse.ArgumentParser(prog="openinfer", description="An open LLM inference engine.")
+    parser = argparse.ArgumentParser(prog="openinfer", description="An open LLM inference engine.",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"openinfer {openinfer.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text offline for one or more prompts")
+    gen = sub.add_parser("generate", help="generate text offline for one or more prompts",
+                         formatter_class=HelpFormatter)
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    gen.add_argument("--top-k", type=int, default=0, help="0 disables")
+    gen.add_argument("--n", type=int, default=1, help="samples per prompt")
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--sample-seed", type=int, help="per-request sampling seed")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
     gen.set_defaults(func=cmd_generate)
 
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API",
+                           formatter_class=HelpFormatter)
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", help="model name clients use (default: --model)")
-    serve.add_argument("--api-key", help="require this key (Authorization: Bearer KEY)")
-    serve.add_argument("--max-body-bytes", type=parse_bytes, default=8 * 1024 * 1024,
-                       help="larger request bodies get 413 (default 8MiB)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--served-model-name",
+                       help="model name clients use (unset: the model's, e.g. smollm2-135m-instruct)")
+    serve.add_argument("--api-key", help="require this key (Authorization: Bearer KEY); "
+                                         "unset: $OPENINFER_API_KEY, else no key")
+    serve.add_argument("--admin-api-key", help="key of the admin endpoints (/v1/cache/reset); unset: "
+                                               "$OPENINFER_ADMIN_API_KEY, else --api-key, else "
+                                               "they are refused")
+    serve.add_argument("--chat-template", help="a Jinja chat template, or a file holding one, "
+                                               "instead of the model's")
+    serve.add_argument("--generation-config", default="auto",
+                       help="sampling defaults for fields a request leaves unset: auto (the "
+                            "model's generation_config.json), vllm (none: OpenAI's), or a folder "
+                            "holding a generation_config.json")
+    serve.add_argument("--max-body-bytes", type=parse_bytes, default="8MiB",
+                       help="larger request bodies get 413")
     serve.add_argument("--max-waiting-requests", type=int,
                        help="answer 503 + Retry-After while more requests than this wait")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug"),
+                       help="openinfer's and uvicorn's log level")
+    serve.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="no log line per HTTP request")
     serve.add_argument("--shutdown-timeout", type=int, default=30,
                        help="seconds to let in-flight requests finish on SIGTERM/Ctrl-C")
+    serve.add_argument("--metrics-prefix", default="openinfer",
+                       help="/metrics names its series PREFIX:name; 'vllm' gives vLLM's names, so "
+                            "vLLM's Grafana dashboards and alerts work unchanged")
+    serve.add_argument("--metrics-engine-index", type=int, default=0,
+                       help="the 'engine' label of this server's metrics (its data-parallel "
+                            "rank; --data-parallel-size numbers its replicas)")
     serve.add_argument("--data-parallel-size", type=int, default=1,
                        help="run N engine replicas behind a router on --port")
     add_router_args(serve, data_parallel=True)
     serve.set_defaults(func=cmd_serve)
 
-    router = sub.add_parser("router", help="route the OpenAI/Anthropic API over replicas")
+    router = sub.add_parser("router", help="route the OpenAI/Anthropic API over replicas",
+                            formatter_class=HelpFormatter)
     router.add_argument("--worker", "--decode", dest="worker", action="append", default=[],
                         help="replica URL (repeatable); with --prefill, the decode instances")
     router.add_argument("--prefill", action="append", default=[],
@@ -222,9 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--tokenizer", required=True,
                         help="the replicas' tokenizer (so prompt hashes match theirs)")
     router.add_argument("--block-size", type=int, default=16, help="the replicas' KV block size")
-    router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8000)
-    router.add_argument("--log-level", default="info")
+    router.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    router.add_argument("--port", type=int, default=8000, help="port to listen on")
+    router.add_argument("--log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug"),
+                        help="openinfer's and uvicorn's log level")
+    router.add_argument("--admin-api-key", help="key of /admin/*; unset: "
+                                                "$OPENINFER_ADMIN_API_KEY, else /admin/* is refused")
     add_router_args(router)
     router.set_defaults(func=cmd_router)
 
@@ -233,13 +301,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     sub.choices["bench"].set_defaults(func=run_bench)
 
-    cache = sub.add_parser("cache", help="KV-cache tools")
+    cache = sub.add_parser("cache", help="KV-cache tools", formatter_class=HelpFormatter)
     cache_commands = cache.add_subparsers(dest="cache_command", required=True)
     inspect = cache_commands.add_parser("inspect", help="what a KV file store holds")
     inspect.add_argument("dir", help="the --kv-store-dir of a server")
     inspect.set_defaults(func=cmd_cache_inspect)
 
-    demo = sub.add_parser("demo-model", help="build the random-weight demo checkpoint")
+    demo = sub.add_parser("demo-model", help="build the random-weight demo checkpoint (for tests "
+                                             "and benchmarks: its text is gibberish)",
+                          formatter_class=HelpFormatter)
     demo.add_argument("out_dir")
     demo.add_argument("--preset", default="tiny", help="tiny (default) or bench-0.3b")
     demo.set_defaults(func=cmd_demo_model)
@@ -250,7 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv
+    if getattr(args, "log_level", None):
+        configure_logging(args.log_level)
     try:
+        if hasattr(args, "model_tag"):
+            resolve_model_arg(args)
         return args.func(args)
     except ValueError as e:  # bad input: a clear message, not a traceback
         print(f"openinfer: error: {e}", file=sys.stderr)

@@ -26,12 +26,14 @@ import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from openinfer.kv.block_hash import extend_block_hashes
+from openinfer.router.metrics import cluster_exposition, replica_load
 from openinfer.router.pd import prefill_first
 from openinfer.router.policies import Router, RouterConfig, Worker
 from openinfer.server.errors import error_body
+from openinfer.server.limits import admin_refusal
 
 logger = logging.getLogger(__name__)
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
@@ -54,6 +56,9 @@ class RouterState:
                                                           max_keepalive_connections=None))
         self.zmq = zmq.asyncio.Context()
         self._tasks: dict[str, list[asyncio.Task]] = {}
+        self.engine_index = {w.url: i for i, w in enumerate(self.all_workers)}
+        """Each replica's number, its `engine` label in /metrics: serving replicas, prefill
+        instances, then those added at run time (a URL keeps its number)."""
         r = self.registry = CollectorRegistry()
         self.decisions = Counter("openinfer_router:decisions", "Routing decisions by reason",
                                  ["reason"], registry=r)
@@ -86,7 +91,8 @@ class RouterState:
         url = url.rstrip("/")
         worker = next((w for w in self.router.workers if w.url == url), None)
         if worker is None:
-            worker = Worker(url)
+            worker = Worker(url, trusted=False)  # never handed a client's credentials
+            self.engine_index.setdefault(url, len(self.engine_index))
             self.router.workers.append(worker)
             self._start_watch(worker)
         return worker
@@ -139,15 +145,8 @@ class RouterState:
         """The replica's own view of its load, from its Prometheus metrics."""
         in_flight = worker.in_flight  # what we had sent it when it answered
         resp = await self.http.get(f"{worker.url}/metrics", timeout=2.0)
-        gauges = {}
-        for line in resp.text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in ("openinfer:num_requests_running", "openinfer:num_requests_waiting",
-                        "openinfer:kv_cache_usage_perc"):
-                gauges[name] = float(value)
-        worker.kv_usage = gauges.get("openinfer:kv_cache_usage_perc", 0.0)
-        worker.report(int(gauges.get("openinfer:num_requests_running", 0)
-                          + gauges.get("openinfer:num_requests_waiting", 0)), in_flight)
+        requests, worker.kv_usage = replica_load(resp.text)  # whatever its --metrics-prefix
+        worker.report(requests, in_flight)
 
     async def _events_loop(self, worker: Worker) -> None:
         """Follow the replica's KV events (if it publishes them) into its exact index."""
@@ -226,7 +225,8 @@ class RouterState:
         return len(ids), hashes
 
 
-def build_router_app(state: RouterState) -> FastAPI:
+def build_router_app(state: RouterState, admin_api_key: str | None = None) -> FastAPI:
+    """The router's API. ``/admin/*`` needs ``admin_api_key`` and is refused without one."""
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         state.start()
@@ -236,6 +236,14 @@ def build_router_app(state: RouterState) -> FastAPI:
             await state.close()
 
     app = FastAPI(title="openinfer router", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def admin_only(request: Request, call_next):
+        if request.url.path.startswith("/admin/"):
+            refusal = admin_refusal(request, admin_api_key)
+            if refusal is not None:
+                return refusal
+        return await call_next(request)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -248,7 +256,10 @@ def build_router_app(state: RouterState) -> FastAPI:
         for w in state.all_workers:
             state.load.labels(worker=w.url).set(w.in_flight)
             state.external_load.labels(worker=w.url).set(w.external_load)
-        return Response(generate_latest(state.registry), media_type="text/plain; version=0.0.4")
+        # One scrape sees the cluster: the router's series, then every healthy replica's.
+        replicas = {str(state.engine_index[w.url]): w.url for w in state.all_workers if w.healthy}
+        body = await cluster_exposition(state.http, replicas, state.registry)
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -313,7 +324,8 @@ def _generate_route(state: RouterState, path: str):
             upstream = None
             try:
                 upstream = await state.http.send(state.http.build_request(
-                    "POST", worker.url + path, content=raw, headers=headers), stream=True)
+                    "POST", worker.url + path, content=raw,
+                    headers=worker.forwarded_headers(headers)), stream=True)
                 # A stream counts as started with its first bytes, not its headers: until
                 # then the request can still go elsewhere.
                 chunks = upstream.aiter_raw()
@@ -362,8 +374,8 @@ async def _relay(upstream: httpx.Response, first: bytes, chunks: AsyncIterator[b
 async def _forward_get(state: RouterState, path: str, request: Request) -> Response:
     for worker in state.router.healthy():
         try:
-            resp = await state.http.get(worker.url + path, headers={
-                k: v for k, v in request.headers.items() if k.lower() == "authorization"})
+            resp = await state.http.get(worker.url + path, headers=worker.forwarded_headers({
+                k: v for k, v in request.headers.items() if k.lower() == "authorization"}))
             return Response(resp.content, status_code=resp.status_code,
                             media_type=resp.headers.get("content-type"))
         except (httpx.HTTPError, OSError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
+import os
 import signal
 import socket
 import subprocess
@@ -12,12 +14,16 @@ import time
 import urllib.request
 
 from openinfer.router.policies import POLICIES, RouterConfig
+from openinfer.server.listener import bind_socket, serve
+
+logger = logging.getLogger(__name__)
 
 
 def add_router_args(parser: argparse.ArgumentParser, data_parallel: bool = False) -> None:
     """Routing flags; with data_parallel (serve), also where the replicas run."""
     g = parser.add_argument_group("router")
-    g.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    g.add_argument("--policy", choices=POLICIES, default="cache_aware",
+                   help="how a replica is chosen for each request")
     g.add_argument("--balance-abs", type=int, default=8,
                    help="cache_aware falls back to least load when max - min in-flight "
                         "requests exceeds this ...")
@@ -45,26 +51,30 @@ def cmd_router(args: argparse.Namespace) -> int:
     if not args.worker:
         print("openinfer router: give at least one --worker (or --decode) URL", file=sys.stderr)
         return 2
-    run_router(args.worker, args.tokenizer, args, args.host, args.port, args.prefill)
+    args.admin_api_key = args.admin_api_key or os.environ.get("OPENINFER_ADMIN_API_KEY") or None
+    sock = bind_socket(args.host, args.port)
+    run_router(args.worker, args.tokenizer, args, sock, args.prefill)
     return 0
 
 
-def run_router(urls: list[str], tokenizer_path: str, args: argparse.Namespace, host: str,
-               port: int, prefill_urls: list[str] = ()) -> None:
-    import uvicorn
-    from transformers import AutoTokenizer
-
+def run_router(urls: list[str], tokenizer_path: str, args: argparse.Namespace,
+               sock: socket.socket, prefill_urls: list[str] = ()) -> None:
+    """Serve the router on ``sock`` (bound by the caller before anything slow)."""
+    from openinfer.engine.input_processor import load_tokenizer
     from openinfer.router.app import RouterState, build_router_app
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    host, port = sock.getsockname()[:2]
+    tokenizer = load_tokenizer(tokenizer_path)
     config = RouterConfig(policy=args.policy, balance_abs=args.balance_abs,
                           balance_rel=args.balance_rel)
     state = RouterState(urls, config, tokenizer, args.block_size, prefill_urls,
                         args.disagg_min_tokens)
     pd = f" (prefill: {', '.join(prefill_urls)})" if prefill_urls else ""
-    print(f"openinfer router: {args.policy} over {', '.join(urls)}{pd} on http://{host}:{port}",
-          file=sys.stderr)
-    uvicorn.run(build_router_app(state), host=host, port=port, log_level=args.log_level)
+    logger.info("router (%s) over %s%s on http://%s:%s", args.policy, ", ".join(urls), pd, host,
+                port)
+    admin_key = getattr(args, "admin_api_key", None) or getattr(args, "api_key", None)
+    serve(build_router_app(state, admin_key), sock, log_level=args.log_level,
+          access_log=not getattr(args, "disable_uvicorn_access_log", False))
 
 
 def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
@@ -75,11 +85,13 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
                                "--balance-abs", "--balance-rel", "--kv-events-endpoint",
                                "--kv-events-replay-endpoint", "--backend", "--ray-address",
                                "--ray-num-cpus-per-replica", "--disaggregate", "--role",
-                               "--kv-transfer-port", "--disagg-min-tokens"})
+                               "--kv-transfer-port", "--disagg-min-tokens",
+                               "--metrics-engine-index"})
+    sock = bind_socket(args.host, args.port)  # a port in use fails before replicas start
     if args.backend == "ray":
         if args.disaggregate:
             raise SystemExit("--disaggregate runs on this machine: not with --backend ray")
-        return _serve_on_ray(args, child_argv)
+        return _serve_on_ray(args, child_argv, sock)
     roles = [[]] * args.data_parallel_size
     num_prefill = 0
     if args.disaggregate:
@@ -88,11 +100,13 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
                  for _ in range(num_prefill)] + [["--role", "decode"]] * num_decode
     replicas, urls = [], []
     try:
-        for extra in roles:
+        for i, extra in enumerate(roles):
             port, events, replay = free_port(), free_port(), free_port()
+            # The router's numbering (its `engine` label): serving replicas, then prefill ones.
+            engine = (i - num_prefill) % len(roles)
             replicas.append(subprocess.Popen([
                 sys.executable, "-m", "openinfer.cli", "serve", *child_argv, *extra, "--host",
-                "127.0.0.1", "--port", str(port),
+                "127.0.0.1", "--port", str(port), "--metrics-engine-index", str(engine),
                 "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
                 "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"]))
             urls.append(f"http://127.0.0.1:{port}")
@@ -101,8 +115,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
         # uvicorn re-raises the SIGTERM it drained on; as an exception (not the default
         # action, which would kill us on the spot) it lets `finally` stop the replicas.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        run_router(urls[num_prefill:], args.tokenizer or args.model, args, args.host, args.port,
-                   urls[:num_prefill])
+        run_router(urls[num_prefill:], _tokenizer_path(args), args, sock, urls[:num_prefill])
     finally:
         for proc in replicas:
             if proc.poll() is None:
@@ -124,7 +137,16 @@ def _parse_pd(text: str) -> tuple[int, int]:
         raise SystemExit(f"--disaggregate takes P:D (at least 1 each), got {text!r}") from None
 
 
-def _serve_on_ray(args: argparse.Namespace, child_argv: list[str]) -> int:
+def _tokenizer_path(args: argparse.Namespace) -> str:
+    """The replicas' tokenizer: --tokenizer, else the model's (a name resolved to its files)."""
+    if args.tokenizer:
+        return args.tokenizer
+    from openinfer.models.source import resolve_model
+
+    return resolve_model(args.model).path
+
+
+def _serve_on_ray(args: argparse.Namespace, child_argv: list[str], sock: socket.socket) -> int:
     from openinfer.router.ray_backend import start_ray_replicas
 
     # From the start, not after startup as above: a SIGTERM while Ray starts must still
@@ -135,7 +157,7 @@ def _serve_on_ray(args: argparse.Namespace, child_argv: list[str]) -> int:
     try:
         urls, stop = start_ray_replicas(args, child_argv)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        run_router(urls, args.tokenizer or args.model, args, args.host, args.port)
+        run_router(urls, _tokenizer_path(args), args, sock)
     finally:
         if stop is not None:
             stop()  # the replicas, then ray.shutdown(): no Ray process outlives us

@@ -50,7 +50,8 @@ async def prefill_first(state: RouterState, path: str, body: dict, raw: bytes,
             leg["max_completion_tokens"] = 1
         worker.in_flight += 1
         try:
-            resp = await state.http.post(worker.url + path, json=leg, headers=headers)
+            resp = await state.http.post(worker.url + path, json=leg,
+                                         headers=worker.forwarded_headers(headers))
             if resp.status_code == 200:
                 params = resp.json().get("kv_transfer_params")
             else:

@@ -104,6 +104,9 @@ def _leading(hashes: list[BlockHash], held) -> int:
     return n
 
 
+CREDENTIAL_HEADERS = frozenset({"authorization", "x-api-key"})
+
+
 @dataclass
 class Worker:
     url: str
@@ -117,6 +120,15 @@ class Worker:
     index: WorkerCacheIndex = field(default_factory=WorkerCacheIndex)
     approx: ApproxIndex = field(default_factory=ApproxIndex)
     routed: int = 0
+    trusted: bool = True
+    """Named at start-up (or started by us): it may see the client's credentials. A replica
+    added later through the admin API never receives a client's Authorization header."""
+
+    def forwarded_headers(self, headers: dict[str, str]) -> dict[str, str]:
+        """The client's headers as this replica may receive them."""
+        if self.trusted:
+            return headers
+        return {k: v for k, v in headers.items() if k.lower() not in CREDENTIAL_HEADERS}
 
     def match(self, hashes: list[BlockHash]) -> int:
         return self.index.match(hashes) if self.index.live else self.approx.match(hashes)

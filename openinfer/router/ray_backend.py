@@ -121,8 +121,8 @@ def start_ray_replicas(args: argparse.Namespace,
     # SPREAD: one replica per node where the cluster allows, not all on the first node.
     actor_cls = ray.remote(ReplicaActor).options(
         num_cpus=args.ray_num_cpus_per_replica, num_gpus=num_gpus, scheduling_strategy="SPREAD")
-    actors = [actor_cls.remote(child_argv, sys.executable)
-              for _ in range(args.data_parallel_size)]
+    actors = [actor_cls.remote([*child_argv, "--metrics-engine-index", str(i)], sys.executable)
+              for i in range(args.data_parallel_size)]
 
     def stop() -> None:
         # Ask each actor to stop its replica gracefully first: shutting Ray down kills

@@ -16,7 +16,7 @@ from openinfer.engine.async_llm import AsyncLLM, RequestFailedError
 from openinfer.engine.core_client import EngineDeadError
 from openinfer.outputs import CompletionOutput
 from openinfer.sampling_params import SamplingParams
-from openinfer.server.errors import anthropic_error_body
+from openinfer.server.errors import APIError, anthropic_error_body
 from openinfer.server.openai_protocol import engine_kv_transfer_params, kv_transfer_field
 
 
@@ -28,19 +28,46 @@ class AnthropicMessage(BaseModel):
 
 
 class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Anthropic's request body. A field nobody declared is refused (400), and so is a
+    declared one set to what we cannot honour (tools, extended thinking, ...)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     stream: bool = False
+    metadata: dict[str, Any] | None = None
+    """Accepted, no effect (Anthropic's end-user id)."""
+    service_tier: str | None = None
+    """Accepted, no effect."""
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    container: Any = None
+    mcp_servers: list[dict[str, Any]] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     """Disaggregation, as on the OpenAI endpoints (an openinfer/vLLM extension)."""
+
+    def refuse_unsupported(self) -> None:
+        refused = {
+            "tools": (not self.tools, "tool use is not supported yet"),
+            "tool_choice": (self.tool_choice is None
+                            or self.tool_choice.get("type") in ("auto", "none"),
+                            "tool use is not supported yet"),
+            "thinking": (self.thinking is None or self.thinking.get("type") == "disabled",
+                         "extended thinking is not supported yet"),
+            "container": (self.container is None, "containers are not supported"),
+            "mcp_servers": (not self.mcp_servers, "MCP servers are not supported"),
+        }
+        for name, (ok, why) in refused.items():
+            if not ok:
+                raise APIError(400, f"{name}: {why}", name, code="unsupported_parameter")
 
 
 def _text(content: str | list[dict[str, Any]]) -> str:
@@ -69,17 +96,24 @@ def _event(kind: str, payload: dict) -> str:
 
 def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str,
                              check_model: Callable, chat_prompt_ids: Callable,
-                             tokenized: Callable, final: Callable) -> None:
+                             tokenized: Callable, final: Callable,
+                             sampling_defaults: dict[str, Any]) -> None:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest):
         check_model(body.model)
+        body.refuse_unsupported()
         chat = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
         if body.system is not None:
             chat.insert(0, {"role": "system", "content": _text(body.system)})
         token_ids = chat_prompt_ids(chat, True)
+        def pick(name: str, value: Any, fallback: Any) -> Any:
+            return value if value is not None else sampling_defaults.get(name, fallback)
+
         params = SamplingParams(
-            max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-            top_k=body.top_k, stop=body.stop_sequences,
+            max_tokens=body.max_tokens, temperature=pick("temperature", body.temperature, 1.0),
+            top_p=pick("top_p", body.top_p, 1.0), top_k=pick("top_k", body.top_k, 0),
+            min_p=pick("min_p", None, 0.0),
+            repetition_penalty=pick("repetition_penalty", None, 1.0), stop=body.stop_sequences,
             kv_transfer_params=engine_kv_transfer_params(body.kv_transfer_params))
         _, token_ids = tokenized(token_ids, params)
         message_id = f"msg_{uuid.uuid4().hex}"

@@ -7,7 +7,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -32,11 +32,19 @@ from openinfer.server.openai_protocol import (
 )
 
 
-def build_app(llm: AsyncLLM, served_model_name: str,
-              limits: ServerLimits | None = None) -> FastAPI:
+def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None = None, *,
+              sampling_defaults: dict[str, Any] | None = None,
+              on_ready: Callable[[], None] | None = None, metrics_prefix: str = "openinfer",
+              metrics_engine: str = "0") -> FastAPI:
+    """The API over ``llm``. ``sampling_defaults`` fill the sampling fields a request leaves
+    unset (the model's generation config under ``--generation-config auto``); ``on_ready``
+    runs once the engine has loaded and requests are served. /metrics names its series
+    ``<metrics_prefix>:...`` and labels them ``engine=metrics_engine`` (server/metrics.py)."""
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await llm.start()
+        if on_ready is not None:
+            on_ready()
         try:
             yield
         finally:
@@ -46,8 +54,8 @@ def build_app(llm: AsyncLLM, served_model_name: str,
     install_error_handlers(app)
     install_limits(app, limits or ServerLimits(), num_waiting=lambda: llm.client.stats.get("num_waiting", 0))
     max_model_len = llm.config.model.max_model_len
-    metrics = ServerMetrics(lambda: llm.client.stats)
-    llm.observers.append(metrics.observe)
+    metrics = ServerMetrics.for_llm(llm, served_model_name, prefix=metrics_prefix,
+                                    engine=metrics_engine)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
@@ -91,28 +99,47 @@ def build_app(llm: AsyncLLM, served_model_name: str,
             "max_model_len": max_model_len}]}
 
     def chat_prompt_ids(messages: list[dict], add_generation_prompt: bool,
-                        template_kwargs: dict | None = None) -> list[int]:
+                        template_kwargs: dict | None = None, *, chat_template: str | None = None,
+                        continue_final_message: bool = False,
+                        add_special_tokens: bool = False) -> list[int]:
         if llm.tokenizer is None:
             raise APIError(400, "chat needs a tokenizer", "messages")
+        if chat_template is None and llm.tokenizer.chat_template is None:
+            raise APIError(400, "this model has no chat template; start the server with "
+                           "--chat-template or use /v1/completions", "messages")
         try:
             text = llm.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template,
                 **(template_kwargs or {}))
         except Exception as e:  # a template that rejects these messages
             raise APIError(400, f"chat template failed: {e}", "messages") from e
-        # The rendered template already holds its special tokens.
-        return llm.tokenizer.encode(text, add_special_tokens=False)
+        # The rendered template already holds its special tokens (unless asked for more).
+        return llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def text_prompt_ids(prompt: str | list[int], add_special_tokens: bool) -> str | list[int]:
+        """Token ids of a text prompt when the tokenizer must not add its special tokens."""
+        if isinstance(prompt, str) and not add_special_tokens and llm.tokenizer is not None:
+            return llm.tokenizer.encode(prompt, add_special_tokens=False)
+        return prompt
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         check_model(body.model)
         if body.messages is not None:
-            tokens = chat_prompt_ids(_dump(body.messages), body.add_generation_prompt)
+            tokens = chat_prompt_ids(_dump(body.messages), body.add_generation_prompt,
+                                     body.chat_template_kwargs, chat_template=body.chat_template,
+                                     continue_final_message=body.continue_final_message,
+                                     add_special_tokens=bool(body.add_special_tokens))
         elif body.prompt is not None and llm.tokenizer is not None:
-            tokens = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = llm.tokenizer.encode(body.prompt,
+                                          add_special_tokens=body.add_special_tokens is not False)
         else:
             raise APIError(400, "give a prompt or messages (and a model with a tokenizer)", "prompt")
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
+        result = {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
+        if body.return_token_strs:
+            result["token_strs"] = llm.tokenizer.convert_ids_to_tokens(tokens)
+        return result
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
@@ -127,8 +154,7 @@ def build_app(llm: AsyncLLM, served_model_name: str,
     def tokenized(prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
         if llm.client.dead_reason is not None:  # fail before a stream sends its 200
             raise EngineDeadError(llm.client.dead_reason)
-        text, token_ids = llm.inputs.process_prompt(prompt)
-        llm.inputs.validate(token_ids, params)
+        text, token_ids = llm.inputs.process(prompt, params)  # tokenized, truncated, checked
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_model_len:
             raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; "
                            f"the prompt has {len(token_ids)} and max_tokens asks for "
@@ -138,13 +164,12 @@ def build_app(llm: AsyncLLM, served_model_name: str,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         check_model(body.model)
-        if body.suffix is not None:
-            raise APIError(400, "suffix is not supported", "suffix")
         # echo + logprobs scores the prompt too (how eval harnesses get loglikelihoods).
         score_prompt = body.echo and body.logprobs is not None
-        params = body.sampling_params(body.max_tokens, body.logprobs,
+        params = body.sampling_params(body.max_tokens, body.logprobs, sampling_defaults,
                                       prompt_logprobs=body.logprobs if score_prompt else None)
-        prompts = [tokenized(p, params) for p in _prompt_list(body.prompt)]
+        prompts = [tokenized(text_prompt_ids(p, body.add_special_tokens), params)
+                   for p in _prompt_list(body.prompt)]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         header = {"id": request_id, "object": "text_completion", "created": created,
@@ -202,11 +227,14 @@ def build_app(llm: AsyncLLM, served_model_name: str,
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest):
         check_model(body.model)
-        token_ids = chat_prompt_ids(_dump(body.messages), body.add_generation_prompt,
-                                    body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = body.top_logprobs or 0
-        params = body.sampling_params(max_tokens, top if body.logprobs else None)
+        params = body.sampling_params(max_tokens, top if body.logprobs else None,
+                                      sampling_defaults)
+        token_ids = chat_prompt_ids(_dump(body.messages), body.add_generation_prompt,
+                                    body.chat_template_kwargs, chat_template=body.chat_template,
+                                    continue_final_message=body.continue_final_message,
+                                    add_special_tokens=body.add_special_tokens)
         _, token_ids = tokenized(token_ids, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
@@ -245,7 +273,7 @@ def build_app(llm: AsyncLLM, served_model_name: str,
                              **kv_transfer_field(final)})
 
     install_anthropic_routes(app, llm, served_model_name, check_model, chat_prompt_ids,
-                             tokenized, _final)
+                             tokenized, _final, sampling_defaults or {})
     return app
 
 

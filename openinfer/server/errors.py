@@ -83,6 +83,9 @@ def install_error_handlers(app: FastAPI) -> None:
         first = e.errors()[0] if e.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
+        if first.get("type") == "extra_forbidden":  # OpenAI's words for a field nobody declared
+            return error_response(request, 400, f"Unrecognized request argument supplied: {param}",
+                                  "invalid_request_error", param, code="unrecognized_argument")
         message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(
             first.get("msg", "invalid request"))
         return error_response(request, 400, message, "invalid_request_error", param)

@@ -7,11 +7,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from openinfer.server.errors import error_response
 
 # Paths anyone may call (probes, scrapers) even when an API key is set.
 PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/kv_events"})
+# Paths that change the server's state for everyone: they need the admin key.
+ADMIN_PATHS = frozenset({"/v1/cache/reset"})
 
 
 @dataclass(frozen=True)
@@ -23,18 +26,45 @@ class ServerLimits:
     max_waiting_requests: int | None = None
     """When the engine's waiting queue is deeper than this, new generations get 503."""
     retry_after_s: int = 1
+    admin_api_key: str | None = None
+    """Key of the admin endpoints (ADMIN_PATHS); when None they take ``api_key``, and when
+    neither is set they are refused (403): nobody can empty a cache anonymously."""
+
+
+def bearer_token(request: Request) -> str:
+    """The key a client presented: ``Authorization: Bearer KEY`` or Anthropic's ``x-api-key``."""
+    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    return given or request.headers.get("x-api-key", "")
+
+
+def key_matches(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def admin_refusal(request: Request, admin_key: str | None) -> JSONResponse | None:
+    """None when ``request`` may call an admin endpoint; else the 401/403 to answer."""
+    if admin_key is None:
+        return error_response(request, 403, "admin endpoints are disabled: start the server "
+                              "with --admin-api-key (or --api-key)", "permission_error",
+                              code="admin_disabled")
+    if not key_matches(bearer_token(request), admin_key):
+        return error_response(request, 401, "invalid or missing admin API key",
+                              "authentication_error", code="invalid_api_key")
+    return None
 
 
 def install_limits(app: FastAPI, limits: ServerLimits, num_waiting: Callable[[], int]) -> None:
     @app.middleware("http")
     async def admit(request: Request, call_next):
         path = request.url.path
-        if limits.api_key is not None and path not in PUBLIC_PATHS:
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            given = given or request.headers.get("x-api-key", "")
-            if not hmac.compare_digest(given.encode(), limits.api_key.encode()):
-                return error_response(request, 401, "invalid or missing API key",
-                                      "authentication_error", code="invalid_api_key")
+        if path in ADMIN_PATHS:
+            refusal = admin_refusal(request, limits.admin_api_key or limits.api_key)
+            if refusal is not None:
+                return refusal
+        elif (limits.api_key is not None and path not in PUBLIC_PATHS
+              and not key_matches(bearer_token(request), limits.api_key)):
+            return error_response(request, 401, "invalid or missing API key",
+                                  "authentication_error", code="invalid_api_key")
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
             return error_response(request, 413,

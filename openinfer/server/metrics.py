@@ -1,134 +1,329 @@
-"""Prometheus metrics of the server (names follow vLLM's, prefixed ``openinfer:``)."""
+"""Prometheus metrics of the API server, named, typed, labelled and bucketed as vLLM's.
+
+Every series is ``<prefix>:<name>``: prefix ``openinfer`` by default, ``vllm`` for vLLM's
+Grafana dashboards and alerts to work unchanged (``serve --metrics-prefix``). Every series
+carries ``model_name`` (the served model name) and ``engine`` (this server's data-parallel
+rank, "0" for a lone server). Counters end in ``_total``. What each series reads:
+
+* the engine core's stats, sent with every step (gauges, and counters it keeps as running
+  totals): read at scrape time by ``_EngineStats``;
+* each request's acceptance (``on_request``: its n and max_tokens) and its output deltas
+  (``observe``: tokens, latencies, lengths, finish reasons), seen in this process;
+* ``cache_config_info``: the KV cache's configuration as labels of a gauge set to 1.
+
+A request's timing comes from its RequestMetrics (monotonic seconds; the scheduling time
+is the engine core's, on the same host's clock):
+
+    arrival --queue--> first scheduled --prefill--> first token --decode--> finished
+       |                      |------------------- inference -------------------|
+       |---------------------------------- e2e ---------------------------------|
+
+Request-level series count a request once whatever its ``n`` (vLLM counts each of its n
+samples): its generation length sums its samples, ``request_max_num_generation_tokens``
+takes the longest, and its finish reason is the first of abort, error, length, stop that
+one of its samples ended with.
+"""
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from openinfer.outputs import RequestOutput
+from openinfer.sampling_params import SamplingParams
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+if TYPE_CHECKING:
+    from openinfer.engine.async_llm import AsyncLLM
+
+LABELS = ("model_name", "engine")
+"""The labels of every series, in this order (a series' own labels follow them)."""
+FINISH_REASONS = ("abort", "error", "length", "stop")
+"""A request's finish reason; with several samples, the first of these that one ended with."""
+
+# Bucket bounds (seconds, or tokens) as vLLM's V1 front end uses them, so that quantiles
+# computed from openinfer and from vLLM compare bucket for bucket.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                         5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+_PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def metric_prefix(prefix: str) -> str:
+    """``prefix`` as the start of a metric name: 'vllm' (or 'vllm:') -> 'vllm:'.
+    Raises ValueError unless it is a valid Prometheus metric name."""
+    name = prefix.removesuffix(":")
+    if not _PREFIX.fullmatch(name):
+        raise ValueError(f"--metrics-prefix {prefix!r} is not a valid Prometheus metric name "
+                         "(letters, digits, '_' and ':', not starting with a digit)")
+    return name + ":"
+
+
+def token_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (token-count histograms)."""
+    bounds, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(bounds)
+            bounds.append(mantissa * scale)
+        scale *= 10
+
+
+@dataclass
+class _Tracked:
+    """What the metrics remember of a request between its deltas (per sample index)."""
+
+    last_token_time: dict[int, float] = field(default_factory=dict)
+    num_tokens: dict[int, int] = field(default_factory=dict)
+    reasons: set[str] = field(default_factory=set)
+    first_token_seen: bool = False
 
 
 class ServerMetrics:
-    def __init__(self, engine_stats: Callable[[], dict]) -> None:
+    """The server's registry. Feed it ``on_request`` when a request is accepted and
+    ``observe`` with every delta of it (AsyncLLM's observer hooks; ``for_llm`` wires them);
+    ``render`` is the /metrics body."""
+
+    def __init__(self, engine_stats: Callable[[], dict], *, model_name: str, engine: str = "0",
+                 prefix: str = "openinfer", max_model_len: int = 4096,
+                 cache_info: Callable[[], dict[str, str]] | None = None) -> None:
+        """``engine_stats``: the core's latest stats (EngineCore.stats()); ``cache_info``:
+        the labels of ``cache_config_info`` (block_size, num_gpu_blocks, ...), read at each
+        scrape. Raises ValueError for a prefix that cannot start a metric name."""
+        self.prefix = metric_prefix(prefix)
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._values = (model_name, str(engine))
+        p, r = self.prefix, self.registry
 
-        def stat(name: str) -> Callable[[], float]:
-            return lambda: float(engine_stats().get(name, 0))
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(p + name, doc, [*LABELS, *labels], registry=r)
 
-        Gauge("openinfer:num_requests_running", "Requests running in the engine",
-              registry=r).set_function(stat("num_running"))
-        Gauge("openinfer:num_requests_waiting", "Requests waiting in the engine",
-              registry=r).set_function(stat("num_waiting"))
-        Gauge("openinfer:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)",
-              registry=r).set_function(stat("kv_cache_usage"))
-        Gauge("openinfer:num_preemptions", "Preemptions since start",
-              registry=r).set_function(stat("num_preemptions"))
-        self.prompt_tokens = Counter("openinfer:prompt_tokens", "Prompt tokens of finished "
-                                     "requests", registry=r)
-        self.generation_tokens = Counter("openinfer:generation_tokens", "Generated tokens",
-                                         registry=r)
-        self.requests = Counter("openinfer:request_success", "Finished requests by reason",
-                                ["finished_reason"], registry=r)
-        Gauge("openinfer:prefix_cache_blocks", "Full blocks held in the device prefix cache",
-              registry=r).set_function(stat("prefix_cache_blocks"))
-        Gauge("openinfer:kv_host_blocks_used", "Blocks held in the host-memory KV tier (L2)",
-              registry=r).set_function(stat("kv_host_blocks_used"))
-        Gauge("openinfer:kv_store_bytes", "Bytes in the KV file store (L3), as this engine "
-              "last counted them", registry=r).set_function(stat("kv_store_bytes"))
-        Gauge("openinfer:num_requests_loading", "Waiting requests whose prefix is being read "
-              "from the file store or pulled from a prefill instance",
-              registry=r).set_function(stat("num_loading"))
-        Gauge("openinfer:kv_leases", "Finished prompts whose KV a prefill instance holds for "
-              "decode instances to pull", registry=r).set_function(stat("kv_leases"))
-        r.register(_EngineCounters(engine_stats))
-        self.ttft = Histogram("openinfer:time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("openinfer:inter_token_latency_seconds",
-                             "Time between consecutive tokens of a request",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("openinfer:e2e_request_latency_seconds", "Arrival to finish",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self._last_token_time: dict[str, float] = {}
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(p + name, doc, LABELS, buckets=buckets, registry=r).labels(*self._values)
+
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed "
+                                     "(a request's whole prompt, when its first token comes).") \
+            .labels(*self._values)
+        self.generation_tokens = counter("generation_tokens",
+                                         "Number of generation tokens processed.").labels(*self._values)
+        success = counter("request_success", "Count of finished requests by finish reason.",
+                          "finished_reason")
+        self.request_success = {reason: success.labels(*self._values, reason)
+                                for reason in FINISH_REASONS}
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "Histogram of a request's mean time per output token (decode time "
+                              "over its tokens after the first) in seconds.",
+                              TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.",
+                               REQUEST_LATENCY_BUCKETS)
+        self.inference = histogram("request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request.",
+                                   REQUEST_LATENCY_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.",
+                                 REQUEST_LATENCY_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds",
+                                "Histogram of time spent in DECODE phase for request.",
+                                REQUEST_LATENCY_BUCKETS)
+        lengths = token_buckets(max_model_len)
+        self.prompt_len = histogram("request_prompt_tokens", "Number of prefill tokens processed.",
+                                    lengths)
+        self.generation_len = histogram("request_generation_tokens",
+                                        "Number of generation tokens processed.", lengths)
+        self.max_generation_len = histogram("request_max_num_generation_tokens",
+                                            "Histogram of maximum number of requested generation "
+                                            "tokens.", lengths)
+        self.param_n = histogram("request_params_n", "Histogram of the n request parameter.",
+                                 N_BUCKETS)
+        self.param_max_tokens = histogram("request_params_max_tokens",
+                                          "Histogram of the max_tokens request parameter.", lengths)
+        r.register(_EngineStats(p, self._values, engine_stats))
+        r.register(_CacheConfigInfo(p, self._values, cache_info or dict))
+        self._requests: dict[str, _Tracked] = {}
+
+    @classmethod
+    def for_llm(cls, llm: AsyncLLM, model_name: str, *, prefix: str = "openinfer",
+                engine: str = "0") -> ServerMetrics:
+        """Metrics of ``llm``'s server, registered as its observers."""
+        config = llm.config
+
+        def cache_info() -> dict[str, str]:
+            return {"block_size": str(config.cache.block_size),
+                    "num_gpu_blocks": str(llm.client.info.get("num_blocks")),
+                    "num_cpu_blocks": str(llm.client.stats.get("kv_host_blocks_total")),
+                    "enable_prefix_caching": str(config.cache.enable_prefix_caching),
+                    "cache_dtype": str(config.model.dtype).removeprefix("torch.")}
+
+        metrics = cls(lambda: llm.client.stats, model_name=model_name, engine=engine,
+                      prefix=prefix, max_model_len=config.model.max_model_len,
+                      cache_info=cache_info)
+        llm.request_observers.append(metrics.on_request)
+        llm.observers.append(metrics.observe)
+        return metrics
+
+    def on_request(self, request_id: str, params: SamplingParams) -> None:
+        """A request was accepted: its parameters."""
+        self._requests[request_id] = _Tracked()
+        self.param_n.observe(params.n)
+        if params.max_tokens is not None:
+            self.param_max_tokens.observe(params.max_tokens)
 
     def observe(self, out: RequestOutput) -> None:
-        """Account one streaming delta (or an aborted request's final output)."""
+        """Account one streaming delta, or an aborted request's final output (finished)."""
         now = time.monotonic()
-        new_tokens = sum(len(c.token_ids) for c in out.outputs)
+        tracked = self._requests.setdefault(out.request_id, _Tracked())
+        new_tokens = 0
+        for c in out.outputs:
+            if c.finish_reason is not None:
+                tracked.reasons.add(c.finish_reason)
+            if not c.token_ids:
+                continue
+            k = len(c.token_ids)
+            new_tokens += k
+            tracked.num_tokens[c.index] = tracked.num_tokens.get(c.index, 0) + k
+            last = tracked.last_token_time.get(c.index)
+            if last is not None:  # several tokens in one delta share the gap
+                for _ in range(k):
+                    self.itl.observe((now - last) / k)
+            tracked.last_token_time[c.index] = now
+        m = out.metrics
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
-            last = self._last_token_time.get(out.request_id)
-            if last is None and out.metrics is not None:
-                self.ttft.observe(now - out.metrics.arrival_time)
-            elif last is not None:
-                # Several tokens in one delta share the gap.
-                for _ in range(new_tokens):
-                    self.itl.observe((now - last) / new_tokens)
-            self._last_token_time[out.request_id] = now
+            if not tracked.first_token_seen:
+                tracked.first_token_seen = True
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                if m is not None:
+                    first = m.first_token_time if m.first_token_time is not None else now
+                    self.ttft.observe(max(0.0, first - m.arrival_time))
         if out.finished:
-            self._last_token_time.pop(out.request_id, None)
-            self.prompt_tokens.inc(len(out.prompt_token_ids))
-            reasons = {c.finish_reason for c in out.outputs} or {"abort"}
-            for reason in reasons:
-                self.requests.labels(finished_reason=reason or "abort").inc()
-            if out.metrics is not None:
-                self.e2e.observe(now - out.metrics.arrival_time)
+            del self._requests[out.request_id]
+            self._finish(out, tracked, now)
+
+    def _finish(self, out: RequestOutput, tracked: _Tracked, now: float) -> None:
+        reason = next((r for r in FINISH_REASONS if r in tracked.reasons), "abort")
+        self.request_success[reason].inc()
+        self.prompt_len.observe(len(out.prompt_token_ids))
+        self.generation_len.observe(sum(tracked.num_tokens.values()))
+        longest = max(tracked.num_tokens.values(), default=0)
+        self.max_generation_len.observe(longest)
+        m = out.metrics
+        if m is None:
+            return
+        end = m.finished_time if m.finished_time is not None else now
+        self.e2e.observe(max(0.0, end - m.arrival_time))
+        scheduled, first = m.first_scheduled_time, m.first_token_time
+        if scheduled is not None:
+            self.queue.observe(max(0.0, scheduled - m.arrival_time))
+            self.inference.observe(max(0.0, end - scheduled))
+            if first is not None:
+                self.prefill.observe(max(0.0, first - scheduled))
+        if first is not None:
+            self.decode.observe(max(0.0, end - first))
+            if longest > 1:
+                self.tpot.observe(max(0.0, end - first) / (longest - 1))
 
     def render(self) -> bytes:
+        """The Prometheus text exposition of every series."""
         return generate_latest(self.registry)
 
 
-class _EngineCounters(Collector):
-    """Counters the engine core keeps itself (it reports running totals with each step)."""
+class _EngineStats(Collector):
+    """Series read from the engine core's stats (EngineCore.stats(); absent keys read 0)."""
 
+    # (name, stats key, help): gauges, then counters the core keeps as running totals.
+    GAUGES = (
+        ("num_requests_running", "num_running", "Number of requests in model execution batches."),
+        ("num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
+        ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
+        ("num_requests_loading", "num_loading", "Waiting requests whose prefix is being read "
+         "from the file store or pulled from a prefill instance"),
+        ("prefix_cache_blocks", "prefix_cache_blocks", "Full blocks held in the device prefix "
+         "cache"),
+        ("kv_host_blocks_used", "kv_host_blocks_used", "Blocks held in the host-memory KV tier "
+         "(L2)"),
+        ("kv_store_bytes", "kv_store_bytes", "Bytes in the KV file store (L3), as this engine "
+         "last counted them"),
+        ("kv_leases", "kv_leases", "Finished prompts whose KV a prefill instance holds for "
+         "decode instances to pull"),
+    )
     COUNTERS = (
-        ("openinfer:prefix_cache_queries", "prefix_cache_queries",
-         "Prompt tokens looked up in the prefix cache"),
-        ("openinfer:prefix_cache_hits", "prefix_cache_hits",
-         "Prompt tokens found in the prefix cache"),
-    )
-
-    def __init__(self, engine_stats: Callable[[], dict]) -> None:
-        self.engine_stats = engine_stats
-
-    TIER_COUNTERS = (
-        ("openinfer:kv_store_read_failures", "kv_store_read_failures",
+        ("num_preemptions", "num_preemptions", "Cumulative number of preemption from the engine."),
+        ("prefix_cache_queries", "prefix_cache_queries",
+         "Prefix cache queries, in terms of number of queried tokens."),
+        ("prefix_cache_hits", "prefix_cache_hits",
+         "Prefix cache hits, in terms of number of cached tokens."),
+        ("kv_store_read_failures", "kv_store_read_failures",
          "Store files rejected (corrupt, truncated, other model)"),
-        ("openinfer:kv_host_stores_skipped", "kv_host_stores_skipped",
+        ("kv_host_stores_skipped", "kv_host_stores_skipped",
          "Cached blocks not offloaded to host memory (every slot pinned)"),
-        ("openinfer:kv_store_writes_skipped", "kv_store_writes_skipped",
+        ("kv_store_writes_skipped", "kv_store_writes_skipped",
          "Blocks not written to the file store (the disk lagged too far behind)"),
-        ("openinfer:kv_remote_blocks_pulled", "kv_remote_blocks_pulled",
+        ("kv_remote_blocks_pulled", "kv_remote_blocks_pulled",
          "Blocks a decode instance pulled from prefill instances"),
-        ("openinfer:kv_remote_pull_failures", "kv_remote_pull_failures",
+        ("kv_remote_pull_failures", "kv_remote_pull_failures",
          "Pulls from prefill instances that failed (the rest was recomputed or failed)"),
-        ("openinfer:kv_bytes_served", "kv_bytes_served",
-         "Bytes a prefill instance sent to decode instances"),
+        ("kv_bytes_served", "kv_bytes_served", "Bytes a prefill instance sent to decode instances"),
     )
-    LABELLED = (
-        ("openinfer:prefix_cache_hits_by_tier", "prefix_cache_hits_by_tier", "tier",
+    # (name, stats key holding {label value: total}, label, help)
+    LABELLED_COUNTERS = (
+        ("prefix_cache_hits_by_tier", "prefix_cache_hits_by_tier", "tier",
          "Prompt tokens found in the prefix cache, by the tier that held them (L1 device, "
          "L2 host memory, L3 file store)"),
-        ("openinfer:kv_transfer_bytes", "kv_transfer_bytes", "direction",
-         "Bytes moved between KV tiers"),
-        ("openinfer:kv_transfer_seconds", "kv_transfer_seconds", "direction",
+        ("kv_transfer_bytes", "kv_transfer_bytes", "direction", "Bytes moved between KV tiers"),
+        ("kv_transfer_seconds", "kv_transfer_seconds", "direction",
          "Seconds spent moving KV between tiers"),
     )
 
-    def collect(self):
+    def __init__(self, prefix: str, values: tuple[str, str], engine_stats: Callable[[], dict]) -> None:
+        self.prefix, self.values, self.engine_stats = prefix, list(values), engine_stats
+
+    def collect(self) -> Iterator[Metric]:
         stats = self.engine_stats()
-        for name, key, documentation in self.COUNTERS:
-            yield CounterMetricFamily(name, documentation, value=float(stats.get(key, 0)))
-        for name, key, label, documentation in self.LABELLED:
-            family = CounterMetricFamily(name, documentation, labels=[label])
-            for value_label, value in (stats.get(key) or {}).items():
-                family.add_metric([value_label], float(value))
+        for name, key, doc in self.GAUGES:
+            family = GaugeMetricFamily(self.prefix + name, doc, labels=LABELS)
+            family.add_metric(self.values, float(stats.get(key, 0)))
             yield family
-        for name, key, documentation in self.TIER_COUNTERS:
-            yield CounterMetricFamily(name, documentation, value=float(stats.get(key, 0)))
+        for name, key, doc in self.COUNTERS:
+            family = CounterMetricFamily(self.prefix + name, doc, labels=LABELS)
+            family.add_metric(self.values, float(stats.get(key, 0)))
+            yield family
+        for name, key, label, doc in self.LABELLED_COUNTERS:
+            family = CounterMetricFamily(self.prefix + name, doc, labels=[*LABELS, label])
+            for value_label, value in (stats.get(key) or {}).items():
+                family.add_metric([*self.values, value_label], float(value))
+            yield family
+
+
+class _CacheConfigInfo(Collector):
+    """``cache_config_info``: the KV cache's configuration as labels, value 1 (an info
+    series, a gauge as vLLM has it)."""
+
+    def __init__(self, prefix: str, values: tuple[str, str],
+                 cache_info: Callable[[], dict[str, str]]) -> None:
+        self.name, self.values, self.cache_info = prefix + "cache_config_info", values, cache_info
+
+    def collect(self) -> Iterator[Metric]:
+        info = self.cache_info()
+        family = GaugeMetricFamily(self.name, "Information of the LLMEngine CacheConfig",
+                                   labels=[*LABELS, *info])
+        family.add_metric([*self.values, *info.values()], 1.0)
+        yield family

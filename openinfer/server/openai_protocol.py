@@ -1,28 +1,83 @@
 """OpenAI request bodies (pydantic) and their mapping onto SamplingParams.
 
-Unknown fields are ignored, as OpenAI does; fields we cannot honour are refused
-with a 400 naming them. vLLM's sampling extras (top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens) are accepted.
+Every field a request may carry is declared here, and each is one of three kinds:
+
+* honoured: it changes what the engine does (sampling fields, vLLM's extras);
+* accepted with no effect on the output, because it has none here (``user``,
+  ``metadata``, ``service_tier``, ``prompt_cache_key`` — prefix caching is always on);
+* refused with a 400 naming it when set to a value we cannot honour (``tools``,
+  ``response_format`` other than text, ``best_of`` > 1, guided decoding, ...), see
+  :data:`REFUSED`. A field nobody declared is refused too, as OpenAI does
+  ("Unrecognized request argument supplied"), so nothing is silently ignored.
+
+Sampling fields a request leaves unset take the server's defaults (the model's
+``generation_config.json`` with ``--generation-config auto``), then OpenAI's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
+from openinfer.server.errors import APIError
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {}
+
+
+# Field -> (is this value one we can honour?, why not). Checked before a request is queued.
+REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tools": (_unset, "tool calling is not supported yet"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not supported yet"),
+    "functions": (_unset, "function calling is not supported yet"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "function calling is not supported yet"),
+    "response_format": (lambda v: v is None or v.get("type") == "text",
+                        "structured outputs (json_object, json_schema) are not supported yet"),
+    "structured_outputs": (_unset, "structured outputs are not supported yet"),
+    "guided_json": (_unset, "guided decoding is not supported yet"),
+    "guided_regex": (_unset, "guided decoding is not supported yet"),
+    "guided_choice": (_unset, "guided decoding is not supported yet"),
+    "guided_grammar": (_unset, "guided decoding is not supported yet"),
+    "guided_decoding_backend": (_unset, "guided decoding is not supported yet"),
+    "guided_whitespace_pattern": (_unset, "guided decoding is not supported yet"),
+    "best_of": (lambda v: v in (None, 1), "best_of > 1 is not supported (as in vLLM V1); use n"),
+    "use_beam_search": (_unset, "beam search is not supported"),
+    "length_penalty": (lambda v: v in (None, 1.0), "length_penalty needs beam search, "
+                                                   "which is not supported"),
+    "logits_processors": (_unset, "custom logits processors are not supported"),
+    "audio": (_unset, "audio output is not supported"),
+    "modalities": (lambda v: v in (None, ["text"]), "only the text modality is supported"),
+    "prediction": (_unset, "predicted outputs are not supported"),
+    "reasoning_effort": (_unset, "reasoning controls are not supported yet"),
+    "web_search_options": (_unset, "web search is not supported"),
+    "store": (_unset, "this server does not store completions"),
+    "return_tokens_as_token_ids": (_unset, "return_tokens_as_token_ids is not supported"),
+    "prompt_logprobs": (_unset, "prompt_logprobs is not supported here; use echo with logprobs "
+                                "on /v1/completions"),
+    "prompt_embeds": (_unset, "prompt embeddings are not supported"),
+    "documents": (_unset, "documents (RAG chat templates) are not supported"),
+    "mm_processor_kwargs": (_unset, "multimodal inputs are not supported"),
+    "vllm_xargs": (_unset, "vllm_xargs is not supported"),
+    "suffix": (_unset, "suffix (insertion) is not supported"),
+}
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = 1
@@ -30,38 +85,104 @@ class SamplingFields(BaseModel):
     top_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string, OpenAI's shape) -> bias added to its logit, in [-100, 100]."""
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Accepted, no effect on the output.
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    """OpenAI's cache-routing hint: prefix caching here is automatic, keyed by content."""
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's extras
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    """Lower runs first when the server runs with --scheduling-policy priority."""
     cache_salt: str | None = None
     """Prefix-cache isolation (vLLM's field): different salts never share cached KV."""
     kv_transfer_params: dict[str, Any] | None = None
     """Disaggregation (vLLM's field): {"do_remote_decode": true} to a prefill instance;
     the kv_transfer_params of its answer to a decode instance."""
+    # Declared so that they are refused by name (see REFUSED), not as unknown.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    prompt_logprobs: int | None = None
+    vllm_xargs: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        """A 400 naming the first field set to a value this server cannot honour."""
+        for name, (honourable, why) in REFUSED.items():
+            if not honourable(getattr(self, name, None)):
+                raise APIError(400, f"{name}: {why}", name, code="unsupported_parameter")
+        if self.stream_options is not None:
+            if not self.stream:
+                raise APIError(400, "stream_options is only allowed with stream: true",
+                               "stream_options")
+            if self.stream_options.continuous_usage_stats:
+                raise APIError(400, "stream_options.continuous_usage_stats is not supported",
+                               "stream_options.continuous_usage_stats",
+                               code="unsupported_parameter")
+        if not self.spaces_between_special_tokens:
+            raise APIError(400, "spaces_between_special_tokens: false is not supported",
+                           "spaces_between_special_tokens", code="unsupported_parameter")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters: the request's fields, then ``defaults`` (the server's
+        sampling defaults, e.g. the model's generation config), then OpenAI's."""
+        self.refuse_unsupported()
+        defaults = defaults or {}
+
+        def pick(name: str, value: Any, fallback: Any) -> Any:
+            return value if value is not None else defaults.get(name, fallback)
+
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,
+            n=self.n, temperature=pick("temperature", self.temperature, 1.0),
+            top_p=pick("top_p", self.top_p, 1.0), top_k=pick("top_k", self.top_k, 0),
+            min_p=pick("min_p", self.min_p, 0.0),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
+            repetition_penalty=pick("repetition_penalty", self.repetition_penalty, 1.0),
+            seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            max_tokens=pick("max_tokens", max_tokens, None), min_tokens=self.min_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            cache_salt=self.cache_salt,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words, truncate_prompt_tokens=self.truncate_prompt_tokens,
+            priority=self.priority, cache_salt=self.cache_salt,
             kv_transfer_params=engine_kv_transfer_params(self.kv_transfer_params),
         )
 
@@ -98,6 +219,9 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    prompt_embeds: Any = None
+    add_special_tokens: bool = True
+    """Whether the tokenizer adds its special tokens (e.g. BOS) to a text prompt."""
 
 
 class ChatMessage(BaseModel):
@@ -114,23 +238,58 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """Render the last (assistant) message open, so the model continues it (vLLM's field)."""
+    add_special_tokens: bool = False
+    """Whether the tokenizer adds special tokens on top of the rendered template."""
+    chat_template: str | None = None
+    """A Jinja chat template for this request instead of the server's."""
     chat_template_kwargs: dict[str, Any] | None = None
+    # Refused by name when set (see REFUSED).
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    store: bool | None = None
+    verbosity: str | None = None
+    echo: bool = False
+    documents: list[dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise APIError(400, "echo: not supported on chat completions", "echo",
+                           code="unsupported_parameter")
+        if self.verbosity not in (None, "medium"):
+            raise APIError(400, "verbosity: output verbosity controls are not supported",
+                           "verbosity", code="unsupported_parameter")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both "
+                           "be true", "continue_final_message")
 
 
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
-    add_special_tokens: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None
+    """Whether the tokenizer adds its special tokens: by default yes for a prompt, no for
+    messages (the rendered template holds them), as vLLM does."""
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     tokens: list[int]

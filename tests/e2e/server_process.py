@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import socket
 import subprocess
@@ -14,6 +16,9 @@ import pytest
 
 MODEL = "tiny"
 """The name test servers serve their checkpoint under."""
+ADMIN_KEY = "test-admin-key"
+"""Every server and router a test starts takes this admin key (OPENINFER_ADMIN_API_KEY)."""
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def _free_port() -> int:
@@ -22,28 +27,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(checkpoint, *flags: str, port: int | None = None) -> tuple[str, subprocess.Popen]:
+def start_server(checkpoint, *flags: str, port: int | None = None,
+                 admin_key: str | None = ADMIN_KEY) -> tuple[str, subprocess.Popen]:
     return _start(["serve", "--model", str(checkpoint), "--served-model-name", MODEL, *flags],
-                  port)
+                  port, admin_key)
 
 
-def start_router(workers: list[str], checkpoint, *flags: str) -> tuple[str, subprocess.Popen]:
+def start_router(workers: list[str], checkpoint, *flags: str,
+                 admin_key: str | None = ADMIN_KEY) -> tuple[str, subprocess.Popen]:
     worker_flags = [arg for url in workers for arg in ("--worker", url)]
-    return _start(["router", *worker_flags, "--tokenizer", str(checkpoint), *flags], None)
+    return _start(["router", *worker_flags, "--tokenizer", str(checkpoint), *flags], None,
+                  admin_key)
 
 
-def _start(args: list[str], port: int | None) -> tuple[str, subprocess.Popen]:
+def _start(args: list[str], port: int | None,
+           admin_key: str | None = ADMIN_KEY) -> tuple[str, subprocess.Popen]:
     port = port or _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "OPENINFER_ADMIN_API_KEY"}
+    if admin_key is not None:
+        env["OPENINFER_ADMIN_API_KEY"] = admin_key
     proc = subprocess.Popen(
         [sys.executable, "-m", "openinfer.cli", *args, "--port", str(port), "--log-level",
-         "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
         try:
             urllib.request.urlopen(f"{base}/health", timeout=2)
             return base, proc
-        except (urllib.error.URLError, ConnectionError):
+        except (urllib.error.URLError, ConnectionError, TimeoutError):  # bound, still loading
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 pytest.fail(f"{args[0]} did not start:\n{proc.stdout.read()}")
@@ -57,3 +69,10 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def admin_workers(router: str) -> list[dict]:
+    """The router's replicas, as its admin API lists them."""
+    resp = urllib.request.urlopen(urllib.request.Request(f"{router}/admin/workers", headers=ADMIN),
+                                  timeout=30)
+    return json.loads(resp.read())["workers"]

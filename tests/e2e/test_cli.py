@@ -33,4 +33,9 @@ def test_demo_model_then_generate(tmp_path):
 
 def test_missing_model_is_a_clear_error(tmp_path):
     res = _run("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert res.returncode == 2 and "is not a directory, .gguf file" in res.stderr
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = _run("generate", "--model", str(empty), "--prompt", "x")
     assert res.returncode == 2 and "no config.json" in res.stderr

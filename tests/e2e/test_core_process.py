@@ -59,7 +59,8 @@ def test_core_process_serves_aborts_and_shuts_down(qwen3_checkpoint):
 
 def test_core_process_startup_failure_is_reported(tmp_path):
     async def scenario() -> None:
-        client = EngineCoreClient({"model": str(tmp_path / "missing")})
+        (tmp_path / "empty").mkdir()
+        client = EngineCoreClient({"model": str(tmp_path / "empty")})
         with pytest.raises(EngineDeadError, match="no config.json"):
             await client.start()
         await client.shutdown()

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from server_process import MODEL, start_router, start_server, stop
+from server_process import MODEL, admin_workers, start_router, start_server, stop
 
 from openinfer import LLM, SamplingParams
 from openinfer.kv.block_hash import extend_block_hashes
@@ -21,8 +21,8 @@ MiB = 1024**2
 
 def _metric(base: str, name: str) -> float:
     for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
+        if line.startswith((name + " ", name + "{")):  # one series: this server's model
+            return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in {base}/metrics")
 
 
@@ -104,7 +104,7 @@ def test_a_dead_prefill_instance_costs_no_request(pd):
     assert resp.headers["x-openinfer-prefill"] == "none"
     assert resp.json()["choices"][0]["text"] == _complete(pd["decode"], prompt).json()[
         "choices"][0]["text"]
-    workers = {w["url"]: w for w in httpx.get(f"{pd['router']}/admin/workers").json()["workers"]}
+    workers = {w["url"]: w for w in admin_workers(pd['router'])}
     assert workers[pd["prefill"]]["role"] == "prefill" and not workers[pd["prefill"]]["healthy"]
     metrics = httpx.get(f"{pd['router']}/metrics", timeout=30).text
     assert 'openinfer_router:disagg_decisions_total{decision="prefill_failed"} 1.0' in metrics
@@ -116,7 +116,7 @@ def test_serve_disaggregate_starts_prefill_and_decode_behind_a_router(qwen3_chec
     base, proc = start_server(qwen3_checkpoint, "--disaggregate", "1:1", "--disagg-min-tokens",
                               "16")
     try:
-        workers = httpx.get(f"{base}/admin/workers", timeout=30).json()["workers"]
+        workers = admin_workers(base)
         assert sorted(w["role"] for w in workers) == ["prefill", "serve"]
         resp = _complete(base, list(range(10, 90)))
         prefill = next(w["url"] for w in workers if w["role"] == "prefill")

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import msgpack
@@ -57,7 +58,7 @@ def test_file_store_events_reset_and_restart(qwen3_checkpoint, tmp_path):
     store = tmp_path / "store"
     pub, replay = _free_tcp(), _free_tcp()
     flags = ("--kv-store-dir", str(store), "--kv-events-endpoint", pub,
-             "--kv-events-replay-endpoint", replay)
+             "--kv-events-replay-endpoint", replay, "--admin-api-key", "admin-key")
     base, proc = start_server(qwen3_checkpoint, *flags)
     try:
         sub = zmq.Context.instance().socket(zmq.SUB)
@@ -80,8 +81,15 @@ def test_file_store_events_reset_and_restart(qwen3_checkpoint, tmp_path):
         sub.close(linger=0)
 
         # Admin reset: device and host tiers forget; the file store still holds the prefix.
+        # It needs the admin key.
+        for headers, status in (({}, 401), ({"Authorization": "Bearer wrong"}, 401)):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(urllib.request.Request(
+                    f"{base}/v1/cache/reset", method="POST", headers=headers), timeout=30)
+            assert refused.value.code == status
         reset = json.loads(urllib.request.urlopen(urllib.request.Request(
-            f"{base}/v1/cache/reset", method="POST"), timeout=30).read())
+            f"{base}/v1/cache/reset", method="POST",
+            headers={"Authorization": "Bearer admin-key"}), timeout=30).read())
         assert reset["reset"] and reset["device_blocks_cleared"] >= 2
         assert _complete(base) == (text, 32)
         metrics = _metrics(base)

@@ -11,7 +11,7 @@ import time
 import httpx
 import psutil
 import pytest
-from server_process import MODEL, start_server
+from server_process import MODEL, admin_workers, start_server
 
 # Only whether it is installed: importing ray here would change this test process for the
 # tests after it (it altered how an offline tokenizer decodes a partial UTF-8 byte).
@@ -32,7 +32,7 @@ def _complete(base: str) -> tuple[str, str | None, str | None]:
 
 
 def _workers(base: str) -> list[dict]:
-    return httpx.get(f"{base}/admin/workers", timeout=30).json()["workers"]
+    return admin_workers(base)
 
 
 def _wait_for(condition, timeout_s: float = 30) -> None:

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from server_process import MODEL, start_router, start_server, stop
+from prometheus_client.parser import text_string_to_metric_families
+from server_process import MODEL, admin_workers, start_router, start_server, stop
 
 
 def _tcp() -> str:
@@ -100,7 +101,7 @@ def test_cache_aware_keeps_each_conversation_on_the_replica_holding_it(replicas,
                     assert worker == homes[user], (user, turn)
                     assert reason == "cache_hit"
         assert len(set(homes.values())) >= 2  # users spread over replicas, then stick
-        workers = httpx.get(f"{router}/admin/workers", timeout=30).json()["workers"]
+        workers = admin_workers(router)
         assert all(w["events"] for w in workers) and sum(w["indexed_blocks"] for w in workers) > 0
         metrics = httpx.get(f"{router}/metrics", timeout=30).text
         assert 'openinfer_router:decisions_total{reason="cache_hit"}' in metrics
@@ -154,13 +155,13 @@ def test_a_replica_killed_under_load_loses_no_request_and_comes_back(qwen3_check
             done += [future.result() for future in futures[8:]]  # none may fail
         assert [text for text, _, _ in done] == expected
         assert any(worker == victim_url for _, worker, _ in done[:8])
-        workers = {w["url"]: w for w in httpx.get(f"{router}/admin/workers").json()["workers"]}
+        workers = {w["url"]: w for w in admin_workers(router)}
         assert not workers[victim_url]["healthy"]
         assert sum(w["in_flight"] for w in workers.values()) == 0  # nothing counted twice
         port = int(victim_url.rsplit(":", 1)[1])
         started[1] = _replica(qwen3_checkpoint, port=port)  # back on the same address
         for _ in range(100):
-            workers = {w["url"]: w for w in httpx.get(f"{router}/admin/workers").json()["workers"]}
+            workers = {w["url"]: w for w in admin_workers(router)}
             if workers[victim_url]["healthy"]:
                 break
             time.sleep(0.1)
@@ -175,15 +176,38 @@ def test_a_replica_killed_under_load_loses_no_request_and_comes_back(qwen3_check
 
 @pytest.mark.slow
 def test_serve_data_parallel_starts_replicas_behind_a_router(qwen3_checkpoint):
-    base, proc = start_server(qwen3_checkpoint, "--data-parallel-size", "2")
+    base, proc = start_server(qwen3_checkpoint, "--data-parallel-size", "2",
+                              "--metrics-prefix", "vllm")
     try:
-        workers = httpx.get(f"{base}/admin/workers", timeout=30).json()["workers"]
+        workers = admin_workers(base)
         assert len(workers) == 2 and all(w["healthy"] for w in workers)
         text, worker, _ = _complete(base, PROMPTS[0])
         assert text and worker in {w["url"] for w in workers}
+        _check_cluster_metrics(base, [w["url"] for w in workers])
     finally:
         stop(proc)
     assert proc.returncode is not None
     for w in workers:  # the replicas went with it
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{w['url']}/health", timeout=5)
+
+
+def _families(url: str) -> dict:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _check_cluster_metrics(router: str, replicas: list[str]) -> None:
+    """One scrape of the router sees every replica's series (vLLM names here), each
+    labelled with the engine number the replica gives itself, beside the router's own."""
+    cluster = _families(router)
+    running = cluster["vllm:num_requests_running"].samples
+    assert sorted(s.labels["engine"] for s in running) == ["0", "1"]
+    assert {s.labels["model_name"] for s in running} == {MODEL}
+    generated = [s.value for s in cluster["vllm:generation_tokens"].samples
+                 if s.name == "vllm:generation_tokens_total"]
+    assert len(generated) == 2 and sum(generated) == 6  # the one completion, on one of them
+    assert "openinfer_router:worker_requests" in cluster
+    for engine, url in enumerate(replicas):  # the router's numbering: its list of replicas
+        own = {s.labels.get("engine") for f in _families(url).values() for s in f.samples}
+        assert own == {str(engine)}, url

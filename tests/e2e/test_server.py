@@ -155,6 +155,61 @@ def test_64_concurrent_streaming_chats_match_each_run_alone(server, offline):
 
 
 @pytest.mark.slow
+def test_tools_and_structured_outputs_are_refused_by_name(server, client):
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}
+    for extra, param in (({"tools": [tool]}, "tools"), ({"response_format": schema},
+                                                         "response_format"),
+                         ({"tool_choice": "required"}, "tool_choice"),
+                         ({"reasoning_effort": "high"}, "reasoning_effort")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(**chat, **extra)
+        error = refused.value.body
+        assert error["param"] == param and error["code"] == "unsupported_parameter", error
+    # Harmless fields and the text format are accepted.
+    ok = client.chat.completions.create(**chat, response_format={"type": "text"}, user="u",
+                                        metadata={"k": "v"}, tool_choice="none")
+    assert ok.choices[0].message.content is not None
+    messages = anthropic.Anthropic(base_url=server[0], api_key="unused", max_retries=0).messages
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                        tools=[{"name": "f", "input_schema": {"type": "object"}}])
+    assert "tools" in str(refused.value)
+
+
+@pytest.mark.slow
+def test_vllm_sampling_extras_match_offline(client, offline):
+    """logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens and priority reach
+    the engine: the server's tokens equal the offline engine's with the same parameters."""
+    prompt = list(range(20, 60))
+    base = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    cases = [
+        {"logit_bias": {"77": 100}},
+        {"allowed_token_ids": [11, 12, 13]},
+        {"bad_words": ["the", "and"]},
+        {"truncate_prompt_tokens": 9},
+        {"priority": 3},
+    ]
+    for extra in cases:
+        params = dict(extra)
+        if "logit_bias" in params:
+            params["logit_bias"] = {int(k): v for k, v in params["logit_bias"].items()}
+        expected = offline.generate(prompt, SamplingParams(**base, **params))[0]
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True, **extra})
+        tokens = offline.get_tokenizer().encode(out.choices[0].text, add_special_tokens=False)
+        assert out.choices[0].text == expected.outputs[0].text, extra
+        assert out.usage.prompt_tokens == len(expected.prompt_token_ids), extra
+        if "logit_bias" in extra:
+            assert expected.outputs[0].token_ids == [77] * 6
+        if "allowed_token_ids" in extra:
+            assert set(expected.outputs[0].token_ids) <= {11, 12, 13} and tokens
+        if "truncate_prompt_tokens" in extra:
+            assert out.usage.prompt_tokens == 9
+
+
+@pytest.mark.slow
 def test_chat_stream_n_logprobs_stop_and_seed(client, offline):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     tok = offline.get_tokenizer()
@@ -207,6 +262,18 @@ def _post(base: str, path: str, body: bytes | dict) -> tuple[int, dict]:
     ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"model": MODEL, "prompt": "hi", "stop": 3}, 400, "stop"),
     (b"{not json", 400, None),
+    # Fields we cannot honour are refused by name, never ignored.
+    ({"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ({"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ({"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ({"model": MODEL, "prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
+    ({"model": MODEL, "prompt": "hi", "no_such_field": 1}, 400, "no_such_field"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ({"model": MODEL, "prompt": "hi", "truncate_prompt_tokens": 0}, 400,
+     "truncate_prompt_tokens"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, param):
     base, _ = server
@@ -301,11 +368,13 @@ def test_api_key_body_size_and_queue_limits(qwen3_checkpoint):
 
 
 def _metrics(base: str) -> dict[str, float]:
+    """A server's samples by name + [label value]... (leaving out model_name and engine)."""
     text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            key = sample.name + "".join(f"[{v}]" for v in sample.labels.values())
+            key = sample.name + "".join(f"[{v}]" for k, v in sample.labels.items()
+                                        if k not in ("model_name", "engine"))
             values[key] = sample.value
     return values
 

