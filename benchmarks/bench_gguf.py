@@ -57,16 +57,21 @@ def log(message: str) -> None:
 # ---- workers (one per fresh process) ---------------------------------------------------------
 
 
+def chat_ids(tokenizer, question: str) -> list[int]:
+    """The question as one user turn, rendered with the model's chat template."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def worker_openinfer(path: str) -> dict:
     start = time.perf_counter()
     from openinfer import LLM, SamplingParams
 
-    llm = LLM(path, progress=False, kv_cache_memory=256 * 2**20)
+    llm = LLM(path, progress=False, kv_cache_memory=512 * 2**20)
     load_s = time.perf_counter() - start
     tok = llm.get_tokenizer()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
-                                       add_generation_prompt=True) for q in QUESTIONS]
-    prompts = [p["input_ids"] if isinstance(p, dict) else p for p in prompts]
+    prompts = [chat_ids(tok, q) for q in QUESTIONS]
     answers, decode_s, decode_tokens = [], 0.0, 0
     for ids in prompts:
         out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=NEW_TOKENS))[0]
@@ -99,9 +104,7 @@ def worker_transformers(path: str) -> dict:
     answers, decode_s, decode_tokens = [], 0.0, 0
     with torch.inference_mode():
         for q in QUESTIONS:
-            ids = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
-                                          add_generation_prompt=True, return_tensors="pt")
-            ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
+            ids = torch.tensor([chat_ids(tok, q)])
             first = time.perf_counter()
             model.generate(ids, max_new_tokens=1, do_sample=False)
             prefill = time.perf_counter() - first
@@ -148,7 +151,7 @@ def server_cold_start() -> float:
         port = s.getsockname()[1]
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "openinfer", "serve", "--port", str(port),
-                             "--kv-cache-memory", "256MiB", "--log-level", "warning"], cwd=REPO)
+                             "--kv-cache-memory", "512MiB", "--log-level", "warning"], cwd=REPO)
     body = json.dumps({"model": "smollm2-135m-instruct", "max_tokens": 8, "temperature": 0,
                        "messages": [{"role": "user", "content": QUESTIONS[0]}]}).encode()
     try:
