@@ -323,19 +323,13 @@ def _token_counts(
     token_lists: Iterable[Iterable[int]], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
     """[R, V] float counts of each token id in each row's list (one scatter_add for all rows)."""
-    lengths: list[int] = []
-    flat: list[int] = []
-    for tokens in token_lists:
-        before = len(flat)
-        flat.extend(tokens)
-        lengths.append(len(flat) - before)
-    counts = torch.zeros(len(lengths) * vocab_size, device=device)
-    if flat:
-        tokens = torch.tensor(flat, dtype=torch.long)
-        rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        flat_index = (rows * vocab_size + tokens).to(device, non_blocking=True)
-        counts.scatter_add_(0, flat_index, torch.ones_like(flat_index, dtype=counts.dtype))
-    return counts.view(len(lengths), vocab_size)
+    token_lists = list(token_lists)
+    counts = torch.zeros(len(token_lists), vocab_size, device=device)
+    rows, tokens = _row_token_pairs(list(range(len(token_lists))), token_lists, device)
+    if tokens.numel():
+        counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=counts.dtype),
+                          accumulate=True)
+    return counts
 
 
 # --------------------------------------------------------------------------------------------
