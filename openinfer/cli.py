@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import openinfer
+from openinfer.attention.selector import ATTENTION_BACKENDS
 from openinfer.logger import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                    f"[default: {DEFAULT_MODEL}]")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto",
-                   help="auto (float32 on CPU, checkpoint dtype on CUDA), float32, bfloat16, float16")
+                   help="auto (on CPU: bfloat16 for a bf16 checkpoint where the CPU has AVX512_BF16 "
+                        "or AMX, else float32; on CUDA: the checkpoint's), float32, bfloat16, float16")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
     g.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     g.add_argument("--kv-cache-memory", type=parse_bytes,
@@ -87,6 +89,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="priority: lower `priority` values of requests run first")
     g.add_argument("--seed", type=int, help="seed for unseeded sampling")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="torch (reference), cpu (C++ paged kernel), auto (the fastest that "
+                        "runs here; $OPENINFER_ATTENTION_BACKEND overrides auto)")
 
 
 def resolve_model_arg(args: argparse.Namespace) -> None:
@@ -111,6 +116,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_transfer_host=args.kv_transfer_host, kv_transfer_port=args.kv_transfer_port,
         kv_transfer_timeout=args.kv_transfer_timeout, kv_lease_s=args.kv_lease_timeout,
         kv_load_failure_policy=args.kv_load_failure_policy,
+        attention_backend=args.attention_backend,
     )
 
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
+
+from openinfer.cpu_features import auto_cpu_dtype, cpu_flags
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 """Bytes of KV cache on CPU when --kv-cache-memory is not given (allocated, zeroed, at start)."""
@@ -29,7 +34,8 @@ class ModelConfig:
     hf_config: dict = field(repr=False, hash=False, compare=False)
     """The raw config.json (or its GGUF equivalent); model classes read their own fields from it."""
     dtype: torch.dtype
-    """Compute dtype (float32 on CPU unless asked otherwise; the checkpoint's on CUDA)."""
+    """Compute dtype. 'auto': the checkpoint's on CUDA; on CPU bfloat16 for a bfloat16 checkpoint
+    on a CPU with AVX512_BF16 or AMX, else float32 (openinfer.cpu_features.auto_cpu_dtype)."""
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -191,6 +197,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     """Run on token ids only (no text in or out)."""
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    attention_backend: str = "auto"
+    """torch (the reference), cpu (the C++ paged kernel) or auto (the fastest that runs here;
+    see openinfer/attention/selector.py)."""
 
     @staticmethod
     def create(
@@ -223,6 +232,7 @@ class EngineConfig:
         kv_transfer_timeout: float = 10.0,
         kv_lease_s: float = 30.0,
         kv_load_failure_policy: str = "recompute",
+        attention_backend: str = "auto",
     ) -> EngineConfig:
         """Build the whole config from flat options (the offline API's and the CLI's)."""
         device = resolve_device(device)
@@ -248,6 +258,7 @@ class EngineConfig:
                 role=kv_role, connector=kv_connector, host=kv_transfer_host,
                 port=kv_transfer_port, timeout_s=kv_transfer_timeout, lease_s=kv_lease_s,
                 load_failure_policy=kv_load_failure_policy),
+            attention_backend=attention_backend,
         )
 
 
@@ -284,8 +295,11 @@ def _resolve_dtype(dtype: str | torch.dtype, hf: dict, device: str) -> torch.dty
              "float16": torch.float16, "half": torch.float16}
     if dtype == "auto":
         if device == "cpu":
-            # This class of CPU runs bf16 matmul hundreds of times slower than fp32.
-            return torch.float32
+            # bf16 only where the CPU has bf16 dot products: elsewhere it is slower than fp32.
+            choice, reason = auto_cpu_dtype(hf.get("torch_dtype") or hf.get("dtype"), cpu_flags())
+            logger.info("dtype auto: %s on this CPU (%s)", str(choice).removeprefix("torch."),
+                        reason)
+            return choice
         name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
         return names.get(name, torch.float32)
     if dtype not in names:

@@ -18,7 +18,8 @@ class LLM:
     """A model loaded in this process, generating for batches of prompts.
 
     ``engine_options`` are those of ``EngineConfig.create`` and mirror the server's
-    flags: ``dtype`` ('auto' = float32 on CPU, the checkpoint's dtype on CUDA),
+    flags: ``dtype`` ('auto' = the checkpoint's dtype on CUDA; on CPU bfloat16 for a bfloat16
+    checkpoint where the CPU has AVX512_BF16 or AMX, else float32),
     ``max_model_len``, ``kv_cache_memory`` (bytes), ``block_size``,
     ``max_num_batched_tokens`` (step token budget), ``max_num_seqs``,
     ``scheduling_policy`` ('fcfs' | 'priority'), ``enable_chunked_prefill``, ``seed``

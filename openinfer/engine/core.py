@@ -14,12 +14,14 @@ from collections.abc import Callable
 
 import torch
 
+from openinfer.attention import select_attention_backend
 from openinfer.config import (
     CUDA_MEMORY_UTILIZATION,
     DEFAULT_CPU_KV_CACHE_MEMORY,
     DEFAULT_KV_HOST_MEMORY_WITH_STORE,
     EngineConfig,
 )
+from openinfer.cpu_features import cpu_capability
 from openinfer.disagg.connector import make_connector
 from openinfer.disagg.server import KVServer
 from openinfer.engine.outputs import EngineCoreOutput
@@ -32,6 +34,7 @@ from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.kv_manager import KVCacheManager, KVEvent
 from openinfer.kv.spec import FullAttentionSpec, LayerGroup, group_layers
 from openinfer.kv.transfer import KVTransfer
+from openinfer.layers.gemm import describe_gemms
 from openinfer.models.loader import load_model
 from openinfer.sampling_params import SamplingParams
 
@@ -45,11 +48,12 @@ class EngineCore:
         start = time.perf_counter()
         model = load_model(mc, config.device, progress=progress)
         num_params = sum(p.numel() for p in model.parameters())
-        logger.info("%s (%s, %.0fM parameters) loaded in %.1f s: %s on %s (CPU capability %s)",
-                    mc.path, mc.architecture, num_params / 1e6, time.perf_counter() - start,
-                    str(mc.dtype).removeprefix("torch."), config.device,
-                    torch.backends.cpu.get_cpu_capability())
         dtype_name = str(mc.dtype).removeprefix("torch.")
+        gemm = describe_gemms(model)
+        logger.info("%s (%s, %.0fM parameters) loaded in %.1f s: %s on %s (CPU capability %s); "
+                    "GEMM %s", mc.path, mc.architecture, num_params / 1e6,
+                    time.perf_counter() - start, dtype_name, config.device, cpu_capability(),
+                    gemm.text)
         specs = [FullAttentionSpec(config.cache.block_size, mc.num_kv_heads, mc.head_dim, dtype_name)
                  for _ in range(mc.num_layers)]
         groups = group_layers(specs)
@@ -62,8 +66,13 @@ class EngineCore:
         self.kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv,
                                    config.kv_transfer.load_failure_policy)
+        attention = select_attention_backend(config.attention_backend, config.device)
+        logger.info("attention backend: %s", attention.name)
+        self.compute_info = {"dtype": dtype_name, "gemm": gemm.label,
+                             "cpu_capability": cpu_capability(), "attention": attention.name}
+        """How this engine computes (the labels of the compute_info metric)."""
         self.runner = ModelRunner(model, groups, num_blocks, mc.num_layers, mc.dtype, config.device,
-                                  seed=config.seed)
+                                  attention, seed=config.seed)
         self._block_layout: StoreLayout | None = None
         self.transfer = self._attach_kv_tiers(groups[0], dtype_name)
         self.kv_server = self._attach_kv_transfer(dtype_name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -39,7 +40,8 @@ class EngineCoreClient:
         self.engine_options = engine_options
         self.startup_timeout_s = startup_timeout_s
         self.info: dict = {}
-        """What the core reported when ready: num_blocks, block_size, max_model_len."""
+        """What the core reported when ready: num_blocks, block_size, max_model_len,
+        compute_info (dtype, gemm, cpu_capability, attention: EngineCore.compute_info)."""
         self.stats: dict = {}
         """The core's latest scheduler stats (running, waiting, KV usage, preemptions)."""
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}
@@ -60,7 +62,8 @@ class EngineCoreClient:
         self._output.bind(output_addr)
         # spawn, not fork: the core owns its own torch/ZMQ state from a clean interpreter.
         self._process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(self.engine_options, input_addr, output_addr),
+            target=run_engine_core, args=(self.engine_options, input_addr, output_addr,
+                                          os.getpid()),
             name="openinfer-engine-core", daemon=True)
         self._process.start()
         deadline = time.monotonic() + self.startup_timeout_s

@@ -7,9 +7,11 @@ when idle, waking every second to exit if its parent died (no orphan processes).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
+import sys
 import traceback
 
 import zmq
@@ -23,8 +25,12 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 1000
 
 
-def run_engine_core(engine_options: dict, input_addr: str, output_addr: str) -> None:
-    """Process entry point: connect, load the model, report ready, serve until shutdown."""
+def run_engine_core(engine_options: dict, input_addr: str, output_addr: str,
+                    parent_pid: int) -> None:
+    """Process entry point: connect, load the model, report ready, serve until shutdown.
+    ``parent_pid`` is the front end's pid, given by it: read here, it could already be
+    init's (the front end may die while this interpreter starts)."""
+    _die_with(parent_pid)
     # Ctrl-C reaches the whole process group; the front end decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging()  # a spawned interpreter: the level comes from the environment
@@ -39,8 +45,9 @@ def run_engine_core(engine_options: dict, input_addr: str, output_addr: str) -> 
             "num_blocks": core.kv.num_blocks,
             "block_size": core.kv.block_size,
             "max_model_len": core.config.model.max_model_len,
+            "compute_info": core.compute_info,
         }))
-        _serve(core, inputs, outputs, os.getppid())
+        _serve(core, inputs, outputs, parent_pid)
         core.shutdown()  # finish file-store writes: a restarted server finds them
     except Exception as e:  # report, so the front end fails requests instead of hanging
         logger.error("engine core failed: %s", traceback.format_exc())
@@ -49,6 +56,18 @@ def run_engine_core(engine_options: dict, input_addr: str, output_addr: str) -> 
         outputs.close(linger=1000)
         inputs.close(linger=0)
         ctx.term()
+
+
+def _die_with(parent_pid: int) -> None:
+    """Have the kernel kill this process when its front end dies, even mid-load or blocked
+    in a send to the front end's vanished socket (Linux; elsewhere the idle loop's
+    parent check is all there is)."""
+    if not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # it died before the line above took effect
+        os._exit(1)
 
 
 def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:

@@ -58,9 +58,12 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    """One new token for each request whose scheduled tokens reached its end."""
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """New tokens of each request whose scheduled tokens reached its end: one today, several
+    once speculative decoding verifies drafts. The scheduler checks stops after each one and
+    drops those after a stop."""
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    """Per request asking for them: one entry per token of ``sampled_token_ids``."""
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
     """Per request: (first prompt position covered, logprobs of the positions computed)."""
 

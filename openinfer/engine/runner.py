@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from openinfer.attention.backend import AttentionBackend
 from openinfer.engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from openinfer.kv.spec import LayerGroup
 from openinfer.kv.transfer import KVTransfer
-from openinfer.layers.attention import build_attention_metadata
 from openinfer.layers.sampler import Sampler, SamplingRow, compute_logprobs
 from openinfer.sampling_params import SamplingParams
 
@@ -67,11 +67,12 @@ def layer_views(kv_blocks: torch.Tensor) -> list[torch.Tensor]:
 class ModelRunner:
     def __init__(self, model: nn.Module, groups: list[LayerGroup], num_blocks: int,
                  num_layers: int, dtype: torch.dtype, device: torch.device | str,
-                 seed: int | None = None) -> None:
+                 attention: AttentionBackend, seed: int | None = None) -> None:
         # Only full-attention layers exist so far: one group, one attention metadata.
         if len(groups) != 1:
             raise NotImplementedError("models with several KV layer groups are not supported yet")
         self.model = model
+        self.attention = attention
         self.device = torch.device(device)
         self.block_size = groups[0].spec.block_size
         assert groups[0].layers == tuple(range(num_layers)), "every layer must have a KV cache"
@@ -112,7 +113,7 @@ class ModelRunner:
             start, end = req.num_computed_tokens, req.num_computed_tokens + counts[req.request_id]
             input_ids.extend(req.token_ids[start:end])
             positions.extend(range(start, end))
-        meta = build_attention_metadata(
+        meta = self.attention.build_metadata(
             query_lens=[counts[r.request_id] for r in batch],
             seq_lens=[r.num_computed_tokens + counts[r.request_id] for r in batch],
             block_tables=[r.block_ids[0] for r in batch],
@@ -152,9 +153,9 @@ class ModelRunner:
         result = self.sampler(logits, rows)
         for req, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
             req.token_ids.append(token)
-            out.sampled_token_ids[req.request_id] = token
+            out.sampled_token_ids[req.request_id] = [token]
             if logprobs is not None:
-                out.logprobs[req.request_id] = logprobs
+                out.logprobs[req.request_id] = [logprobs]
 
     def _prompt_logprobs(self, batch: list[RunnerRequest], counts: dict[str, int],
                          hidden: torch.Tensor, out: ModelRunnerOutput) -> None:

@@ -316,9 +316,16 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted during the step
             req.num_computed_tokens += n
-            token = result.sampled_token_ids.get(request_id)
-            if token is not None:
+            # A step may yield several tokens (verified drafts): a stop anywhere ends the
+            # request there, and what follows it is dropped.
+            new_tokens: list[int] = []
+            status = None
+            for token in result.sampled_token_ids.get(request_id, ()):
                 req.append_output_token(token)
+                new_tokens.append(token)
+                status = req.check_stop()
+                if status is not None:
+                    break
             if self.kv.enable_caching:
                 extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size,
                                     req.cache_salt)
@@ -326,17 +333,14 @@ class Scheduler:
                                      req.num_computed_tokens)
                 self._settle_claims(req)
             prompt_logprobs = result.prompt_logprobs.get(request_id)
-            if token is None and prompt_logprobs is None:
+            if not new_tokens and prompt_logprobs is None:
                 continue
-            status = None
-            new_logprobs = None
-            if token is not None:
-                status = req.check_stop()
-                if request_id in result.logprobs:
-                    new_logprobs = [result.logprobs[request_id]]
+            new_logprobs = result.logprobs.get(request_id)
+            if new_logprobs is not None:
+                new_logprobs = new_logprobs[:len(new_tokens)]
             outputs.append(EngineCoreOutput(
                 request_id=request_id,
-                new_token_ids=[] if token is None else [token],
+                new_token_ids=new_tokens,
                 new_logprobs=new_logprobs,
                 prompt_logprobs=prompt_logprobs,
                 finish_reason=status.value if status else None,

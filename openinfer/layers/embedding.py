@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openinfer.layers.linear import default_weight_loader, linear
+from openinfer.layers.linear import GemmLayer, default_weight_loader
 
 
 class VocabEmbedding(nn.Module):
@@ -19,8 +19,12 @@ class VocabEmbedding(nn.Module):
         return F.embedding(token_ids, self.weight)
 
 
-class LMHead(nn.Module):
+class LMHead(GemmLayer):
     """Projects final hidden states to vocabulary logits, in float32 for sampling."""
+
+    # Logits are computed for each sequence's last token only: a step has few rows here, and
+    # timing a [512, vocab] GEMM would cost more start-up than it could tell.
+    timed_buckets = 2
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None) -> None:
         super().__init__()
@@ -29,6 +33,7 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
             self.weight.weight_loader = default_weight_loader
+        self.register_parameter("bias", None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.weight).float()
+        return self.gemm(hidden).float()

@@ -3,13 +3,23 @@
 Projections that read the same input (q/k/v, gate/up) are merged into one matmul:
 fewer, larger GEMMs are faster on every device. The checkpoint still stores them
 apart, so a merged layer loads each shard into its slice of the weight.
+
+Every x @ W^T module (Linear, MergedLinear, the LM head) is a ``GemmLayer``: on CPU, once the
+weights are loaded, it gets a GEMM plan (openinfer.layers.gemm) that runs each call on the
+path measured fastest for its row count; without one (CUDA, or OPENINFER_CPU_GEMM=default)
+it calls ``linear()``.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from openinfer.layers.gemm import GemmPlan
 
 # On this project's x86 CPUs (MKL sgemm, AVX2), x @ W^T for 2..256 rows (decode batches) runs
 # 1.5-2.5x faster computed as (W @ x^T)^T; from ~512 rows on, the plain form wins (measured:
@@ -18,6 +28,8 @@ CPU_TRANSPOSED_GEMM_MAX_ROWS = 256
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias) by a fixed rule: what a layer computes without a GEMM plan (CUDA,
+    OPENINFER_CPU_GEMM=default, a model not built by load_model)."""
     if x.device.type == "cpu" and x.dim() == 2 and 1 < x.shape[0] <= CPU_TRANSPOSED_GEMM_MAX_ROWS:
         out = torch.mm(weight, x.t()).t().contiguous()
         return out if bias is None else out.add_(bias)
@@ -31,7 +43,30 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-class Linear(nn.Module):
+class GemmLayer(nn.Module):
+    """A module whose output is x @ weight^T (+ bias): the unit a CPU GEMM plan is made for.
+
+    Subclasses register ``weight`` ([out, in]) and ``bias`` ([out] or None).
+    """
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    timed_buckets: int | None = None
+    """How many of the GEMM plan's row buckets to time (openinfer.layers.gemm.BUCKETS); the
+    rest take the last timed one's path. None: all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plan: GemmPlan | None = None
+        """Set once after loading, on CPU (openinfer.layers.gemm.plan_gemms)."""
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plan is not None:
+            return self.plan(x)
+        return linear(x, self.weight, self.bias)
+
+
+class Linear(GemmLayer):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         # Uninitialized: every parameter is overwritten by the checkpoint loader.
@@ -44,7 +79,7 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.gemm(x)
 
 
 class MergedLinear(Linear):

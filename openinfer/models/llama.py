@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from openinfer.layers.attention import Attention, AttentionMetadata
+from openinfer.attention.metadata import AttentionMetadata
+from openinfer.layers.attention import Attention
 from openinfer.layers.embedding import LMHead, VocabEmbedding
 from openinfer.layers.linear import Linear, MergedLinear
 from openinfer.layers.mlp import GatedMLP

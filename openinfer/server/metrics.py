@@ -9,7 +9,9 @@ rank, "0" for a lone server). Counters end in ``_total``. What each series reads
   totals): read at scrape time by ``_EngineStats``;
 * each request's acceptance (``on_request``: its n and max_tokens) and its output deltas
   (``observe``: tokens, latencies, lengths, finish reasons), seen in this process;
-* ``cache_config_info``: the KV cache's configuration as labels of a gauge set to 1.
+* ``cache_config_info``: the KV cache's configuration as labels of a gauge set to 1;
+* ``compute_info``: how the engine computes (dtype, GEMM paths, CPU capability, attention
+  backend), as the engine core reported it when ready, the same way.
 
 A request's timing comes from its RequestMetrics (monotonic seconds; the scheduling time
 is the engine core's, on the same host's clock):
@@ -98,10 +100,13 @@ class ServerMetrics:
 
     def __init__(self, engine_stats: Callable[[], dict], *, model_name: str, engine: str = "0",
                  prefix: str = "openinfer", max_model_len: int = 4096,
-                 cache_info: Callable[[], dict[str, str]] | None = None) -> None:
+                 cache_info: Callable[[], dict[str, str]] | None = None,
+                 compute_info: Callable[[], dict[str, str]] | None = None) -> None:
         """``engine_stats``: the core's latest stats (EngineCore.stats()); ``cache_info``:
-        the labels of ``cache_config_info`` (block_size, num_gpu_blocks, ...), read at each
-        scrape. Raises ValueError for a prefix that cannot start a metric name."""
+        the labels of ``cache_config_info`` (block_size, num_gpu_blocks, ...), and
+        ``compute_info`` those of ``compute_info`` (EngineCore.compute_info; no series while
+        empty), read at each scrape. Raises ValueError for a prefix that cannot start a
+        metric name."""
         self.prefix = metric_prefix(prefix)
         self.registry = CollectorRegistry()
         self._values = (model_name, str(engine))
@@ -157,7 +162,11 @@ class ServerMetrics:
         self.param_max_tokens = histogram("request_params_max_tokens",
                                           "Histogram of the max_tokens request parameter.", lengths)
         r.register(_EngineStats(p, self._values, engine_stats))
-        r.register(_CacheConfigInfo(p, self._values, cache_info or dict))
+        r.register(_InfoSeries(p + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                               self._values, cache_info or dict))
+        r.register(_InfoSeries(p + "compute_info", "How the engine computes: dtype, GEMM paths "
+                               "(openinfer.layers.gemm), CPU capability, attention backend",
+                               self._values, compute_info or dict, skip_empty=True))
         self._requests: dict[str, _Tracked] = {}
 
     @classmethod
@@ -173,9 +182,12 @@ class ServerMetrics:
                     "enable_prefix_caching": str(config.cache.enable_prefix_caching),
                     "cache_dtype": str(config.model.dtype).removeprefix("torch.")}
 
+        def compute_info() -> dict[str, str]:
+            return {k: str(v) for k, v in (llm.client.info.get("compute_info") or {}).items()}
+
         metrics = cls(lambda: llm.client.stats, model_name=model_name, engine=engine,
                       prefix=prefix, max_model_len=config.model.max_model_len,
-                      cache_info=cache_info)
+                      cache_info=cache_info, compute_info=compute_info)
         llm.request_observers.append(metrics.on_request)
         llm.observers.append(metrics.observe)
         return metrics
@@ -313,17 +325,18 @@ class _EngineStats(Collector):
             yield family
 
 
-class _CacheConfigInfo(Collector):
-    """``cache_config_info``: the KV cache's configuration as labels, value 1 (an info
-    series, a gauge as vLLM has it)."""
+class _InfoSeries(Collector):
+    """An info series: facts as the labels of one gauge sample of value 1, as vLLM has
+    ``cache_config_info``. ``skip_empty``: no sample while there are no facts."""
 
-    def __init__(self, prefix: str, values: tuple[str, str],
-                 cache_info: Callable[[], dict[str, str]]) -> None:
-        self.name, self.values, self.cache_info = prefix + "cache_config_info", values, cache_info
+    def __init__(self, name: str, doc: str, values: tuple[str, str],
+                 info: Callable[[], dict[str, str]], skip_empty: bool = False) -> None:
+        self.name, self.doc, self.values, self.info = name, doc, values, info
+        self.skip_empty = skip_empty
 
     def collect(self) -> Iterator[Metric]:
-        info = self.cache_info()
-        family = GaugeMetricFamily(self.name, "Information of the LLMEngine CacheConfig",
-                                   labels=[*LABELS, *info])
-        family.add_metric([*self.values, *info.values()], 1.0)
+        info = self.info()
+        family = GaugeMetricFamily(self.name, self.doc, labels=[*LABELS, *info])
+        if info or not self.skip_empty:
+            family.add_metric([*self.values, *info.values()], 1.0)
         yield family

@@ -50,7 +50,7 @@ def _start(args: list[str], port: int | None,
         [sys.executable, "-m", "openinfer.cli", *args, "--port", str(port), "--log-level",
          "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300  # generous: a loaded 2-core CI box starts Ray slowly
     while True:
         try:
             urllib.request.urlopen(f"{base}/health", timeout=2)

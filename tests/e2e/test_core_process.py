@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -35,6 +38,9 @@ def test_core_process_serves_aborts_and_shuts_down(qwen3_checkpoint):
         await client.start()
         try:
             assert client.info["max_model_len"] == 512
+            assert client.info["compute_info"]["dtype"] == "float32"
+            assert set(client.info["compute_info"]) == {"dtype", "gemm", "cpu_capability",
+                                                        "attention"}
             queues = [client.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
             # A long request, aborted after its first tokens, frees its blocks in the core.
             doomed = client.add_request("doomed", [1, 2, 3], SamplingParams(
@@ -66,3 +72,40 @@ def test_core_process_startup_failure_is_reported(tmp_path):
         await client.shutdown()
 
     asyncio.run(scenario())
+
+
+FRONT_END = """
+import asyncio, sys
+from openinfer.engine.core_client import EngineCoreClient
+
+async def main():
+    client = EngineCoreClient({"model": sys.argv[1]})
+    starting = asyncio.create_task(client.start())
+    while client._process is None:
+        await asyncio.sleep(0.01)
+    print(client._process.pid, flush=True)
+    await starting
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_a_front_end_killed_during_the_load_leaves_no_engine_core(qwen3_checkpoint):
+    front = subprocess.Popen([sys.executable, "-c", FRONT_END, str(qwen3_checkpoint)],
+                             stdout=subprocess.PIPE, text=True)
+    core_pid = int(front.stdout.readline())
+    front.kill()  # while the core is still loading (or just ready): no chance to say goodbye
+    front.wait()
+    deadline = time.monotonic() + 15
+    while _alive(core_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(core_pid), "the engine core outlived its front end"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -100,3 +100,6 @@ def test_request_counts_lengths_and_phase_times_add_up(scraped):
     assert info.value == 1 and info.labels["block_size"] == "16"
     assert int(info.labels["num_gpu_blocks"]) > 0
     assert info.labels["enable_prefix_caching"] == "True"
+    compute = next(s for s in scraped["vllm:compute_info"].samples)
+    assert compute.value == 1 and compute.labels["dtype"] == "float32"
+    assert compute.labels["gemm"] and compute.labels["cpu_capability"] and compute.labels["attention"]

@@ -50,7 +50,7 @@ class FakeRunner:
             state[1] += n
             assert state[1] <= state[0]
             if state[1] == state[0]:
-                result.sampled_token_ids[rid] = 7
+                result.sampled_token_ids[rid] = [7]
                 state[0] += 1
         return result
 
@@ -73,7 +73,7 @@ def test_decodes_and_prefills_share_the_token_budget():
     s.add_request(_request("a", 6))
     first = s.schedule()
     assert first.num_scheduled_tokens == {"a": 6}
-    s.update_from_output(first, ModelRunnerOutput(sampled_token_ids={"a": 7}))
+    s.update_from_output(first, ModelRunnerOutput(sampled_token_ids={"a": [7]}))
     s.add_request(_request("b", 20))
     second = s.schedule()
     # a decodes (1 token); b's prompt is chunked into the remaining 9.
@@ -225,4 +225,23 @@ def test_a_request_loading_from_the_file_store_steps_aside_then_starts_after_its
     assert started.num_computed_tokens == 8 and out.num_scheduled_tokens["loading"] == 2
     assert [slot for slot, _ in out.kv_loads] == [slot for _, slot in load.blocks]
     assert s.kv.hit_tokens_by_tier["L3"] == 8
+    s.check_integrity()
+
+
+def test_a_step_with_several_tokens_stops_anywhere_in_it():
+    """A multi-token step (verified drafts): a stop token or max_tokens inside the run ends
+    the request there; the tokens after it are dropped, logprobs trimmed to match."""
+    s = _scheduler()
+    params = SamplingParams(max_tokens=10, stop_token_ids=[9])
+    s.add_request(Request("stop", [1, 2, 3], params, 10))
+    s.add_request(_request("length", 3, max_tokens=2))
+    out = s.schedule()
+    result = ModelRunnerOutput(sampled_token_ids={"stop": [5, 9, 6], "length": [5, 6, 8]},
+                               logprobs={"stop": [{5: None}, {9: None}, {6: None}]})
+    outputs = {o.request_id: o for o in s.update_from_output(out, result)}
+    assert outputs["stop"].new_token_ids == [5, 9] and outputs["stop"].finish_reason == "stop"
+    assert outputs["stop"].stop_reason == 9 and len(outputs["stop"].new_logprobs) == 2
+    assert outputs["length"].new_token_ids == [5, 6]
+    assert outputs["length"].finish_reason == "length"
+    assert not s.has_unfinished_requests()
     s.check_integrity()

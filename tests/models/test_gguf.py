@@ -19,13 +19,14 @@ import transformers
 from gguf import GGMLQuantizationType as QT
 from safetensors.torch import load_file
 
+import openinfer.config
 from openinfer import LLM, SamplingParams
+from openinfer.attention import select_attention_backend
 from openinfer.config import ModelConfig
 from openinfer.engine.input_processor import load_tokenizer
 from openinfer.engine.runner import allocate_kv_blocks, layer_views
 from openinfer.kv.file_store import model_fingerprint
 from openinfer.kv.spec import FullAttentionSpec, group_layers
-from openinfer.layers.attention import build_attention_metadata
 from openinfer.models.loader import load_model
 from openinfer.models.source import resolve_model
 
@@ -159,14 +160,16 @@ def prefill_logits(model: torch.nn.Module, config: ModelConfig, prompt: list[int
     (group,) = group_layers([spec] * config.num_layers)
     num_blocks = -(-len(prompt) // BLOCK)
     caches = layer_views(allocate_kv_blocks(group, num_blocks, config.num_layers, torch.float32, "cpu"))
-    meta = build_attention_metadata([len(prompt)], [len(prompt)], [list(range(num_blocks))], BLOCK)
+    meta = select_attention_backend("auto", "cpu").build_metadata(
+        [len(prompt)], [len(prompt)], [list(range(num_blocks))], BLOCK, "cpu")
     with torch.inference_mode():
         hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), caches, meta)
         return model.compute_logits(hidden)
 
 
 def ours(path: Path) -> tuple[ModelConfig, torch.nn.Module]:
-    config = ModelConfig.from_pretrained(str(path))
+    # float32, as transformers: 'auto' computes quantized files in bf16 on CPUs with AVX512_BF16.
+    config = ModelConfig.from_pretrained(str(path), dtype="float32")
     return config, load_model(config, progress=False)
 
 
@@ -212,7 +215,7 @@ def test_logits_match_transformers_on_the_same_file(arch, qtype, make_checkpoint
 def test_greedy_tokens_match_transformers(arch, qtype, make_checkpoint, tmp_path):
     ckpt = make_checkpoint(arch, **ARCH_KWARGS[arch])
     path = write_gguf(ckpt, tmp_path / "tiny.gguf", qtype)
-    llm = LLM(str(path), block_size=BLOCK, progress=False)
+    llm = LLM(str(path), block_size=BLOCK, progress=False, dtype="float32")
     hf = hf_gguf_model(path)
     batch = prompts(llm.engine.inputs.vocab_size, [3, 17, 30], seed=7)
     outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
@@ -245,14 +248,15 @@ def test_gguf_matches_its_source_checkpoint(arch, kwargs, make_checkpoint, hf_mo
                                atol=5e-5, rtol=1e-4)
 
 
-def test_config_comes_from_the_metadata(make_checkpoint, tokenizer, tmp_path):
+def test_config_comes_from_the_metadata(make_checkpoint, tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setattr(openinfer.config, "cpu_flags", lambda: frozenset({"avx2"}))  # no bf16
     ckpt = make_checkpoint("Qwen3ForCausalLM", head_dim=32, max_position_embeddings=384)
     path = write_gguf(ckpt, tmp_path / "Tiny-Qwen3.Q8_0.gguf", QT.Q8_0)
     config = ModelConfig.from_pretrained(str(path))
     hf = json.loads((ckpt / "config.json").read_text())
     assert config.path == str(path)
     assert (config.format, config.served_name) == ("gguf", "Tiny-Qwen3.Q8_0")
-    assert config.dtype == torch.float32  # auto on CPU, whatever the file's types
+    assert config.dtype == torch.float32  # auto on a CPU without native bf16, whatever the file
     assert (config.vocab_size, config.hidden_size, config.num_layers) == (
         hf["vocab_size"], hf["hidden_size"], hf["num_hidden_layers"])
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 32)
@@ -346,7 +350,9 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def smollm2() -> LLM:
     start = time.perf_counter()
-    llm = LLM("smollm2", progress=False, max_model_len=1024, kv_cache_memory=64 * 1024**2)
+    # float32: compared with transformers in float32 (auto picks bf16 on CPUs with AVX512_BF16).
+    llm = LLM("smollm2", progress=False, max_model_len=1024, kv_cache_memory=64 * 1024**2,
+              dtype="float32")
     print(f"LLM('smollm2') built in {time.perf_counter() - start:.1f}s")
     return llm
 

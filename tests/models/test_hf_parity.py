@@ -6,12 +6,13 @@ import json
 
 import pytest
 import torch
+from attention_support import ATTENTION_BACKENDS, attention_backend
 
+import openinfer.config
 from openinfer import LLM, SamplingParams
 from openinfer.config import ModelConfig
 from openinfer.engine.runner import allocate_kv_blocks, layer_views
 from openinfer.kv.spec import FullAttentionSpec, group_layers
-from openinfer.layers.attention import build_attention_metadata
 from openinfer.models.loader import load_model
 
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
@@ -26,14 +27,17 @@ def _prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
 class PagedModel:
     """Runs our model on hand-made steps over a paged cache (block ids handed out in order)."""
 
-    def __init__(self, path, num_blocks: int = 256, max_model_len: int | None = None) -> None:
-        self.config = ModelConfig.from_pretrained(path, max_model_len=max_model_len)
+    def __init__(self, path, num_blocks: int = 256, max_model_len: int | None = None,
+                 attention: str = "auto", dtype: str = "auto") -> None:
+        self.attention = attention_backend(attention)
+        self.config = ModelConfig.from_pretrained(path, max_model_len=max_model_len, dtype=dtype)
         self.model = load_model(self.config, progress=False)
         c = self.config
-        spec = FullAttentionSpec(BLOCK, c.num_kv_heads, c.head_dim, "float32")
+        spec = FullAttentionSpec(BLOCK, c.num_kv_heads, c.head_dim,
+                                 str(c.dtype).removeprefix("torch."))
         (group,) = group_layers([spec] * c.num_layers)
         self.caches = layer_views(allocate_kv_blocks(group, num_blocks, c.num_layers,
-                                                     torch.float32, "cpu"))
+                                                     c.dtype, "cpu"))
         self.tables: dict[int, list[int]] = {}
         self.next_block = 0
 
@@ -45,9 +49,9 @@ class PagedModel:
                 # Interleave sequences' blocks so block tables are not contiguous ranges.
                 table.append(self.next_block)
                 self.next_block += 1
-        meta = build_attention_metadata(
+        meta = self.attention.build_metadata(
             [len(t) for _, t, _ in chunks], [s + len(t) for _, t, s in chunks],
-            [self.tables[sid] for sid, _, _ in chunks], BLOCK)
+            [self.tables[sid] for sid, _, _ in chunks], BLOCK, "cpu")
         ids = torch.tensor([x for _, t, _ in chunks for x in t])
         pos = torch.tensor([p for _, t, s in chunks for p in range(s, s + len(t))])
         with torch.inference_mode():
@@ -59,11 +63,12 @@ def _hf_logits(hf, prompt: list[int]) -> torch.Tensor:
         return hf(torch.tensor([prompt])).logits[0].float()
 
 
+@pytest.mark.parametrize("attention", ATTENTION_BACKENDS)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tied", [False, True])
-def test_prompt_logits_match_transformers(arch, tied, make_checkpoint, hf_model_loader):
+def test_prompt_logits_match_transformers(arch, tied, attention, make_checkpoint, hf_model_loader):
     path = make_checkpoint(arch, tie_word_embeddings=tied)
-    ours, hf = PagedModel(path), hf_model_loader(path)
+    ours, hf = PagedModel(path, attention=attention), hf_model_loader(path)
     prompts = _prompts(ours.config.vocab_size, [7, 19, 2, 33])
     logits = ours.step([(i, p, 0) for i, p in enumerate(prompts)])
     offset = 0
@@ -73,11 +78,13 @@ def test_prompt_logits_match_transformers(arch, tied, make_checkpoint, hf_model_
         offset += len(p)
 
 
+@pytest.mark.parametrize("attention", ATTENTION_BACKENDS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_and_decode_logits_match(arch, make_checkpoint, hf_model_loader):
+def test_chunked_prefill_and_decode_logits_match(arch, attention, make_checkpoint,
+                                                 hf_model_loader):
     """A prompt fed as chunks and single-token decodes, mixed in one batch, gives HF's logits."""
     path = make_checkpoint(arch)
-    ours, hf = PagedModel(path), hf_model_loader(path)
+    ours, hf = PagedModel(path, attention=attention), hf_model_loader(path)
     a, b, c = _prompts(ours.config.vocab_size, [21, 13, 9])
     got: dict[int, list[torch.Tensor]] = {0: [], 1: [], 2: []}
 
@@ -141,7 +148,10 @@ def test_rope_scaling_ignores_a_shorter_max_model_len(make_checkpoint, hf_model_
                                atol=5e-5, rtol=1e-4)
 
 
-def test_bfloat16_sharded_checkpoint_loads_as_float32(make_checkpoint, hf_model_loader):
+def test_bfloat16_sharded_checkpoint_loads_as_float32(make_checkpoint, hf_model_loader,
+                                                      monkeypatch):
+    # dtype auto keeps bf16 checkpoints in bf16 on CPUs with AVX512_BF16/AMX: pose as one without.
+    monkeypatch.setattr(openinfer.config, "cpu_flags", lambda: frozenset({"avx2"}))
     path = make_checkpoint("Qwen3ForCausalLM", dtype=torch.bfloat16, max_shard_size="100KB")
     assert (path / "model.safetensors.index.json").is_file()
     ours, hf = PagedModel(path), hf_model_loader(path)
@@ -149,6 +159,55 @@ def test_bfloat16_sharded_checkpoint_loads_as_float32(make_checkpoint, hf_model_
     (prompt,) = _prompts(ours.config.vocab_size, [12])
     torch.testing.assert_close(ours.step([(0, prompt, 0)]), _hf_logits(hf, prompt),
                                atol=2e-5, rtol=1e-4)
+
+
+BF16_CLEAR_MARGIN = 0.1
+"""A top-2 logit gap this wide is no near tie for bf16: ~5x the largest bf16 logit error on these
+models (ours and transformers' alike, ~0.02 for logits of std ~0.4)."""
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_bfloat16_matches_transformers(arch, make_checkpoint, hf_model_loader):
+    """bf16 is a real CPU path (dtype auto picks it where the CPU has AVX512_BF16 or AMX; asked
+    for here, it runs on any CPU, slowly without them). The checkpoint is bf16, so transformers
+    in float32 computes its exact answer: our bf16 logits are within bf16 error of it and, on
+    average, as close as transformers' own bf16 ones; greedy tokens match while its top-2
+    margin is clear (at a near tie either token is a right bf16 answer; after a different one,
+    the sequences part)."""
+    path = make_checkpoint(arch, dtype=torch.bfloat16)
+    ours, truth = PagedModel(path, dtype="bfloat16"), hf_model_loader(path)
+    assert ours.config.dtype == torch.bfloat16
+    assert {p.dtype for p in ours.model.parameters()} == {torch.bfloat16}
+    theirs = type(truth).from_pretrained(path, dtype=torch.bfloat16).eval()
+    prompts = _prompts(ours.config.vocab_size, [7, 19, 2, 33])
+    logits = ours.step([(i, p, 0) for i, p in enumerate(prompts)])
+    offset = 0
+    for p in prompts:
+        got, want = logits[offset:offset + len(p)], _hf_logits(truth, p)
+        offset += len(p)
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+        their_error = (_hf_logits(theirs, p) - want).abs().mean().item()
+        assert (got - want).abs().mean().item() <= 1.5 * their_error + 1e-3
+
+    llm = LLM(str(path), dtype="bfloat16", block_size=BLOCK, kv_cache_memory=16 * 1024**2,
+              progress=False)
+    prompts = _prompts(ours.config.vocab_size, [3, 9, 17, 25, 5, 12], seed=7)  # short ones
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    compared = 0
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = truth.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                                 max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True)
+        for token, expected, scores in zip(out.outputs[0].token_ids,
+                                           ref.sequences[0, len(prompt):].tolist(), ref.scores):
+            top2 = scores[0].topk(2).values
+            clear = (top2[0] - top2[1]).item() >= BF16_CLEAR_MARGIN
+            if token != expected:
+                assert not clear, f"bf16 chose {token}, not {expected}, by a clear margin"
+                break  # a near tie: the sequences part here, rightly
+            compared += clear
+    assert compared >= 16, f"only {compared} tokens had a clear margin: pick other prompts"
 
 
 def test_unknown_architecture_names_supported_ones(make_checkpoint):

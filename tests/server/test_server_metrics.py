@@ -95,6 +95,21 @@ def test_vllm_names_types_and_labels_on_every_series():
     assert info[0].labels == {"model_name": "my-model", "engine": "3", **CACHE_INFO}
 
 
+def test_compute_info_series():
+    compute = {"dtype": "bfloat16", "gemm": "onednn_packed+torch", "cpu_capability": "AVX512",
+               "attention": "cpu"}
+    m = ServerMetrics(dict, model_name="my-model", engine="3", prefix="vllm",
+                      compute_info=lambda: dict(compute))
+    families = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    (sample,) = families["vllm:compute_info"].samples
+    assert families["vllm:compute_info"].type == "gauge" and sample.value == 1
+    assert sample.labels == {"model_name": "my-model", "engine": "3", **compute}
+    # Until the engine core has reported (or without a reporter), no sample.
+    empty = ServerMetrics(dict, model_name="my-model", engine="3", prefix="vllm")
+    families = {f.name: f for f in text_string_to_metric_families(empty.render().decode())}
+    assert not families.get("vllm:compute_info") or not families["vllm:compute_info"].samples
+
+
 def test_prefix_default_any_and_invalid():
     assert metric_prefix("vllm") == metric_prefix("vllm:") == "vllm:"
     text = ServerMetrics(dict, model_name="x").render().decode()

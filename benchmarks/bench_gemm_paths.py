@@ -1,0 +1,173 @@
+"""CPU GEMM paths side by side: F.linear against each path a GEMM plan can take.
+
+Times y = x @ W^T on the peers model's projection shapes (Qwen3 0.4B: hidden 1024,
+intermediate 3072, 16/8 heads of 64, vocab 32000; /work/shared/peers/make_model.py) for
+M = 1, 32 and 512 rows, in float32 and (where the CPU has AVX512_BF16 or AMX) bfloat16.
+Every round runs every path once per cell, in rotating order (interleaved, so that other
+processes' load hits all paths alike); a cell reports the median over rounds of the
+per-round speedup over F.linear, with its range. Also listed, never used by the engine:
+``mkl_packed`` (MKL's packed sgemm, fp32, packed for exactly that M; any other M falls back to
+F.linear on the original weight, so the engine would have to keep both copies).
+
+    .venv/bin/python benchmarks/bench_gemm_paths.py [--rounds 7] [--plan-model smollm2]
+
+``--plan-model`` also loads a model and reports its GEMM plans and what they cost at start-up.
+``--output docs/benchmarks.md`` writes the table as that file's ``bench_gemm_paths`` section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from openinfer.cpu_features import cpu_capability, cpu_flags, cpu_model_name, has_native_bf16
+from openinfer.layers.gemm import PATHS, pack_weight
+
+SHAPES = {"qkv": (2048, 1024), "o": (1024, 1024), "gate_up": (6144, 1024), "down": (1024, 3072),
+          "lm_head": (32000, 1024)}  # name: (N, K)
+ROWS = (1, 32, 512)
+LM_HEAD_MAX_ROWS = 32  # logits are computed for each sequence's last token only
+SAMPLE_SECONDS = 0.005
+
+
+def candidates(w: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Path name -> fn(x), for the paths that run here for this dtype ('F.linear' first)."""
+    fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"F.linear": lambda x: F.linear(x, w)}
+    packed = None
+    for name, path in PATHS.items():
+        if name == "torch" or (name == "torch_t" and rows == 1):
+            continue
+        try:
+            if path.weight_format == "packed":
+                packed = pack_weight(w) if packed is None else packed
+                weight = packed
+            else:
+                weight = w
+            path.run(torch.randn(rows, w.shape[1], dtype=w.dtype), weight, None)
+        except RuntimeError:
+            continue
+        fns[name] = lambda x, run=path.run, weight=weight: run(x, weight, None)
+    if w.dtype == torch.float32 and torch.backends.mkl.is_available():
+        mkl_w = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
+        fns["mkl_packed"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl_w, w, None, rows)
+    return fns
+
+
+def measure(n: int, k: int, rows: int, dtype: torch.dtype, rounds: int) -> dict[str, list[float]]:
+    """Per path, the per-round speedups over F.linear (seconds per call of F.linear / path)."""
+    w = (torch.randn(n, k) / k**0.5).to(dtype)
+    x = torch.randn(rows, k, dtype=dtype)
+    fns = candidates(w, rows)
+    reference = F.linear(x.float(), w.float())
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    for name, fn in fns.items():  # warm-up and correctness
+        err = (fn(x).float() - reference).abs().max().item()
+        assert err <= tolerance * reference.abs().max().item(), f"{name} is wrong by {err}"
+    repeat = {}
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        fn(x)
+        repeat[name] = max(1, round(SAMPLE_SECONDS / (time.perf_counter() - start)))
+    names = list(fns)
+    ratios: dict[str, list[float]] = {name: [] for name in names[1:]}
+    for r in range(rounds):
+        seconds = {}
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
+            start = time.perf_counter()
+            for _ in range(repeat[name]):
+                fn(x)
+            seconds[name] = (time.perf_counter() - start) / repeat[name]
+        for name in names[1:]:
+            ratios[name].append(seconds["F.linear"] / seconds[name])
+    return ratios
+
+
+def table(dtype: torch.dtype, rounds: int) -> list[str]:
+    paths = [p for p in PATHS if p != "torch"] + ["mkl_packed"]
+    lines = ["| shape (N x K) | M | " + " | ".join(paths) + " |", "|---" * (len(paths) + 2) + "|"]
+    print("\n".join(lines), flush=True)
+    for name, (n, k) in SHAPES.items():
+        for rows in ROWS:
+            if name == "lm_head" and rows > LM_HEAD_MAX_ROWS:
+                continue
+            ratios = measure(n, k, rows, dtype, rounds)
+            cells = []
+            for path in paths:
+                r = ratios.get(path)
+                cells.append("-" if not r else
+                             f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})")
+            lines.append(f"| {name} {n}x{k} | {rows} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def plan_report(model: str) -> list[str]:
+    from openinfer.config import ModelConfig
+    from openinfer.layers.gemm import describe_gemms
+    from openinfer.models.loader import load_model
+
+    config = ModelConfig.from_pretrained(model)
+    start = time.perf_counter()
+    load_model(config, progress=False, gemm="default")
+    plain = time.perf_counter() - start
+    start = time.perf_counter()
+    summary = describe_gemms(load_model(config, progress=False))
+    planned = time.perf_counter() - start
+    return [f"- `{model}` ({str(config.dtype).removeprefix('torch.')}): load {plain:.2f} s without "
+            f"plans, {planned:.2f} s with (planning {summary.seconds:.2f} s: timing, checks, "
+            f"packing); paths {summary.label}", f"  - {summary.text}"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--plan-model", default=None)
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args()
+    flags = cpu_flags()
+    header = [
+        "## CPU GEMM paths",
+        "",
+        f"- Date: {dt.datetime.now():%Y-%m-%d %H:%M}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; CPU {cpu_model_name()}, capability "
+        f"{cpu_capability()}, bf16 flags: "
+        f"{', '.join(f for f in ('avx512_bf16', 'amx_bf16') if f in flags) or 'none'}; "
+        f"load average {os.getloadavg()[0]:.1f} at start.",
+        f"- Speedup over F.linear, median of {args.rounds} interleaved rounds (range). "
+        "Paths: openinfer/layers/gemm.py; mkl_packed: MKL packed sgemm for exactly that M "
+        "(not used by the engine).",
+        "",
+    ]
+    print("\n".join(header), flush=True)
+    print("### float32\n", flush=True)
+    body = [*header, "### float32", "", *table(torch.float32, args.rounds), ""]
+    if has_native_bf16(flags):
+        print("### bfloat16\n", flush=True)
+        body += ["### bfloat16", "", *table(torch.bfloat16, args.rounds), ""]
+    else:
+        body += ["### bfloat16: skipped", "",
+                 "This CPU has no AVX512_BF16 or AMX_BF16, so no bf16 dot-product instructions: "
+                 "bf16 GEMMs run slower than fp32 (and oneDNN refuses bf16 without AVX-512 "
+                 "BW/VL/DQ or AVX-NE-CONVERT); dtype auto keeps float32.", ""]
+        print("\n".join(body[-4:]))
+    if args.plan_model:
+        body += ["### GEMM plans at load", "", *plan_report(args.plan_model)]
+        print("\n".join(body[-2:]))
+    if args.output is not None:
+        from doc_sections import write_section
+
+        write_section(args.output, "bench_gemm_paths", "\n".join(body))
+
+
+if __name__ == "__main__":
+    main()

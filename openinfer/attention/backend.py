@@ -1,0 +1,37 @@
+"""The attention backend interface: what a model's attention layer asks of the hardware.
+
+A backend turns the step's integers into its metadata once per step (``build_metadata``)
+and then, for every layer, stores the step's K/V in that layer's paged cache and attends
+(``forward``). Backends: ``torch`` (the reference: gathers each sequence's blocks and runs
+SDPA; the oracle every other backend is tested against) and ``cpu`` (one C++ kernel for
+prefill, chunked prefill, prefix hits and decode, reading blocks in place).
+
+A layer's cache is ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V),
+a strided view of the engine's block-major tensor: each block's ``[block_size, H, D]`` is
+contiguous, consecutive blocks are not.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from openinfer.attention.metadata import AttentionMetadata, build_attention_metadata
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    def build_metadata(self, query_lens: list[int], seq_lens: list[int],
+                       block_tables: list[list[int]], block_size: int,
+                       device: torch.device | str) -> AttentionMetadata:
+        """The step's metadata (sequences ordered decodes first)."""
+        return build_attention_metadata(self, query_lens, seq_lens, block_tables, block_size,
+                                        device)
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write k/v ([T, Hkv, D]) into ``cache`` at ``meta.slot_mapping``, then return the
+        attention of q ([T, Hq, D]) over each sequence's cached context, [T, Hq, D]."""

@@ -1,0 +1,25 @@
+"""The CPU backend: one C++ kernel per layer for every sequence of the step (prefill,
+chunked continuation, prefix hit, decode), reading KV blocks in place through the block
+table (openinfer/kernels/cpu_attention.py). Nothing is gathered or padded."""
+
+from __future__ import annotations
+
+import torch
+
+from openinfer.attention.backend import AttentionBackend
+from openinfer.attention.metadata import AttentionMetadata
+from openinfer.kernels.cpu_attention import paged_attention
+from openinfer.kernels.paged_attention import write_kv
+
+
+class CPUAttentionBackend(AttentionBackend):
+    name = "cpu"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(cache, k, v, meta.slot_mapping)
+        q = q.to(cache.dtype).contiguous()
+        out = torch.empty_like(q)
+        paged_attention(out, q, cache[0], cache[1], meta.block_tables, meta.query_start_loc,
+                        meta.seq_lens, scale, meta.max_query_len)
+        return out

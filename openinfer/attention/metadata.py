@@ -1,0 +1,105 @@
+"""The step's attention metadata: built once per step from the scheduler's integers and
+shared by every layer, so no layer loops over sequences in Python to find its inputs.
+
+A step packs all scheduled tokens into one flat batch (no padding), decodes first (one
+query token each), then prefills (a prompt chunk each):
+
+    tokens:           | d0 | d1 | d2 | p0 p0 p0 p0 p0 | p1 p1 p1 |
+    query_start_loc:  0    1    2    3                8          11
+
+For every sequence, ``seq_len`` counts its cached tokens plus this step's, so a
+chunked-prefill continuation or a prefix-cache hit is a prefill whose ``seq_len``
+exceeds its query length; query ``i`` of a sequence sits at position
+``seq_len - query_len + i`` and attends keys ``0 ..`` that position:
+
+    p0:  [ cached (earlier chunks, prefix hits) | this chunk ]
+         0                         seq_len - query_len     seq_len
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from openinfer.attention.backend import AttentionBackend
+
+
+@dataclass
+class AttentionMetadata:
+    backend: AttentionBackend
+    """The backend that built this metadata and runs every layer's attention with it."""
+    slot_mapping: torch.Tensor
+    """[T] int64: the cache slot (block id * block_size + offset) of each token's K/V."""
+    query_start_loc: torch.Tensor
+    """[B + 1] int32: sequence b's query tokens are rows query_start_loc[b] .. [b + 1]."""
+    seq_lens: torch.Tensor
+    """[B] int32: cached + this step's tokens of each sequence."""
+    block_tables: torch.Tensor
+    """[B, max_blocks] int32, padded with 0 (never read past a sequence's seq_len)."""
+    num_decodes: int
+    """The first ``num_decodes`` sequences (and tokens) are single-token queries."""
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    """The same lengths as Python ints (backends that loop over sequences read these)."""
+    derived: dict[str, Any] = field(default_factory=dict)
+    """A backend's own per-step tensors, made on first use by the first layer."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+
+def build_attention_metadata(
+    backend: AttentionBackend,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """The step's tensors from per-sequence ints (sequences ordered decodes first).
+
+    The slot mapping is computed with numpy over the whole batch: a token's block is
+    ``table[position // block_size]`` of its sequence.
+    """
+    num_seqs = len(query_lens)
+    q_lens = np.asarray(query_lens, dtype=np.int64)
+    s_lens = np.asarray(seq_lens, dtype=np.int64)
+    starts = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=starts[1:])
+    max_blocks = max((len(t) for t in block_tables), default=0)
+    tables = np.zeros((num_seqs, max(max_blocks, 1)), dtype=np.int64)
+    for i, table in enumerate(block_tables):
+        tables[i, :len(table)] = table
+
+    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+    positions = (np.arange(int(starts[-1])) - starts[:-1][seq_of_token]
+                 + (s_lens - q_lens)[seq_of_token])
+    slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    num_decodes = 0
+    while num_decodes < num_seqs and query_lens[num_decodes] == 1:
+        num_decodes += 1
+
+    def tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(array).to(device=device, dtype=dtype)
+
+    return AttentionMetadata(
+        backend=backend,
+        slot_mapping=tensor(slots, torch.long),
+        query_start_loc=tensor(starts, torch.int32),
+        seq_lens=tensor(s_lens, torch.int32),
+        block_tables=tensor(tables, torch.int32),
+        num_decodes=num_decodes,
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        block_size=block_size,
+        query_lens_list=list(query_lens),
+        seq_lens_list=list(seq_lens),
+    )

@@ -1,0 +1,56 @@
+"""The torch reference backend: correct everywhere, fast nowhere.
+
+Decodes attend together over their gathered, padded blocks (one SDPA with a length mask);
+each prefill attends alone, over its fresh K/V or, when it has cached context, over its
+gathered blocks. Every faster backend is tested against this one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openinfer.attention.backend import AttentionBackend
+from openinfer.attention.metadata import AttentionMetadata
+from openinfer.kernels.paged_attention import (
+    decode_attention,
+    gather_kv,
+    prefill_attention,
+    write_kv,
+)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            tables, mask = self._decode_inputs(meta)
+            out[:nd] = decode_attention(q[:nd], cache, tables, mask, scale)
+        starts = meta.derived.setdefault("query_starts", meta.query_start_loc.tolist())
+        for i in range(nd, meta.num_seqs):
+            s, n, seq_len = starts[i], meta.query_lens_list[i], meta.seq_lens_list[i]
+            if seq_len == n:
+                # Nothing cached before this chunk: attend to the fresh K/V directly.
+                k_ctx, v_ctx = k[s:s + n], v[s:s + n]
+            else:
+                k_ctx, v_ctx = gather_kv(cache, meta.block_tables[i].long(), seq_len)
+            out[s:s + n] = prefill_attention(q[s:s + n], k_ctx, v_ctx, scale)
+        return out
+
+    @staticmethod
+    def _decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decodes' block tables (int64, trimmed to their longest) and key mask
+        [nd, 1, 1, blocks * block_size], made once per step for every layer."""
+        cached = meta.derived.get("decode")
+        if cached is None:
+            nd = meta.num_decodes
+            blocks = -(-max(meta.seq_lens_list[:nd]) // meta.block_size)
+            tables = meta.block_tables[:nd, :blocks].long()
+            positions = torch.arange(blocks * meta.block_size, device=tables.device)
+            mask = positions[None, :] < meta.seq_lens[:nd, None]
+            cached = meta.derived["decode"] = (tables, mask[:, None, None, :])
+        return cached

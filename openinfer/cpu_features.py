@@ -1,0 +1,88 @@
+"""What this CPU can do, as plain facts that load-time decisions start from.
+
+The machines openinfer runs on change (an AVX2-only Zen 3 one day, a Zen 5 with AVX-512 and
+AVX512_BF16 the next), so nothing here hard-codes an answer: ``cpu_flags`` reads the ISA
+extensions, and the decisions (``auto_cpu_dtype``) take the flags as an argument, so tests can
+pose as any CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection
+from pathlib import Path
+
+import torch
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""Extensions with bf16 dot-product instructions (VDPBF16PS, AMX tiles): with one of them,
+bf16 GEMMs run several times faster than fp32; without, bf16 is converted element by element
+and runs slower than fp32 (3.7x at 32 rows, 5.5x at 512 on an AVX2 Zen 3)."""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The ISA extensions this CPU has, lower case as /proc/cpuinfo spells them (avx2,
+    avx512_bf16, amx_bf16, ...): those torch's cpuinfo reports plus /proc/cpuinfo's flags."""
+    flags: set[str] = set()
+    get_capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if get_capabilities is not None:
+        flags.update(name for name, present in get_capabilities().items() if present is True)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags.update(line.split(":", 1)[1].split())
+                break
+    return frozenset(flags)
+
+
+def has_native_bf16(flags: Collection[str]) -> bool:
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+def has_native_gemm(dtype: torch.dtype, flags: Collection[str]) -> bool:
+    """Whether a CPU with ``flags`` multiplies ``dtype`` matrices with its own instructions
+    (float32 always; bfloat16 with NATIVE_BF16_FLAGS; float16 with AVX512_FP16 or AMX_FP16)
+    rather than by converting to float32 element by element, slower than float32 itself."""
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return has_native_bf16(flags)
+    if dtype == torch.float16:
+        return "avx512_fp16" in flags or "amx_fp16" in flags
+    return False
+
+
+def cpu_capability() -> str:
+    """The vector ISA ATen's CPU kernels dispatch to: DEFAULT, AVX2, AVX512, ..."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+@functools.cache
+def cpu_model_name() -> str:
+    """The CPU's marketing name (as /proc/cpuinfo or cpuinfo gives it), or 'unknown'."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    get_capabilities = getattr(torch.cpu, "get_capabilities", None)
+    return str(get_capabilities().get("cpu_name", "unknown")) if get_capabilities else "unknown"
+
+
+def auto_cpu_dtype(checkpoint_dtype: str | None, flags: Collection[str]) -> tuple[torch.dtype, str]:
+    """What ``dtype='auto'`` computes in on a CPU with ``flags``, and why (for the log).
+
+    bfloat16 only when the checkpoint is bfloat16 (its config's torch_dtype/dtype) and the CPU
+    has native bf16 dot products (``NATIVE_BF16_FLAGS``); float32 otherwise. float16
+    checkpoints also run in float32: few CPUs have fast fp16 GEMMs.
+    """
+    name = checkpoint_dtype or "float32"
+    if name != "bfloat16":
+        return torch.float32, f"the checkpoint is {name}"
+    present = [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
+    if present:
+        return torch.bfloat16, f"bfloat16 checkpoint and the CPU has {'+'.join(present)}"
+    return torch.float32, ("bfloat16 checkpoint, but the CPU has no AVX512_BF16 or AMX_BF16: "
+                           "bf16 GEMMs would be slower than fp32")

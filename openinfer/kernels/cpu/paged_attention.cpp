@@ -1,0 +1,949 @@
+// Paged varlen attention for CPUs: prefill, chunked-prefill continuations, prefix hits and
+// decode of a whole step in one call per layer, reading K/V blocks in place through the
+// block table (nothing is gathered). Built, and its contract documented, by
+// openinfer/kernels/cpu_attention.py.
+//
+// Work (make_plan, once per call on the calling thread)
+//   A work item is the rows of some query tokens x the `group` query heads that share one KV
+//   head h, against a range of KV blocks of one block table: every K/V block is loaded and
+//   converted once for all of them (GQA packing). Normally an item is (sequence, KV head, tile
+//   of up to 64 rows). Sequences sharing prefix blocks that lie before all their queries (a
+//   prefix-cache hit shared by a decode batch) get those blocks as stacked items of all their
+//   rows ("cascade"): 32 decodes over a 1024-token prompt read it once per KV head with 64 rows
+//   rather than 32 times with 2. Items far above an even share of the work are split along their
+//   KV blocks (batch-1 decode on several threads). Items are sorted by cost, largest first, and
+//   handed out dynamically (one OpenMP region, torch's thread count). Rows with several contributors
+//   (split, cascade) store partial results (unnormalised O, running max m, running sum l); the
+//   item that delivers the last part of a row merges it.
+//
+// Per chunk of keys (whole blocks, ~64 keys) of one item
+//   Scores: items with many rows convert each K block to fp32 and transpose it into Kt[D][BSP]
+//   (BSP = block_size rounded up to 16), so S[r][k] = sum_d Q[r][d] * Kt[d][k] is FMAs
+//   vectorised over keys with no horizontal sums, and the transposition is shared by all rows;
+//   items with few rows (decode) take dot products straight from the K rows and sum 4 or 8 of
+//   them across lanes at once (no transposition to amortise). Online softmax per row in fp32,
+//   once per chunk. O[r][:] += p * V[k][:] is vectorised over D, V read in place (fp32) or
+//   converted once per block (bf16). Keys past a sequence (block padding, junk table entries)
+//   are never loaded; causally masked keys get p = 0 exactly.
+//
+// SIMD: GCC/Clang vector extensions of W lanes (W = 16 with AVX-512, else 8, or -DOI_VEC_WIDTH).
+// The same source is correct for any W; the compiler picks the instructions (-march=native),
+// so an AVX2 machine can test the 16-lane code (its vectors are split in two).
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#ifndef OI_VEC_WIDTH
+#if defined(__AVX512F__)
+#define OI_VEC_WIDTH 16
+#else
+#define OI_VEC_WIDTH 8
+#endif
+#endif
+
+namespace {
+
+constexpr int W = OI_VEC_WIDTH;
+static_assert(W == 8 || W == 16, "vector width must be 8 or 16 floats");
+// Keys are handled in tiles of KEY_TILE (scratch rows are padded to it) and head_dim must be
+// a multiple of it, so that no width needs a scalar tail.
+constexpr int KEY_TILE = 16;
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
+
+// Register tiles (rows x vectors) sized to the register file: 16 vector registers with AVX2,
+// 32 with AVX-512.
+constexpr int QK_ROWS = W >= 16 ? 12 : 6;  // score tile: QK_ROWS rows x QK_VECS key vectors
+constexpr int QK_VECS = 2;
+constexpr int PV_ROWS = W >= 16 ? 4 : 2;  // P.V tile: PV_ROWS rows x PV_VECS vectors of D
+constexpr int PV_VECS = 4;
+
+// Query rows per work item: enough to amortise converting each K/V block, small enough that
+// Q, O and the scores of a tile stay in L2.
+constexpr int TILE_ROWS = 64;
+// Items with at most this many rows (decode: the group's heads) score straight from K rows;
+// larger ones transpose each K block once and share it.
+constexpr int ROWDOT_ROWS = 8;
+// Keys per online-softmax step (whole blocks): the running max, the rescaling of O and the
+// horizontal reductions are paid once per chunk rather than once per block.
+constexpr int CHUNK_KEYS = 64;
+constexpr int MAX_CHUNK_BLOCKS = 16;
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// x - 0.0 is an identity (x + 0.0 is not, for -0.0), so this compiles to one broadcast.
+inline vf splat(float x) { return x - vf{}; }
+inline vf loadu(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void storeu(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+inline vf load_as_float(const float* p) { return loadu(p); }
+inline vf load_as_float(const c10::BFloat16* p) {
+  // bf16 is the upper half of an fp32: widen and shift (exact).
+  vh h;
+  __builtin_memcpy(&h, p, sizeof h);
+  vu u = __builtin_convertvector(h, vu) << 16;
+  return (vf)u;
+}
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
+  return m;
+}
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+
+// K block rows (n keys of D values, row stride `stride`) -> Kt[D][bsp] in fp32. Full groups of
+// 8 keys go through an in-register 8x8 transpose (3 shuffle stages), the rest element by element.
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+inline v8f load8(const float* p) {
+  v8f v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v8f load8(const c10::BFloat16* p) {
+  v8h h;
+  __builtin_memcpy(&h, p, sizeof h);
+  return (v8f)(__builtin_convertvector(h, v8u) << 16);
+}
+
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define OI_HAVE_SHUFFLEVECTOR 1
+#endif
+#endif
+
+template <typename T>
+inline void transpose_keys(const T* __restrict src, int64_t stride, int n, int D, float* __restrict kt, int bsp) {
+  int k0 = 0;
+#ifdef OI_HAVE_SHUFFLEVECTOR
+  for (; k0 + 8 <= n; k0 += 8) {
+    for (int d0 = 0; d0 < D; d0 += 8) {
+      v8f r[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) r[i] = load8(src + (k0 + i) * stride + d0);
+      v8f t[8], u[8];
+#pragma GCC unroll 4
+      for (int i = 0; i < 8; i += 2) {  // interleave key pairs
+        t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+      }
+#pragma GCC unroll 2
+      for (int i = 0; i < 8; i += 4) {  // then key quads: u[i + j] holds dims j and j + 4
+#pragma GCC unroll 2
+        for (int j = 0; j < 2; ++j) {
+          u[i + 2 * j] = __builtin_shufflevector(t[i + j], t[i + j + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+          u[i + 2 * j + 1] = __builtin_shufflevector(t[i + j], t[i + j + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        }
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {  // join the two key quads (128-bit halves)
+        v8f lo = __builtin_shufflevector(u[j], u[j + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        v8f hi = __builtin_shufflevector(u[j], u[j + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+        __builtin_memcpy(kt + (d0 + j) * bsp + k0, &lo, sizeof lo);
+        __builtin_memcpy(kt + (d0 + j + 4) * bsp + k0, &hi, sizeof hi);
+      }
+    }
+  }
+#endif
+  for (; k0 < n; ++k0) {
+    const T* row = src + k0 * stride;
+    for (int d = 0; d < D; d += 8) {
+      v8f x = load8(row + d);
+#pragma GCC unroll 8
+      for (int e = 0; e < 8; ++e) kt[(d + e) * bsp + k0] = x[e];
+    }
+  }
+}
+
+// e^x for x <= 0 (softmax arguments), exactly 0 below -87.3 (so -inf, a masked score, gives 0).
+// Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, a degree-7 Taylor polynomial for e^r
+// (relative error ~5e-9), then the exponent bits of 2^n are added.
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.3f);
+  vi underflow = x < lo;
+  x = x < lo ? lo : x;
+  x = x > splat(0.f) ? splat(0.f) : x;
+  const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf t = x * 1.44269504f + magic;
+  vi n = (vi)t - (vi)magic;
+  vf nf = t - magic;
+  vf r = x - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  vf p = splat(1.f / 5040);
+  p = p * r + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  vi bits = (n + 127) << 23;
+  vf y = p * (vf)bits;
+  return underflow ? splat(0.f) : y;
+}
+
+inline void store_from_float(float* dst, const float* src, int n, float mul) {
+  for (int i = 0; i < n; i += W) storeu(dst + i, loadu(src + i) * mul);
+}
+inline void store_from_float(c10::BFloat16* dst, const float* src, int n, float mul) {
+  // c10's round-to-nearest-even, the same rounding as torch's .to(torch.bfloat16).
+  for (int i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i] * mul);
+}
+
+// Scores from a transposed key block, for many rows: S[r][0 .. bsp) = Q[r] . Kt for R rows at a
+// time (register tile R rows x NK key vectors; Q values broadcast, Kt rows loaded once per R rows).
+template <int R, int NK>
+inline void score_tile(const float* __restrict q, int D, const float* __restrict kt, int bsp,
+                       float* __restrict s, int s_stride) {
+  vf acc[R][NK];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NK; ++v) acc[r][v] = splat(0.f);
+  for (int d = 0; d < D; ++d) {
+    vf k[NK];
+#pragma GCC unroll 4
+    for (int v = 0; v < NK; ++v) k[v] = loadu(kt + d * bsp + v * W);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      vf qb = splat(q[r * D + d]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NK; ++v) acc[r][v] += qb * k[v];
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NK; ++v) storeu(s + r * s_stride + v * W, acc[r][v]);
+}
+
+template <int R>
+inline void score_rows(const float* q, int D, const float* kt, int bsp, float* s, int s_stride) {
+  int v = 0;
+  for (; v + QK_VECS <= bsp / W; v += QK_VECS) score_tile<R, QK_VECS>(q, D, kt + v * W, bsp, s + v * W, s_stride);
+  for (; v < bsp / W; ++v) score_tile<R, 1>(q, D, kt + v * W, bsp, s + v * W, s_stride);
+}
+
+template <int R>
+inline void score_tail(int rows, const float* q, int D, const float* kt, int bsp, float* s, int s_stride) {
+  if constexpr (R > 0) {
+    if (rows == R)
+      score_rows<R>(q, D, kt, bsp, s, s_stride);
+    else
+      score_tail<R - 1>(rows, q, D, kt, bsp, s, s_stride);
+  }
+}
+
+inline void scores_transposed(int rows, const float* q, int D, const float* kt, int bsp, float* s, int s_stride) {
+  int r = 0;
+  for (; r + QK_ROWS <= rows; r += QK_ROWS) score_rows<QK_ROWS>(q + r * D, D, kt, bsp, s + r * s_stride, s_stride);
+  score_tail<QK_ROWS - 1>(rows - r, q + r * D, D, kt, bsp, s + r * s_stride, s_stride);
+}
+
+// Scores straight from K rows, for few rows (decode): one accumulator per (row, key) over D, for
+// 2 rows x 4 keys (or 1 row x 8 keys) at a time, then those accumulators are summed across lanes
+// together (a tree of pairwise shuffles + adds). Nothing is transposed, so a block of a 1- or
+// 2-row item costs little more than its FMAs; K rows past n are never read.
+#ifdef OI_HAVE_SHUFFLEVECTOR
+inline v8f to8(vf x) {
+#if OI_VEC_WIDTH == 16
+  return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return x;
+#endif
+}
+inline v8f pair_sums(v8f a, v8f b) {
+  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+         __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+// [sum(x0), ..., sum(x7)]
+inline v8f sum8(const vf* acc) {
+  v8f q0 = pair_sums(pair_sums(to8(acc[0]), to8(acc[1])), pair_sums(to8(acc[2]), to8(acc[3])));
+  v8f q1 = pair_sums(pair_sums(to8(acc[4]), to8(acc[5])), pair_sums(to8(acc[6]), to8(acc[7])));
+  return __builtin_shufflevector(q0, q1, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(q0, q1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+#endif
+
+#ifdef OI_HAVE_SHUFFLEVECTOR
+// [sum(x0), sum(x1), sum(x2), sum(x3)]
+typedef float v4f __attribute__((vector_size(16)));
+inline v4f sum4(const vf* acc) {
+  v8f q = pair_sums(pair_sums(to8(acc[0]), to8(acc[1])), pair_sums(to8(acc[2]), to8(acc[3])));
+  return __builtin_shufflevector(q, q, 0, 1, 2, 3) + __builtin_shufflevector(q, q, 4, 5, 6, 7);
+}
+#endif
+
+template <typename TK>
+inline void scores_rowdot(int rows, const float* __restrict q, int D, const TK* __restrict k, int64_t k_stride,
+                          int n, float* __restrict s, int s_stride) {
+  int r = 0;
+#ifdef OI_HAVE_SHUFFLEVECTOR
+  // Two rows x 4 keys: each K vector loaded (and converted) once for both rows.
+  for (; r + 2 <= rows; r += 2) {
+    const float* qa = q + r * D;
+    const float* qb = qa + D;
+    float* sa = s + r * s_stride;
+    float* sb = sa + s_stride;
+    int k0 = 0;
+    for (; k0 + 4 <= n; k0 += 4) {
+      vf acc_a[4], acc_b[4];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) acc_a[i] = acc_b[i] = splat(0.f);
+      for (int d = 0; d < D; d += W) {
+        const vf xa = loadu(qa + d), xb = loadu(qb + d);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          const vf kv = load_as_float(k + (k0 + i) * k_stride + d);
+          acc_a[i] += xa * kv;
+          acc_b[i] += xb * kv;
+        }
+      }
+      v4f ta = sum4(acc_a), tb = sum4(acc_b);
+      __builtin_memcpy(sa + k0, &ta, sizeof ta);
+      __builtin_memcpy(sb + k0, &tb, sizeof tb);
+    }
+    for (; k0 < n; ++k0) {
+      vf acc_a = splat(0.f), acc_b = splat(0.f);
+      for (int d = 0; d < D; d += W) {
+        const vf kv = load_as_float(k + k0 * k_stride + d);
+        acc_a += loadu(qa + d) * kv;
+        acc_b += loadu(qb + d) * kv;
+      }
+      sa[k0] = hsum(acc_a);
+      sb[k0] = hsum(acc_b);
+    }
+  }
+#endif
+  for (; r < rows; ++r) {
+    const float* qr = q + r * D;
+    float* sr = s + r * s_stride;
+    int k0 = 0;
+#ifdef OI_HAVE_SHUFFLEVECTOR
+    for (; k0 + 8 <= n; k0 += 8) {
+      vf acc[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) acc[i] = splat(0.f);
+      for (int d = 0; d < D; d += W) {
+        const vf qv = loadu(qr + d);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) acc[i] += qv * load_as_float(k + (k0 + i) * k_stride + d);
+      }
+      v8f sum = sum8(acc);
+      __builtin_memcpy(sr + k0, &sum, sizeof sum);
+    }
+#endif
+    for (; k0 < n; ++k0) {
+      vf acc = splat(0.f);
+      for (int d = 0; d < D; d += W) acc += loadu(qr + d) * load_as_float(k + k0 * k_stride + d);
+      sr[k0] = hsum(acc);
+    }
+  }
+}
+
+// O[r][d0 .. d0 + NV*W) += sum_k P[r][k] V[k][d0 ..] for R rows over n keys.
+template <int R, int NV, typename TV>
+inline void pv_tile(const float* __restrict p, int bsp, const TV* __restrict v, int64_t v_stride,
+                    int n, float* __restrict o, int D) {
+  vf acc[R][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) acc[r][c] = loadu(o + r * D + c * W);
+  for (int k = 0; k < n; ++k) {
+    vf x[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) x[c] = load_as_float(v + k * v_stride + c * W);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      vf pb = splat(p[r * bsp + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) acc[r][c] += pb * x[c];
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) storeu(o + r * D + c * W, acc[r][c]);
+}
+
+template <int R, typename TV>
+inline void pv_rows(const float* p, int bsp, const TV* v, int64_t v_stride, int n, float* o, int D) {
+  int d = 0;
+  for (; d + PV_VECS * W <= D; d += PV_VECS * W) pv_tile<R, PV_VECS, TV>(p, bsp, v + d, v_stride, n, o + d, D);
+  for (; d < D; d += W) pv_tile<R, 1, TV>(p, bsp, v + d, v_stride, n, o + d, D);
+}
+
+template <int R, typename TV>
+inline void pv_tail(int rows, const float* p, int bsp, const TV* v, int64_t v_stride, int n, float* o,
+                    int D) {
+  if constexpr (R > 0) {
+    if (rows == R)
+      pv_rows<R, TV>(p, bsp, v, v_stride, n, o, D);
+    else
+      pv_tail<R - 1, TV>(rows, p, bsp, v, v_stride, n, o, D);
+  }
+}
+
+template <typename TV>
+inline void accumulate_pv(int rows, const float* p, int bsp, const TV* v, int64_t v_stride, int n,
+                          float* o, int D) {
+  int r = 0;
+  for (; r + PV_ROWS <= rows; r += PV_ROWS) pv_rows<PV_ROWS, TV>(p + r * bsp, bsp, v, v_stride, n, o + r * D, D);
+  pv_tail<PV_ROWS - 1, TV>(rows - r, p + r * bsp, bsp, v, v_stride, n, o + r * D, D);
+}
+
+// Per-thread scratch, grown on demand and kept across calls (OpenMP threads persist).
+struct Scratch {
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float, Free> buf;
+  size_t size = 0;
+  float* get(size_t n) {
+    if (n > size) {
+      size_t bytes = ((n * sizeof(float) + 63) / 64) * 64;
+      buf.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+      TORCH_CHECK(buf, "paged_attention: out of memory for scratch");
+      size = n;
+    }
+    return buf.get();
+  }
+};
+thread_local Scratch tls_scratch;
+
+// A work item: the rows of `num_tok` query tokens (row_tokens[tok0 ..]) x the `group` query
+// heads of KV head h, against KV blocks [blk0, blk1) of one block table.
+struct Item {
+  int32_t b;           // the sequence (its block table, causal mask); -1: a shared-prefix item
+  int32_t table_b;     // whose block table is read
+  int32_t h;
+  int32_t tok0, num_tok;
+  int32_t blk0, blk1;
+  int64_t part_row;    // -1: writes `out`; else first row of its partial result
+  int64_t cost;
+};
+
+// What a step's call does, planned once on the calling thread.
+struct Plan {
+  std::vector<Item> items;
+  std::vector<int32_t> row_tokens;  // global token index of each item token
+  // Rows that several items contribute to, merged afterwards: (token * Hkv + h, part_row).
+  std::vector<std::pair<int64_t, int64_t>> merges;
+  int64_t part_rows = 0;
+  int tile_rows = 0;
+};
+
+struct Params {
+  int Hq, Hkv, G, D, BS, BSP;
+  float scale;
+  const int32_t* qsl;
+  const int32_t* seq_lens;
+  const int32_t* tables;
+  int64_t table_stride;
+  int64_t q_s0, q_s1, o_s0, o_s1;
+  int64_t k_s0, v_s0, kv_row;  // block stride (any), row stride within a block (= Hkv * D)
+  int tile_rows;               // rows of the largest item (scratch sizing)
+  int chunk_blocks;            // blocks per softmax step
+  const int32_t* row_tokens;
+  float* part_o;  // [part_rows][D] unnormalised outputs of partial items
+  float* part_m;  // [part_rows] their running max
+  float* part_l;  // [part_rows] their running sum
+};
+
+constexpr int NO_MASK = std::numeric_limits<int>::max() / 2;  // position of shared-prefix rows
+
+template <typename T>
+void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T* vc, T* out) {
+  const int G = P.G, D = P.D, BS = P.BS, BSP = P.BSP, CB = P.chunk_blocks;
+  const int SW = CB * BSP;  // score row stride: one chunk of keys
+  const int32_t* tokens = P.row_tokens + it.tok0;
+  const int ntok = it.num_tok;
+  const int M = ntok * G;
+  // Position of the item's first token; its tokens are consecutive positions of sequence b.
+  // Shared-prefix items see every key of their (full) blocks.
+  int pos0 = NO_MASK, kv_end = it.blk1 * BS;
+  if (it.b >= 0) {
+    pos0 = P.seq_lens[it.b] - (P.qsl[it.b + 1] - tokens[0]);
+    kv_end = std::min(kv_end, pos0 + ntok);
+  }
+  const bool rowdot = M <= ROWDOT_ROWS;
+
+  const size_t TR = size_t(P.tile_rows), mD = TR * D;
+  float* qf = tls_scratch.get(2 * mD + TR * (SW + 2) + size_t(D) * BSP + size_t(CB) * BS * D);
+  float* o = qf + mD;                  // [M][D] unnormalised output
+  float* s = o + mD;                   // [M][SW] scores, then probabilities, of one key chunk
+  float* m = s + TR * SW;              // [M] running max
+  float* l = m + TR;                   // [M] running sum
+  float* kt = l + TR;                  // [D][BSP] transposed K block, or [BS][D] fp32 K rows
+  float* vf32 = kt + size_t(D) * BSP;  // [CB][BS][D] fp32 V blocks
+
+  const int32_t* table = P.tables + int64_t(it.table_b) * P.table_stride;
+  const int64_t row_bytes = P.kv_row * int64_t(sizeof(T));
+  // This head's rows of a block are short runs scattered over memory, too few for the hardware
+  // prefetcher to pick up: ask for the next chunk while this one is computed.
+  auto prefetch_blocks = [&](int j0, int j1) {
+    for (int j = j0; j < j1; ++j) {
+      const int n = std::min(BS, kv_end - j * BS);
+      const char* kn = reinterpret_cast<const char*>(kc + table[j] * P.k_s0 + int64_t(it.h) * D);
+      const char* vn = reinterpret_cast<const char*>(vc + table[j] * P.v_s0 + int64_t(it.h) * D);
+      for (int k = 0; k < n; ++k)
+        for (int64_t c = 0; c < int64_t(D * sizeof(T)); c += 64) {
+          __builtin_prefetch(kn + k * row_bytes + c);
+          __builtin_prefetch(vn + k * row_bytes + c);
+        }
+    }
+  };
+
+  for (int i = 0; i < ntok; ++i) {
+    for (int g = 0; g < G; ++g) {
+      const T* src = q + int64_t(tokens[i]) * P.q_s0 + int64_t(it.h * G + g) * P.q_s1;
+      float* dst = qf + size_t(i * G + g) * D;
+      for (int d = 0; d < D; d += W) storeu(dst + d, load_as_float(src + d) * P.scale);
+    }
+  }
+  std::fill(o, o + size_t(M) * D, 0.f);
+  std::fill(m, m + M, NEG_INF);
+  std::fill(l, l + M, 0.f);
+  if (!rowdot) std::fill(kt, kt + size_t(D) * BSP, 0.f);  // transposed padding keys: finite
+
+  const T* vblk[MAX_CHUNK_BLOCKS];
+  int nvalid[MAX_CHUNK_BLOCKS];
+  for (int j0 = it.blk0; j0 < it.blk1; j0 += CB) {
+    const int c0 = j0 * BS;  // first key of the chunk
+    if (c0 >= kv_end) break;
+    const int nb = std::min(CB, (kv_end - c0 + BS - 1) / BS);
+    // Rows are ordered by position: those before the chunk's first key see none of it.
+    const int r0 = it.b >= 0 ? std::max(0, c0 - pos0) * G : 0;
+    const int rows = M - r0;
+    float* sr = s + size_t(r0) * SW;
+
+    prefetch_blocks(j0 + CB, std::min(j0 + 2 * CB, it.blk1));
+
+    for (int c = 0; c < nb; ++c) {
+      const int64_t block = table[j0 + c];
+      const int n = std::min(BS, kv_end - c0 - c * BS);  // valid keys of this block
+      const T* kb = kc + block * P.k_s0 + int64_t(it.h) * D;
+      vblk[c] = vc + block * P.v_s0 + int64_t(it.h) * D;
+      nvalid[c] = n;
+      if (rowdot) {
+        if (std::is_same_v<T, float> || rows <= 2) {
+          scores_rowdot(rows, qf + size_t(r0) * D, D, kb, P.kv_row, n, sr + c * BSP, SW);
+        } else {  // convert once rather than once per row
+          for (int k = 0; k < n; ++k)
+            for (int d = 0; d < D; d += W) storeu(kt + k * D + d, load_as_float(kb + k * P.kv_row + d));
+          scores_rowdot(rows, qf + size_t(r0) * D, D, static_cast<const float*>(kt), D, n, sr + c * BSP, SW);
+        }
+      } else {
+        transpose_keys(kb, P.kv_row, n, D, kt, BSP);
+        scores_transposed(rows, qf + size_t(r0) * D, D, kt, BSP, sr + c * BSP, SW);
+      }
+    }
+
+    // Online softmax over the chunk. Invisible keys (causal, past the block's valid rows, the
+    // padding of a block) get -inf, i.e. p = 0, whatever the score buffer held there.
+    const int width = nb * BSP;
+    for (int r = 0; r < rows; ++r) {
+      const int pos = pos0 + (r0 + r) / G;
+      float* srow = sr + size_t(r) * SW;
+      for (int c = 0; c < nb; ++c) {
+        const int lim = std::max(0, std::min(nvalid[c], pos - (c0 + c * BS) + 1));
+        std::fill(srow + c * BSP + lim, srow + (c + 1) * BSP, NEG_INF);
+      }
+      vf mx = loadu(srow);
+      for (int k = W; k < width; k += W) mx = vmax(mx, loadu(srow + k));
+      const float m_old = m[r0 + r];
+      const float m_new = std::max(m_old, hmax(mx));  // finite: key c0 <= pos is visible
+      const vf mv = splat(m_new);
+      vf sum = splat(0.f);
+      for (int k = 0; k < width; k += W) {
+        vf p = vexp(loadu(srow + k) - mv);
+        storeu(srow + k, p);
+        sum += p;
+      }
+      if (m_old != m_new) {
+        const float alpha = std::exp(m_old - m_new);  // 0 on the first chunk seen
+        float* orr = o + size_t(r0 + r) * D;
+        for (int d = 0; d < D; d += W) storeu(orr + d, loadu(orr + d) * alpha);
+        l[r0 + r] *= alpha;
+      }
+      l[r0 + r] += hsum(sum);
+      m[r0 + r] = m_new;
+    }
+
+    float* orow = o + size_t(r0) * D;
+    for (int c = 0; c < nb; ++c) {
+      if (std::is_same_v<T, float> || rows <= PV_ROWS) {
+        // A single row tile converts each V element once anyway: read the block in place.
+        accumulate_pv(rows, sr + c * BSP, SW, vblk[c], P.kv_row, nvalid[c], orow, D);
+      } else {
+        float* vc32 = vf32 + size_t(c) * BS * D;
+        for (int k = 0; k < nvalid[c]; ++k)
+          for (int d = 0; d < D; d += W) storeu(vc32 + k * D + d, load_as_float(vblk[c] + k * P.kv_row + d));
+        accumulate_pv(rows, sr + c * BSP, SW, static_cast<const float*>(vc32), D, nvalid[c], orow, D);
+      }
+    }
+  }
+
+  if (it.part_row < 0) {
+    for (int r = 0; r < M; ++r) {
+      T* dst = out + int64_t(tokens[r / G]) * P.o_s0 + int64_t(it.h * G + r % G) * P.o_s1;
+      store_from_float(dst, o + size_t(r) * D, D, 1.f / l[r]);
+    }
+  } else {
+    std::copy(o, o + size_t(M) * D, P.part_o + it.part_row * D);
+    std::copy(m, m + M, P.part_m + it.part_row);
+    std::copy(l, l + M, P.part_l + it.part_row);
+  }
+}
+
+// Combines the partial results for the `group` rows of one (token, KV head): each partial is
+// rescaled to the common max. merges[first .. first + count) all name that (token, head).
+template <typename T>
+void merge_rows(const Params& P, const std::pair<int64_t, int64_t>* merges, int count, T* out) {
+  const int G = P.G, D = P.D;
+  const int64_t token = merges[0].first / P.Hkv, h = merges[0].first % P.Hkv;
+  float acc[1024];
+  for (int g = 0; g < G; ++g) {
+    float mmax = NEG_INF;
+    for (int i = 0; i < count; ++i) mmax = std::max(mmax, P.part_m[merges[i].second + g]);
+    float total = 0.f;
+    std::fill(acc, acc + D, 0.f);
+    for (int i = 0; i < count; ++i) {
+      const int64_t row = merges[i].second + g;
+      if (P.part_m[row] == NEG_INF) continue;  // this part held no key the row can see
+      const float w = std::exp(P.part_m[row] - mmax);
+      total += w * P.part_l[row];
+      const float* po = P.part_o + row * D;
+      for (int d = 0; d < D; d += W) storeu(acc + d, loadu(acc + d) + loadu(po + d) * w);
+    }
+    T* dst = out + token * P.o_s0 + (h * G + g) * P.o_s1;
+    store_from_float(dst, acc, D, 1.f / total);
+  }
+}
+
+void check_cache(const at::Tensor& c, const char* name, int64_t H, int64_t D) {
+  TORCH_CHECK(c.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(c.size(2) == H && c.size(3) == D, name, " heads/head_dim do not match q");
+  TORCH_CHECK(c.stride(3) == 1 && c.stride(2) == D && c.stride(1) == H * D,
+              name, ": each block's [block_size, H, D] must be contiguous");
+}
+
+// Work for one call:
+// 1. Shared prefixes. Sequences whose tables start with the same blocks, all of them before every
+//    query of those sequences (so fully visible, no mask), are grouped: the group's query rows are
+//    stacked and attend the shared blocks together ("cascade"), so a 32-way shared prompt is read
+//    once per step with 64 rows instead of 32 times with 2. Used when it cuts the passes over the
+//    shared blocks (decode batches), not for prefills whose own tiles are already full.
+// 2. Own blocks: per (sequence, KV head, query tile).
+// 3. Split-KV: items far above an even share of the work are cut along their KV blocks, so that
+//    few long items (batch-1 decode) still occupy every thread.
+// Items whose rows get contributions from several items write partial results, merged at the end.
+Plan make_plan(int64_t B, const int32_t* qsl, const int32_t* sl, const int32_t* tables, int64_t table_stride,
+               int Hkv, int G, int BS, int threads, int64_t kv_splits) {
+  Plan plan;
+  const int tile_tokens = std::max(1, TILE_ROWS / G);
+  auto cost = [](int rows, int blocks) { return int64_t(blocks) * (rows + 4); };  // + K/V loads
+
+  // 1. Shared prefixes: group by first block, then keep the blocks all members agree on.
+  std::vector<int> shared(B, 0);  // shared blocks of each sequence (0: none)
+  {
+    std::vector<std::pair<int32_t, int32_t>> by_first;  // (first block, sequence)
+    for (int32_t b = 0; b < B; ++b) {
+      const int q_len = qsl[b + 1] - qsl[b];
+      if (q_len > 0 && (sl[b] - q_len) / BS > 0) by_first.emplace_back(tables[b * table_stride], b);
+    }
+    std::sort(by_first.begin(), by_first.end());
+    for (size_t i = 0; i < by_first.size();) {
+      size_t j = i;
+      while (j < by_first.size() && by_first[j].first == by_first[i].first) ++j;
+      if (j - i >= 2) {
+        const int32_t* lead = tables + by_first[i].second * table_stride;
+        int n = std::numeric_limits<int>::max(), passes = 0, tokens = 0;
+        for (size_t k = i; k < j; ++k) {
+          const int32_t b = by_first[k].second;
+          const int q_len = qsl[b + 1] - qsl[b];
+          const int32_t* row = tables + b * table_stride;
+          int agree = 0;
+          const int visible = (sl[b] - q_len) / BS;  // full blocks before the first query
+          while (agree < std::min(n, visible) && row[agree] == lead[agree]) ++agree;
+          n = agree;
+          passes += (q_len + tile_tokens - 1) / tile_tokens;
+          tokens += q_len;
+        }
+        if (n > 0 && 4 * ((tokens + tile_tokens - 1) / tile_tokens) <= 3 * passes) {
+          for (int h = 0; h < Hkv; ++h) {
+            // Tiles of the stacked rows of every member (a tile may hold several sequences).
+            const int first = int(plan.row_tokens.size());
+            for (size_t k = i; k < j; ++k) {
+              const int32_t b = by_first[k].second;
+              for (int t = qsl[b]; t < qsl[b + 1]; ++t) plan.row_tokens.push_back(t);
+            }
+            for (int t0 = 0; t0 < tokens; t0 += tile_tokens) {
+              const int nt = std::min(tile_tokens, tokens - t0);
+              plan.items.push_back({-1, by_first[i].second, h, first + t0, nt, 0, n, 0, cost(nt * G, n)});
+            }
+          }
+          for (size_t k = i; k < j; ++k) shared[by_first[k].second] = n;
+        }
+      }
+      i = j;
+    }
+  }
+
+  // 2. Every sequence's own blocks (all of them when it shares none).
+  for (int32_t b = 0; b < B; ++b) {
+    const int q_len = qsl[b + 1] - qsl[b];
+    if (q_len == 0) continue;
+    const int ctx = sl[b] - q_len;
+    const int first = int(plan.row_tokens.size());
+    for (int t = qsl[b]; t < qsl[b + 1]; ++t) plan.row_tokens.push_back(t);
+    for (int h = 0; h < Hkv; ++h) {
+      for (int q0 = 0; q0 < q_len; q0 += tile_tokens) {
+        const int q1 = std::min(q_len, q0 + tile_tokens);
+        const int blk1 = (ctx + q1 + BS - 1) / BS;
+        plan.items.push_back({b, b, h, first + q0, q1 - q0, shared[b], blk1, shared[b] > 0 ? 0 : -1,
+                              cost((q1 - q0) * G, blk1 - shared[b])});
+      }
+    }
+  }
+
+  // 3. Split-KV.
+  int64_t total = 0;
+  for (const Item& it : plan.items) total += it.cost;
+  const int64_t share = std::max<int64_t>(1, total / (2 * threads));
+  std::vector<Item> items;
+  items.reserve(plan.items.size());
+  for (const Item& it : plan.items) {
+    const int blocks = it.blk1 - it.blk0;
+    int64_t parts = kv_splits > 0 ? kv_splits : (it.cost + share - 1) / share;
+    parts = std::clamp<int64_t>(parts, 1, blocks);
+    for (int p = 0; p < parts; ++p) {
+      Item piece = it;
+      piece.blk0 = it.blk0 + int(int64_t(blocks) * p / parts);
+      piece.blk1 = it.blk0 + int(int64_t(blocks) * (p + 1) / parts);
+      piece.cost = cost(it.num_tok * G, piece.blk1 - piece.blk0);
+      if (parts > 1) piece.part_row = 0;
+      items.push_back(piece);
+    }
+  }
+  plan.items.swap(items);
+
+  for (Item& it : plan.items) {
+    plan.tile_rows = std::max(plan.tile_rows, it.num_tok * G);
+    if (it.part_row < 0) continue;
+    it.part_row = plan.part_rows;
+    for (int i = 0; i < it.num_tok; ++i)
+      plan.merges.emplace_back(int64_t(plan.row_tokens[it.tok0 + i]) * Hkv + it.h, plan.part_rows + int64_t(i) * G);
+    plan.part_rows += int64_t(it.num_tok) * G;
+  }
+  std::sort(plan.merges.begin(), plan.merges.end());
+  return plan;
+}
+
+}  // namespace
+
+// See openinfer/kernels/cpu_attention.py for the contract. kv_splits: 0 = automatic,
+// k > 0 = split every item's KV range into (up to) k parts (tests).
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                     int64_t max_query_len, int64_t kv_splits) {
+  for (const at::Tensor* t : {&static_cast<const at::Tensor&>(out), &q, &key_cache, &value_cache, &block_tables,
+                              &query_start_loc, &seq_lens})
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, Hq, D] of one shape");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_attention: float32 or bfloat16 only");
+  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype &&
+                  value_cache.scalar_type() == dtype,
+              "q, out, key_cache and value_cache must share one dtype");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out must be contiguous in head_dim");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = key_cache.size(2);
+  check_cache(key_cache, "key_cache", Hkv, D);
+  check_cache(value_cache, "value_cache", Hkv, D);
+  TORCH_CHECK(value_cache.size(0) == key_cache.size(0) && value_cache.size(1) == key_cache.size(1),
+              "key_cache and value_cache shapes differ");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "num query heads must be a multiple of num kv heads");
+  TORCH_CHECK(D % KEY_TILE == 0 && D <= 1024, "head_dim must be a multiple of 16 (at most 1024)");
+  const int64_t num_blocks = key_cache.size(0), BS = key_cache.size(1);
+  for (const auto* t : {&block_tables, &query_start_loc, &seq_lens})
+    TORCH_CHECK(t->scalar_type() == at::kInt, "block_tables, query_start_loc and seq_lens must be int32");
+  TORCH_CHECK(query_start_loc.dim() == 1 && seq_lens.dim() == 1 && block_tables.dim() == 2,
+              "query_start_loc [B+1], seq_lens [B], block_tables [B, max_blocks]");
+  const int64_t B = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == B + 1 && block_tables.size(0) == B, "batch sizes differ");
+  TORCH_CHECK(block_tables.stride(1) == 1 || block_tables.size(1) <= 1, "block_tables rows must be contiguous");
+  const auto qsl_t = query_start_loc.contiguous(), sl_t = seq_lens.contiguous();
+  const int32_t* qsl = qsl_t.data_ptr<int32_t>();
+  const int32_t* sl = sl_t.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1), table_stride = block_tables.stride(0);
+  TORCH_CHECK(qsl[0] == 0 && qsl[B] == T, "query_start_loc must run from 0 to num_tokens");
+  for (int64_t b = 0; b < B; ++b) {
+    const int q_len = qsl[b + 1] - qsl[b];
+    TORCH_CHECK(q_len >= 0 && q_len <= max_query_len, "sequence ", b, ": query length ", q_len,
+                " outside [0, max_query_len=", max_query_len, "]");
+    TORCH_CHECK(sl[b] >= q_len, "sequence ", b, ": seq_len ", sl[b], " < query length ", q_len);
+    if (q_len == 0) continue;
+    const int64_t nblk = (sl[b] + BS - 1) / BS;
+    TORCH_CHECK(nblk <= max_blocks, "sequence ", b, ": seq_len ", sl[b], " needs ", nblk, " blocks, table has ",
+                max_blocks);
+    const int32_t* row = tables + b * table_stride;
+    for (int64_t j = 0; j < nblk; ++j)
+      TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "sequence ", b, ": block id ", row[j], " out of range");
+  }
+  if (T == 0) return;
+
+  const int threads = std::max(1, at::get_num_threads());
+  const int G = int(Hq / Hkv);
+  Plan plan = make_plan(B, qsl, sl, tables, table_stride, int(Hkv), G, int(BS), threads, kv_splits);
+
+  Params P;
+  P.Hq = int(Hq);
+  P.Hkv = int(Hkv);
+  P.G = G;
+  P.D = int(D);
+  P.BS = int(BS);
+  P.BSP = int((BS + KEY_TILE - 1) / KEY_TILE * KEY_TILE);
+  P.scale = float(scale);
+  P.qsl = qsl;
+  P.seq_lens = sl;
+  P.tables = tables;
+  P.table_stride = table_stride;
+  P.q_s0 = q.stride(0);
+  P.q_s1 = q.stride(1);
+  P.o_s0 = out.stride(0);
+  P.o_s1 = out.stride(1);
+  P.k_s0 = key_cache.stride(0);
+  P.v_s0 = value_cache.stride(0);
+  P.kv_row = Hkv * D;
+  P.tile_rows = plan.tile_rows;
+  P.chunk_blocks = int(std::clamp<int64_t>(CHUNK_KEYS / BS, 1, MAX_CHUNK_BLOCKS));
+  P.row_tokens = plan.row_tokens.data();
+  std::unique_ptr<float[]> parts(new float[size_t(plan.part_rows) * (D + 2)]);
+  P.part_o = parts.get();
+  P.part_m = P.part_o + plan.part_rows * D;
+  P.part_l = P.part_m + plan.part_rows;
+
+  // Largest items first (dynamic scheduling then balances the tail).
+  std::vector<int64_t> order(plan.items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = int64_t(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return plan.items[a].cost > plan.items[b].cost; });
+  // Runs of merge entries for one (token, head), and how many contributions each still awaits:
+  // the item that delivers a run's last one merges it, inside the same parallel region (a second
+  // fork/join costs a scheduler time slice when the machine is oversubscribed).
+  std::vector<int64_t> runs, run_keys;
+  for (size_t i = 0; i < plan.merges.size(); ++i) {
+    if (i == 0 || plan.merges[i].first != plan.merges[i - 1].first) {
+      runs.push_back(int64_t(i));
+      run_keys.push_back(plan.merges[i].first);
+    }
+  }
+  runs.push_back(int64_t(plan.merges.size()));
+  std::unique_ptr<std::atomic<int32_t>[]> awaiting(new std::atomic<int32_t>[run_keys.size()]);
+  for (size_t r = 0; r < run_keys.size(); ++r) awaiting[r].store(int32_t(runs[r + 1] - runs[r]));
+
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+    const T* kp = reinterpret_cast<const T*>(key_cache.data_ptr());
+    const T* vp = reinterpret_cast<const T*>(value_cache.data_ptr());
+    T* op = reinterpret_cast<T*>(out.data_ptr());
+    const int64_t n = int64_t(order.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (n > 1)
+    for (int64_t i = 0; i < n; ++i) {
+      const Item& it = plan.items[order[i]];
+      run_item<T>(P, it, qp, kp, vp, op);
+      if (it.part_row < 0) continue;
+      for (int t = 0; t < it.num_tok; ++t) {
+        const int64_t key = int64_t(plan.row_tokens[it.tok0 + t]) * Hkv + it.h;
+        const int64_t r = std::lower_bound(run_keys.begin(), run_keys.end(), key) - run_keys.begin();
+        // acq_rel: the last contributor sees every other contributor's partial rows.
+        if (awaiting[r].fetch_sub(1, std::memory_order_acq_rel) == 1)
+          merge_rows<T>(P, plan.merges.data() + runs[r], int(runs[r + 1] - runs[r]), op);
+      }
+    }
+  };
+  if (dtype == at::kFloat)
+    run(static_cast<float*>(nullptr));
+  else
+    run(static_cast<c10::BFloat16*>(nullptr));
+}
+
+std::string isa() {
+  std::string s = "vec" + std::to_string(W);
+#if defined(__AVX512F__)
+  s += "+avx512f";
+#endif
+#if defined(__AVX512BF16__)
+  s += "+avx512bf16";
+#endif
+#if defined(__AVX2__)
+  s += "+avx2";
+#endif
+#if defined(__FMA__)
+  s += "+fma";
+#endif
+#if defined(__ARM_NEON)
+  s += "+neon";
+#endif
+  return s;
+}
+
+// How a call would be planned (tests and benchmarks): items, of which shared-prefix items, and
+// items writing partial results (shared-prefix members, split KV).
+std::tuple<int64_t, int64_t, int64_t> plan_stats(const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                                 const at::Tensor& seq_lens, int64_t num_kv_heads, int64_t group,
+                                                 int64_t block_size, int64_t threads, int64_t kv_splits) {
+  const auto qsl = query_start_loc.contiguous(), sl = seq_lens.contiguous();
+  Plan plan = make_plan(seq_lens.size(0), qsl.data_ptr<int32_t>(), sl.data_ptr<int32_t>(),
+                        block_tables.data_ptr<int32_t>(), block_tables.stride(0), int(num_kv_heads), int(group),
+                        int(block_size), int(threads), kv_splits);
+  int64_t shared = 0, partial = 0;
+  for (const Item& it : plan.items) {
+    shared += it.b < 0;
+    partial += it.part_row >= 0;
+  }
+  return {int64_t(plan.items.size()), shared, partial};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Paged varlen attention (see openinfer/kernels/cpu_attention.py)",
+        py::arg("out"), py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("max_query_len"),
+        py::arg("kv_splits") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("plan_stats", &plan_stats, "(items, shared-prefix items, partial items) of a call's plan",
+        py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("num_kv_heads"),
+        py::arg("group"), py::arg("block_size"), py::arg("threads"), py::arg("kv_splits") = 0);
+  m.def("isa", &isa, "The vector width and ISA macros this build was compiled with");
+}

@@ -1,0 +1,155 @@
+"""Paged varlen attention on CPU: a C++ kernel (``cpu/paged_attention.cpp``) and its torch oracle.
+
+One call per layer serves every sequence of a step — prefill, chunked-prefill continuation,
+prefix-cache hit and decode — reading K/V blocks in place through the block table::
+
+    tokens (q rows):  | d0 | d1 | p0 p0 p0 p0 | p1 p1 p1 |
+    query_start_loc:  0    1    2             6          9
+    p0 keys:          [ cached: prefix hit / earlier chunks | this chunk ]
+                      0                           seq_len - q_len    seq_len
+
+Query ``i`` of sequence ``b`` (``q_len`` rows) sits at position ``seq_len - q_len + i`` and
+attends keys ``0 ..`` that position; key ``t`` lives in block ``block_tables[b, t // bs]``
+at offset ``t % bs``. Table entries past ``ceil(seq_len / bs)`` are never read.
+
+How the kernel splits the work (GQA packing, stacked rows over shared prefix blocks, split-KV,
+online softmax in fp32) is described at the top of the C++ source. Beyond the contract, the
+module has ``paged_attention(..., kv_splits=k)`` (force k KV splits per item; tests),
+``plan_stats(...)`` (how a call would be split into items) and ``isa()``.
+
+The extension is compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja)
+with ``-march=native`` into torch's extension cache (``~/.cache/torch_extensions`` or
+``TORCH_EXTENSIONS_DIR``). Its name carries a hash of the CPU's ISA (``/proc/cpuinfo`` flags,
+torch's CPU capability, torch version, flags), so machines with different CPUs sharing that
+cache each get their own binary instead of an illegal instruction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger("openinfer.kernels.cpu_attention")
+
+SOURCE = Path(__file__).parent / "cpu" / "paged_attention.cpp"
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-Wno-psabi")
+
+_lock = threading.Lock()
+_built: dict[str, ModuleType | None] = {}  # "native": the build for this CPU, or None if it failed
+
+
+def cpu_isa_tag() -> str:
+    """A short name for this CPU's instruction set: torch's capability plus a hash of the
+    feature flags (and of what else makes a binary incompatible)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):  # x86, ARM
+                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                    break
+    except OSError:
+        pass
+    capability = torch.backends.cpu.get_cpu_capability()
+    key = "|".join((flags, capability, platform.machine(), torch.__version__, " ".join(CFLAGS)))
+    return f"{capability.lower()}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+
+def build_extension(extra_cflags: tuple[str, ...] = (), variant: str = "") -> ModuleType:
+    """Compile (or load from torch's extension cache) the kernel; raises on failure.
+
+    ``extra_cflags``/``variant`` build a differently named twin, e.g. the 16-lane code on an
+    AVX2 machine (``("-DOI_VEC_WIDTH=16",), "w16"``) so that tests cover it.
+    """
+    from torch.utils import cpp_extension
+
+    cpp_extension.verify_ninja_availability()
+    name = f"openinfer_cpu_attention_{cpu_isa_tag()}" + (f"_{variant}" if variant else "")
+    return cpp_extension.load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=[*CFLAGS, *extra_cflags],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def load_cpu_attention() -> ModuleType | None:
+    """Build (torch.utils.cpp_extension.load, JIT, cached) and return the extension, or None
+    with ONE logged warning if it cannot be built (no compiler, no ninja, build error).
+    Cached per process: a failed build is never retried."""
+    if "native" in _built:  # the hot path: no lock once decided
+        return _built["native"]
+    with _lock:
+        if "native" not in _built:
+            try:
+                _built["native"] = build_extension()
+            except Exception as exc:  # a missing compiler/ninja raises several types
+                lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+                # A compiler's output starts with its command line: show the first error instead.
+                errors = [line for line in lines if "error:" in line]
+                reason = (errors or lines or [type(exc).__name__])[0]
+                logger.warning("CPU paged attention kernel unavailable: %s", reason[:500])
+                _built["native"] = None
+        return _built["native"]
+
+
+def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    max_query_len: int) -> None:
+    """out[T, Hq, D] = attention of q[T, Hq, D] over each sequence's paged K/V.
+
+    key_cache / value_cache: [num_blocks, block_size, Hkv, D] — strided views: dim 0 has an
+    arbitrary stride (the engine keeps every layer of a block together), but each block's
+    [block_size, Hkv, D] is contiguous.
+    block_tables: [B, max_blocks] int32 (padded; entries past a sequence's blocks are junk).
+    query_start_loc: [B+1] int32 (sequence b's queries are rows query_start_loc[b]..[b+1]).
+    seq_lens: [B] int32: cached + this step's tokens of sequence b. Query i of sequence b
+    (0-based in its chunk, q_len = its row count) sits at position seq_len - q_len + i and
+    attends keys 0 .. that position (causal with offset: a prefix hit or an earlier chunk is
+    just a longer seq_len). Decode is q_len == 1. Its own K/V is already in the cache.
+    GQA: Hq = Hkv * group. dtypes: float32 and bfloat16 (q, caches and out share one dtype;
+    accumulate in fp32). head_dim a multiple of 16. Softmax scale given.
+
+    Raises RuntimeError if the extension could not be built (check ``load_cpu_attention()``
+    first) and on malformed inputs (shapes, strides, block ids out of range).
+    """
+    module = load_cpu_attention()
+    if module is None:
+        raise RuntimeError("the CPU paged attention extension could not be built (see the log)")
+    module.paged_attention(out, q, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                           float(scale), int(max_query_len))
+
+
+def paged_attention_reference(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
+                              value_cache: torch.Tensor, block_tables: torch.Tensor,
+                              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                              max_query_len: int) -> None:
+    """The oracle for ``paged_attention`` (same contract): plain fp32 torch, one sequence at a
+    time, an explicit causal mask with offset and an explicit softmax."""
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        start, end = starts[b], starts[b + 1]
+        q_len = end - start
+        assert 0 <= q_len <= max_query_len and seq_len >= q_len
+        if q_len == 0:
+            continue
+        blocks = block_tables[b, :-(-seq_len // block_size)].long()
+        k = key_cache[blocks].flatten(0, 1)[:seq_len].float()  # [L, Hkv, D]
+        v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        qh = q[start:end].float().transpose(0, 1)  # [Hq, n, D]
+        scores = qh @ k.transpose(1, 2) * scale  # [Hq, n, L]
+        positions = torch.arange(seq_len - q_len, seq_len)[:, None]
+        scores.masked_fill_(torch.arange(seq_len)[None, :] > positions, float("-inf"))
+        out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1).to(out.dtype)

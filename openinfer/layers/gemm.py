@@ -1,0 +1,452 @@
+"""CPU GEMM plans: y = x @ W^T + b by the fastest correct path for this CPU, chosen at load.
+
+    load_model ── load_weights ── plan_gemms(model) ──> every GemmLayer (Linear, MergedLinear,
+                                                         LMHead) gets a GemmPlan
+
+Paths compute the same product from the weight in one of two formats:
+
+    path           weight           call
+    torch          plain [N, K]     F.linear(x, W, b): the reference every path is checked against
+    torch_t        plain            (W @ x^T)^T made contiguous (MKL runs 2..256 rows faster so on
+                                    AVX2; openinfer's rule before plans, see layers/linear.py)
+    onednn         plain            oneDNN matmul, mkldnn._linear_pointwise(x, W, b)
+    onednn_packed  packed           the same on W reordered once, at load, into the blocked layout
+                                    oneDNN's kernels read (for bf16: what VDPBF16PS/AMX read).
+                                    vLLM's CPU linears do this.
+
+A plan sends each call, by its row count M (tokens in the step), to one path:
+
+    bucket (rows)   1  |  2..16  |  17..128  |  129..
+    timed at M      1  |    8    |     32    |   512
+
+The LM head times only the first two buckets (logits are computed for each sequence's last
+token, so it sees few rows); its larger buckets take the last timed bucket's path.
+
+Choosing, for each distinct (N, K, bias, dtype) on this CPU and thread count; timings are
+cached for the process, so a model's 30 identical layers are timed once:
+  1. each path runs once per bucket on random rows and must match F.linear (fp32: 1e-4, bf16:
+     2e-2, relative to the output's largest value); a path that raises (oneDNN has no bf16
+     kernels without AVX-512 or AVX-NE-CONVERT) or disagrees is left out, with a warning;
+  2. the rest are timed on the layer's own weight, interleaved, best of a few rounds (the best
+     resists other processes' bursts on shared cores);
+  3. per bucket the fastest wins; a path other than ``torch`` must be ``MARGIN`` faster, so
+     that noise does not flip choices between equals (weights under ``MIN_TIMED_WEIGHT``
+     elements are not timed: ``torch`` everywhere);
+  4. memory: a layer holds one copy of its weight, plain or packed, whichever format's paths
+     are faster over the buckets (``choose_paths``). A packed weight replaces the plain one: the
+     layer's ``weight`` becomes a meta tensor of the same shape (``parameters()`` still counts
+     it; reading it fails). A weight another module shares (a tied embedding) stays plain, and
+     gets a packed copy (its only extra memory) only if that is ``EXTRA_COPY_MARGIN`` faster in
+     some bucket.
+
+``OPENINFER_CPU_GEMM``: ``auto`` (the default: the above), ``default`` (no plans; ``linear()``
+as before), or a path name (that path for every M; an error if it cannot run here). No plans
+either for models on other devices, nor, in ``auto``, for a dtype this CPU has no GEMM
+instructions for (bf16 without AVX512_BF16/AMX; see ``why_no_plans``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openinfer.cpu_features import cpu_capability, cpu_flags, has_native_gemm
+from openinfer.layers.linear import GemmLayer
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "OPENINFER_CPU_GEMM"
+PLAIN, PACKED = "plain", "packed"
+PACK_ROWS = 128
+"""The row count oneDNN picks the packed layout for (vLLM packs for 128 too)."""
+MARGIN = 1.05
+"""A path other than ``torch`` is chosen only if at least this much faster."""
+EXTRA_COPY_MARGIN = 1.5
+"""A packed copy of a weight that stays plain anyway (tied embedding) must make some bucket
+at least this much faster."""
+MIN_TIMED_WEIGHT = 1 << 17
+"""Weights with fewer elements (256 x 512) run F.linear in every bucket, untimed: their calls
+are mostly overhead, which timing cannot tell from noise, and so the tiny models of tests
+compute the same in every process."""
+SAMPLE_SECONDS = 5e-4
+"""Small calls are timed in batches of about this long (timer resolution, call jitter)."""
+BUCKET_SECONDS = 0.01
+"""Timing one bucket of one weight shape takes about this long, or two calls per path if
+those take longer."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    min_rows: int
+    max_rows: int | None
+    """None: no upper bound."""
+    timed_rows: int
+
+    def __str__(self) -> str:
+        if self.max_rows is None:
+            return f"M>{self.min_rows - 1}"
+        if self.min_rows == self.max_rows:
+            return f"M={self.min_rows}"
+        return f"M={self.min_rows}-{self.max_rows}"
+
+
+BUCKETS = (Bucket(1, 1, 1), Bucket(2, 16, 8), Bucket(17, 128, 32), Bucket(129, None, 512))
+
+
+def _torch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+def _torch_t(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    out = torch.mm(w, x.t()).t().contiguous()
+    return out if b is None else out.add_(b)
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+@dataclass(frozen=True)
+class GemmPath:
+    name: str
+    weight_format: str
+    """PLAIN (the loaded [N, K] tensor) or PACKED (see ``pack_weight``)."""
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    """(x [M, K], weight in ``weight_format``, bias or None) -> [M, N]."""
+    rows: tuple[int, int | None] = (1, None)
+    """The buckets it is timed in lie within these rows (it runs correctly for any M)."""
+
+    def timed_in(self, bucket: Bucket) -> bool:
+        low, high = self.rows
+        return bucket.min_rows >= low and (high is None or (bucket.max_rows is not None
+                                                            and bucket.max_rows <= high))
+
+
+PATHS: dict[str, GemmPath] = {p.name: p for p in (
+    GemmPath("torch", PLAIN, _torch),
+    GemmPath("torch_t", PLAIN, _torch_t, rows=(2, 256)),
+    GemmPath("onednn", PLAIN, _onednn),
+    GemmPath("onednn_packed", PACKED, _onednn),
+)}
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` reordered by oneDNN for its matmul kernels (an opaque mkldnn tensor).
+    Raises RuntimeError where oneDNN has no kernel for its dtype on this CPU."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
+
+
+def gemm_mode(mode: str | None = None) -> str:
+    """``mode``, or else $OPENINFER_CPU_GEMM, or else 'auto'; raises ValueError if unknown."""
+    value = mode if mode is not None else os.environ.get(ENV_VAR, "auto")
+    if value not in ("auto", "default", *PATHS):
+        raise ValueError(f"{ENV_VAR} must be one of {['auto', 'default', *PATHS]}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Route:
+    """What one bucket of a plan runs, and what timing said of it."""
+
+    bucket: Bucket
+    path: GemmPath
+    weight: torch.Tensor
+    seconds: float | None
+    """Measured seconds per call at ``bucket.timed_rows`` (None: not timed)."""
+    torch_seconds: float | None
+    """The same for F.linear (the ``torch`` path)."""
+
+
+class GemmPlan:
+    """y = x @ W^T + b for one weight; each call goes to the path chosen for its row count."""
+
+    def __init__(self, routes: Sequence[Route], bias: torch.Tensor | None, extra_bytes: int,
+                 seconds: float) -> None:
+        self.routes = tuple(routes)
+        self.bias = bias
+        self.extra_bytes = extra_bytes
+        """Bytes held beyond one copy of the weight (a packed copy next to the plain one)."""
+        self.seconds = seconds
+        """Time spent making this plan (timing, checks, packing)."""
+        # The hot path: (largest row count, function, weight) per bucket, in order.
+        self._table = [(math.inf if r.bucket.max_rows is None else r.bucket.max_rows,
+                        r.path.run, r.weight) for r in self.routes]
+        self._out_features = self.routes[0].weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        rows = flat.shape[0]
+        for max_rows, run, weight in self._table:
+            if rows <= max_rows:
+                out = run(flat, weight, self.bias)
+                return out if x.dim() == 2 else out.view(*x.shape[:-1], self._out_features)
+        raise AssertionError("the last bucket has no upper bound")
+
+    @property
+    def paths(self) -> list[str]:
+        return [r.path.name for r in self.routes]
+
+
+# (N, K, has bias, dtype, timed rows, CPU capability, threads) -> {path: seconds per call}
+_timings: dict[tuple, dict[str, float]] = {}
+
+
+def clear_timing_cache() -> None:
+    """Forget measured timings (tests; a process keeps them for its lifetime otherwise)."""
+    _timings.clear()
+
+
+def plan_gemms(model: nn.Module, mode: str | None = None) -> None:
+    """Give every GemmLayer of a loaded CPU ``model`` a GEMM plan (``mode``: see
+    ``gemm_mode``). Does nothing where ``why_no_plans`` gives a reason."""
+    mode = gemm_mode(mode)
+    layers = [m for m in model.modules() if isinstance(m, GemmLayer)]
+    if why_no_plans(layers, mode) is not None:
+        return
+    owners: dict[int, int] = {}
+    for module in model.modules():  # a parameter held by two modules (tied embedding/LM head)
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    with torch.no_grad():
+        for layer in layers:
+            layer.plan = _plan_layer(layer, mode, shared=owners[id(layer.weight)] > 1)
+
+
+def why_no_plans(layers: Sequence[GemmLayer], mode: str) -> str | None:
+    """Why these layers get no GEMM plans in ``mode``, or None if they do."""
+    if mode == "default":
+        return f"{ENV_VAR}=default"
+    if not layers:
+        return "no linear layers"
+    weight = layers[0].weight
+    if weight.device.type != "cpu":
+        return f"on {weight.device.type}"
+    if mode == "auto" and not has_native_gemm(weight.dtype, cpu_flags()):
+        # ATen's converting paths are all that runs it (oneDNN refuses bf16 without AVX-512 or
+        # AVX-NE-CONVERT), slower than fp32 already, and timing them at 512 rows takes seconds.
+        return f"{str(weight.dtype).removeprefix('torch.')} has no native GEMM on this CPU"
+    return None
+
+
+def _plan_layer(layer: GemmLayer, mode: str, shared: bool) -> GemmPlan:
+    start = time.perf_counter()
+    weight, bias = layer.weight.data, None if layer.bias is None else layer.bias.data
+    buckets = BUCKETS[:layer.timed_buckets]
+    packed: list[torch.Tensor] = []  # the one packed copy of this weight, made when first needed
+
+    def weight_in(fmt: str) -> torch.Tensor:
+        if fmt == PLAIN:
+            return weight
+        if not packed:
+            packed.append(pack_weight(weight))
+        return packed[0]
+
+    if mode == "auto" and weight.numel() < MIN_TIMED_WEIGHT:
+        times, chosen = [{} for _ in buckets], ["torch"] * len(buckets)
+    elif mode == "auto":
+        times = [_timed(weight, bias, b, weight_in) for b in buckets]
+        chosen = choose_paths(times, kept=frozenset({PLAIN}) if shared else frozenset())
+    else:
+        path = PATHS[mode]
+        problem = _check(path, weight_in, weight, bias, BUCKETS[0].timed_rows)
+        if problem is not None:
+            raise ValueError(f"{ENV_VAR}={mode}: {problem}")
+        times, chosen = [{} for _ in buckets], [mode] * len(buckets)
+    routes = []
+    for i, bucket in enumerate(BUCKETS):
+        timed = i < len(buckets)
+        name = chosen[min(i, len(buckets) - 1)]
+        path = PATHS[name]
+        t = times[i] if timed else {}
+        routes.append(Route(bucket, path, weight_in(path.weight_format), t.get(name),
+                            t.get("torch")))
+    formats = {r.path.weight_format for r in routes}
+    extra = 0
+    if PACKED in formats and (PLAIN in formats or shared):
+        extra = weight.numel() * weight.element_size()
+    if PLAIN not in formats and not shared:
+        # Free the loaded weight: nothing reads it any more (see the module docstring).
+        layer.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+    return GemmPlan(routes, bias, extra, time.perf_counter() - start)
+
+
+def _timed(weight: torch.Tensor, bias: torch.Tensor | None, bucket: Bucket,
+           weight_in: Callable[[str], torch.Tensor]) -> dict[str, float]:
+    """Seconds per call of each path that runs correctly here (cached; see the docstring)."""
+    key = (*weight.shape, bias is not None, weight.dtype, bucket.timed_rows, cpu_capability(),
+           torch.get_num_threads())
+    if key not in _timings:
+        _timings[key] = time_paths([p for p in PATHS.values() if p.timed_in(bucket)], weight,
+                                   bias, bucket.timed_rows, weight_in)
+    return _timings[key]
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+def _mismatch(out: torch.Tensor, reference: torch.Tensor) -> str | None:
+    """Why ``out`` is not F.linear's ``reference`` within the dtype's tolerance, or None.
+    Non-finite outputs (a weight holding inf) must sit where the reference has them."""
+    if out.shape != reference.shape:
+        return f"gives shape {tuple(out.shape)}, F.linear {tuple(reference.shape)}"
+    finite = reference.isfinite()
+    if not torch.equal(finite, out.isfinite()):
+        return "has non-finite values where F.linear has none, or the reverse"
+    if not finite.any():
+        return None
+    ref, got = reference[finite].float(), out[finite].float()
+    scale = ref.abs().max().item() or 1.0
+    err = (got - ref).abs().max().item()
+    if not err <= _tolerance(reference.dtype) * scale:
+        return f"differs from F.linear by {err:.3g} (largest output {scale:.3g})"
+    return None
+
+
+def _check(path: GemmPath, weight_in: Callable[[str], torch.Tensor], weight: torch.Tensor,
+           bias: torch.Tensor | None, rows: int) -> str | None:
+    """Why ``path`` cannot compute this layer's product at ``rows`` rows, or None."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    try:
+        return _mismatch(path.run(x, weight_in(path.weight_format), bias), F.linear(x, weight, bias))
+    except RuntimeError as e:
+        return f"{path.name} fails: {str(e).splitlines()[0]}"
+
+
+def time_paths(paths: Sequence[GemmPath], weight: torch.Tensor, bias: torch.Tensor | None,
+               rows: int, weight_in: Callable[[str], torch.Tensor],
+               budget_s: float = BUCKET_SECONDS) -> dict[str, float]:
+    """Best seconds per call of each of ``paths`` on ``rows`` random rows; paths that raise or
+    disagree with F.linear are left out (with a warning). ``paths`` must include ``torch``.
+
+    Each path's first call is checked (and is its first sample: oneDNN builds its primitive
+    then, which shows only on calls too small to matter). Then rounds run every path again,
+    in rotating order: one at least, more while ``budget_s`` lasts (at most 5). Calls shorter
+    than SAMPLE_SECONDS are timed in batches.
+    """
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    start = time.perf_counter()
+    reference = F.linear(x, weight, bias)
+    best = {"torch": time.perf_counter() - start}
+    calls: dict[str, Callable[[], torch.Tensor]] = {}
+    for path in paths:
+        try:
+            w = weight_in(path.weight_format)
+            start = time.perf_counter()
+            out = reference if path.name == "torch" else path.run(x, w, bias)
+            seconds = time.perf_counter() - start
+        except RuntimeError as e:
+            logger.debug("GEMM path %s cannot run %s %s: %s", path.name, tuple(weight.shape),
+                         weight.dtype, str(e).splitlines()[0])
+            continue
+        problem = None if path.name == "torch" else _mismatch(out, reference)
+        if problem is not None:
+            logger.warning("GEMM path %s left out for %s %s: %s", path.name, tuple(weight.shape),
+                           weight.dtype, problem)
+            continue
+        best.setdefault(path.name, seconds)
+        calls[path.name] = lambda run=path.run, w=w: run(x, w, bias)
+    names = list(calls)
+    repeat = {n: max(1, min(50, round(SAMPLE_SECONDS / max(best[n], 1e-7)))) for n in names}
+    per_round = max(1e-9, sum(best[n] * repeat[n] for n in names))
+    rounds = max(1, min(5, int(budget_s / per_round)))
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = calls[name]
+            start = time.perf_counter()
+            for _ in range(repeat[name]):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / repeat[name])
+    return {n: best[n] for n in names}
+
+
+def _handicapped(times: Mapping[str, float], path: str) -> float:
+    """``path``'s time as choices weigh it: paths other than torch must be MARGIN faster."""
+    return times[path] * (1.0 if path == "torch" else MARGIN)
+
+
+def _fastest(times: Mapping[str, float], formats: frozenset[str]) -> str | None:
+    """The path to run among those reading ``formats``."""
+    usable = [p for p in times if PATHS[p].weight_format in formats]
+    return min(usable, key=lambda p: _handicapped(times, p)) if usable else None
+
+
+def choose_paths(times: Sequence[Mapping[str, float]],
+                 kept: frozenset[str] = frozenset()) -> list[str]:
+    """Per bucket, the path to run, from seconds per call (``times[i][path]``, bucket i; each
+    must include ``torch``).
+
+    A layer holds one copy of its weight, plain or packed. Each format is scored by its paths'
+    times summed over buckets, each relative to the bucket's best (MARGIN counted against
+    paths other than torch); plain wins unless packed scores MARGIN lower. A weight held plain
+    anyway (``kept``: another module shares it) gets a packed copy only if that makes some
+    bucket EXTRA_COPY_MARGIN faster.
+    """
+    best = [min(t.values()) for t in times]
+
+    def option(formats: frozenset[str]) -> tuple[float, list[str]] | None:
+        picks = [_fastest(t, formats) for t in times]
+        if None in picks:
+            return None
+        return sum(_handicapped(t, p) / b for t, p, b in zip(times, picks, best)), picks
+
+    plain = option(frozenset({PLAIN}))
+    packed = option(frozenset({PACKED}) | kept)
+    if plain is None:
+        raise ValueError("choose_paths needs the torch path's time in every bucket")
+    if packed is None:
+        return plain[1]
+    if kept:
+        gain = max(t[a] / t[b] for t, a, b in zip(times, plain[1], packed[1]))
+        return packed[1] if gain >= EXTRA_COPY_MARGIN else plain[1]
+    return packed[1] if packed[0] * MARGIN < plain[0] else plain[1]
+
+
+@dataclass(frozen=True)
+class GemmSummary:
+    """What the plans of a model chose, for the load log and the compute_info metric."""
+
+    label: str
+    """The paths in use, '+'-joined ('default' when no plans: CUDA, or switched off)."""
+    text: str
+    """One line: per bucket the paths (path:layers where layers differ) and the speedup over
+    F.linear (time-weighted over layers), extra bytes, planning seconds."""
+    extra_bytes: int
+    seconds: float
+
+
+def describe_gemms(model: nn.Module, mode: str | None = None) -> GemmSummary:
+    """The summary of ``model``'s plans (``mode``: as given to ``plan_gemms``, for the reason
+    when there are none)."""
+    layers = [m for m in model.modules() if isinstance(m, GemmLayer)]
+    plans = [m.plan for m in layers if m.plan is not None]
+    if not plans:
+        reason = why_no_plans(layers, gemm_mode(mode)) or "not planned"
+        return GemmSummary("default", f"linear() ({reason})", 0, 0.0)
+    used = sorted({name for plan in plans for name in plan.paths})
+    parts = []
+    for i, bucket in enumerate(BUCKETS):
+        routes = [plan.routes[i] for plan in plans]
+        counts: dict[str, int] = {}
+        for r in routes:
+            counts[r.path.name] = counts.get(r.path.name, 0) + 1
+        names = " ".join(name if len(counts) == 1 else f"{name}:{n}"
+                         for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+        timed = [r for r in routes if r.seconds is not None and r.torch_seconds is not None]
+        speedup = (f" {sum(r.torch_seconds for r in timed) / sum(r.seconds for r in timed):.2f}x"
+                   if timed else "")
+        parts.append(f"{bucket} {names}{speedup}")
+    extra = sum(plan.extra_bytes for plan in plans)
+    seconds = sum(plan.seconds for plan in plans)
+    text = (f"{', '.join(parts)} (vs F.linear); extra weight copies {extra / 2**20:.0f} MiB; "
+            f"planned in {seconds:.2f} s")
+    return GemmSummary("+".join(used), text, extra, seconds)
+

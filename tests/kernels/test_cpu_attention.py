@@ -1,0 +1,282 @@
+"""Parity of the CPU paged attention kernel with its torch oracle.
+
+Every case reads an engine-like cache (a layer view of a block-major
+``[num_blocks, layers, 2, bs, H, D]`` tensor, so dim 0 is strided), with the physical blocks
+shuffled. Whatever a sequence must not read is poisoned: blocks no sequence owns, block-table
+padding (pointing at a NaN block or far out of range) and the unused tail of a last block are
+NaN, so one stray read turns the output NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from openinfer.kernels.cpu_attention import (
+    build_extension,
+    load_cpu_attention,
+    paged_attention,
+    paged_attention_reference,
+)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = load_cpu_attention()
+    if module is None:
+        pytest.skip("the CPU attention extension could not be built "
+                    "(see the 'openinfer.kernels.cpu_attention' warning)")
+    return module
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    scale: float
+    max_query_len: int
+
+    def args(self, out: torch.Tensor) -> tuple:
+        return (out, self.q, self.key_cache, self.value_cache, self.block_tables, self.query_start_loc,
+                self.seq_lens, self.scale, self.max_query_len)
+
+
+def make_batch(query_lens: list[int], seq_lens: list[int], *, heads: int = 4, kv_heads: int = 2,
+               head_dim: int = 64, block_size: int = 16, dtype: torch.dtype = torch.float32,
+               shared_blocks: int = 0, scale: float | None = None, layers: int = 3,
+               contiguous: bool = False, seed: int = 0) -> Batch:
+    """Sequences b = 0.. with the given lengths; the first ``shared_blocks`` blocks of every
+    sequence are the same physical blocks (a prefix-cache hit shared by all)."""
+    gen = torch.Generator().manual_seed(seed)
+    own = [-(-s // block_size) - shared_blocks for s in seq_lens]
+    assert min(own) >= 0
+    used = shared_blocks + sum(own)
+    num_blocks = used + 3  # + blocks nobody owns
+    nan_block = used  # an unowned block that padding points at
+    if contiguous:
+        key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+        value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    else:
+        blocks = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+        key_cache, value_cache = blocks[:, layers // 2].transpose(0, 1)
+    physical = torch.randperm(used, generator=gen).tolist()
+    shared, nxt = physical[:shared_blocks], shared_blocks
+    width = max(shared_blocks + n for n in own) + 2
+    tables = torch.empty(len(seq_lens), width, dtype=torch.int32)
+    owned = set()
+    for b, n in enumerate(own):
+        row = shared + physical[nxt:nxt + n]
+        nxt += n
+        pad = nan_block if b % 2 else 2**30  # junk entries: a NaN block, or far out of range
+        tables[b] = torch.tensor(row + [pad] * (width - len(row)), dtype=torch.int32)
+        owned.update(row)
+        tail = seq_lens[b] % block_size  # slots past the sequence in its last block
+        if tail:
+            key_cache[row[-1], tail:] = float("nan")
+            value_cache[row[-1], tail:] = float("nan")
+    for block in set(range(num_blocks)) - owned:
+        key_cache[block] = float("nan")
+        value_cache[block] = float("nan")
+    if shared_blocks:  # the shared blocks must be full and visible to every query
+        assert all(s - q >= shared_blocks * block_size for q, s in zip(query_lens, seq_lens))
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(query_lens).cumsum(0)
+    q = torch.randn(int(qsl[-1]), heads, head_dim, generator=gen).to(dtype)
+    return Batch(q, key_cache, value_cache, tables, qsl, torch.tensor(seq_lens, dtype=torch.int32),
+                 scale if scale is not None else 1 / math.sqrt(head_dim), max(query_lens))
+
+
+def plan(ext, batch: Batch, threads: int = 2, kv_splits: int = 0) -> tuple[int, int, int]:
+    """(items, shared-prefix items, partial items) of the kernel's plan for this batch."""
+    kv_heads, block_size = batch.key_cache.shape[2], batch.key_cache.shape[1]
+    return ext.plan_stats(batch.block_tables, batch.query_start_loc, batch.seq_lens, kv_heads,
+                          batch.q.shape[1] // kv_heads, block_size, threads, kv_splits)
+
+
+def check(batch: Batch, run=None) -> None:
+    ref = torch.full_like(batch.q, float("nan"))
+    paged_attention_reference(*batch.args(ref))
+    assert not ref.isnan().any(), "the oracle read poisoned K/V"
+    out = torch.full_like(batch.q, float("nan"))
+    (run or paged_attention)(*batch.args(out))
+    assert not out.isnan().any(), "the kernel read poisoned K/V or left rows unwritten"
+    if batch.q.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_decode_batch(ext, dtype, head_dim, group):
+    seq_lens = [1, 15, 16, 17, 64, 100, 333]
+    check(make_batch([1] * len(seq_lens), seq_lens, heads=2 * group, kv_heads=2, head_dim=head_dim,
+                     dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_prefill_without_cache(ext, dtype, group):
+    lens = [1, 7, 16, 33, 100, 150]
+    check(make_batch(lens, lens, heads=2 * group, kv_heads=2, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_chunked_continuation(ext, dtype, head_dim):
+    # Chunks starting mid-block, at a block boundary, and a long one over a long context.
+    check(make_batch([5, 16, 40, 70], [21, 48, 200, 300], head_dim=head_dim, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_prefix_hit_shared_by_several_sequences(ext, dtype):
+    # Four sequences share their first 5 blocks (80 tokens): two decodes, two chunks after the hit.
+    batch = make_batch([1, 1, 9, 30], [90, 97, 100, 130], shared_blocks=5, heads=8, kv_heads=2, dtype=dtype)
+    check(batch)
+    # Long prefills over a shared prefix gain nothing from stacking: each reads the prefix itself.
+    batch = make_batch([64] * 4, [1088] * 4, shared_blocks=64, heads=4, kv_heads=2, dtype=dtype)
+    assert plan(ext, batch)[1] == 0
+    check(batch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_many_decodes_over_one_prefix(ext, dtype, group):
+    # The W3 shape, small: every sequence's rows are stacked against the shared blocks.
+    seq_lens = [70 + 3 * i for i in range(12)]
+    batch = make_batch([1] * 12, seq_lens, shared_blocks=4, heads=2 * group, kv_heads=2, dtype=dtype)
+    items, shared, partial = plan(ext, batch)
+    # The 12 stacked rows of each KV head in tiles of 64 rows (8 tokens of 8 heads); all merged.
+    assert shared == 2 * -(-12 // (64 // group)) and partial == items
+    check(batch)
+
+
+def test_partly_shared_prefixes(ext):
+    split = lambda *args: ext.paged_attention(*args, kv_splits=3)
+    # A tree of prefixes: all eight sequences share blocks 0-1; 0-3 and 6 also share blocks 2-5
+    # (sequence 3 has only 4 blocks): the sequences only agree on 2 blocks.
+    batch = make_batch([1, 1, 1, 1, 1, 1, 40, 1], [100, 110, 120, 60, 90, 95, 100, 200], shared_blocks=2)
+    tables = batch.block_tables
+    for b, end in ((1, 6), (2, 6), (3, 4), (6, 6)):
+        tables[b, 2:end] = tables[0, 2:end]
+    assert plan(ext, batch)[1] > 0
+    check(batch)
+    check(batch, split)
+    # All agree on 4 blocks, but the prefill chunk (40 queries after 60 tokens) and the 60-token
+    # decode see only 3 full blocks before their first query: 3 are shared.
+    batch = make_batch([1, 1, 1, 1, 40], [100, 110, 120, 60, 100], shared_blocks=2)
+    tables = batch.block_tables
+    for b, end in ((1, 6), (2, 6), (3, 4), (4, 6)):
+        tables[b, 2:end] = tables[0, 2:end]
+    check(batch)
+    check(batch, split)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scale", [None, 1.0], ids=["scaled", "peaky"])
+def test_mixed_decode_and_prefill(ext, dtype, scale):
+    # Decodes first, then a fresh prompt, a continuation and a prefix hit; scale 1.0 makes the
+    # softmax peaky, so its running maximum is rescaled often.
+    check(make_batch([1, 1, 1, 37, 12, 64], [50, 260, 3, 37, 140, 99], heads=16, kv_heads=8,
+                     dtype=dtype, scale=scale))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_split_kv(ext, dtype, splits):
+    # Forced splits of every item: batch-1 decode, and a mixed batch whose first split holds keys
+    # that the first rows of a prefill tile cannot see (their partials are empty).
+    run = lambda *args: ext.paged_attention(*args, kv_splits=splits)
+    check(make_batch([1], [1000], heads=16, kv_heads=8, dtype=dtype), run)
+    check(make_batch([1, 20, 50], [300, 180, 50], dtype=dtype), run)
+
+
+def test_split_kv_automatic_for_batch1_decode(ext):
+    # One sequence and one KV head is one work item: with 2 threads the kernel splits its KV range.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for dtype in DTYPES:
+            batch = make_batch([1], [777], heads=4, kv_heads=1, dtype=dtype)
+            assert plan(ext, batch)[2] >= 2
+            check(batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("block_size", [8, 24, 32, 128])
+def test_other_block_sizes(ext, block_size):
+    check(make_batch([1, 1, 20, 33], [5, 300, 20, 290], block_size=block_size))
+
+
+def test_contiguous_cache(ext):
+    check(make_batch([1, 3, 40], [70, 3, 120], contiguous=True, dtype=torch.bfloat16))
+
+
+def test_empty_query_sequences_are_skipped(ext):
+    check(make_batch([0, 1, 0, 5], [10, 20, 30, 40]))
+
+
+def test_rejects_bad_inputs(ext):
+    batch = make_batch([1, 4], [20, 40])
+    out = torch.empty_like(batch.q)
+    batch.block_tables[1, 1] = 10**6  # a block the sequence reads
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged_attention(*batch.args(out))
+    batch = make_batch([1, 4], [20, 40])
+    with pytest.raises(RuntimeError, match="dtype"):
+        paged_attention(out, batch.q.bfloat16(), *batch.args(out)[2:])
+    with pytest.raises(RuntimeError, match="max_query_len"):
+        paged_attention(*batch.args(out)[:-1], 2)
+    batch.seq_lens[1] = 3  # shorter than its 4 queries
+    with pytest.raises(RuntimeError, match="seq_len"):
+        paged_attention(*batch.args(out))
+
+
+@pytest.mark.slow
+def test_16_lane_build(ext):
+    """The AVX-512 width (16 floats) compiled for this CPU: same source, vectors split in two.
+    Covers the 16-lane code paths on machines without AVX-512 (they are native where it exists)."""
+    if ext.isa().startswith("vec16"):
+        pytest.skip("the native build already uses 16 lanes")
+    wide = build_extension(("-DOI_VEC_WIDTH=16",), "w16")
+    assert wide.isa().startswith("vec16")
+    for dtype in DTYPES:
+        run = wide.paged_attention
+        check(make_batch([1, 1, 9, 70], [90, 333, 100, 170], shared_blocks=5, heads=8, kv_heads=2,
+                         dtype=dtype), run)
+        check(make_batch([1, 5, 64], [17, 5, 300], heads=16, kv_heads=2, head_dim=128, dtype=dtype), run)
+        check(make_batch([1], [1000], heads=16, kv_heads=8, dtype=dtype),
+              lambda *args: wide.paged_attention(*args, kv_splits=3))
+
+
+def test_failed_build_warns_once_and_is_not_retried(monkeypatch, caplog):
+    from openinfer.kernels import cpu_attention
+
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise RuntimeError("Ninja is required to load C++ extensions\nmore detail")
+
+    monkeypatch.setattr(cpu_attention, "_built", {})
+    monkeypatch.setattr(cpu_attention, "build_extension", broken)
+    with caplog.at_level("WARNING", logger="openinfer.kernels.cpu_attention"):
+        assert load_cpu_attention() is None
+        assert load_cpu_attention() is None
+    assert len(calls) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "CPU paged attention kernel unavailable: Ninja is required to load C++ extensions"]
+    with pytest.raises(RuntimeError, match="could not be built"):
+        paged_attention(*make_batch([1], [5]).args(torch.empty(1, 4, 64)))

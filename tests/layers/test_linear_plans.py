@@ -1,0 +1,359 @@
+"""CPU GEMM plans (openinfer.layers.gemm): every path computes F.linear, plans route by rows,
+timings are measured once per shape, the choice rules, the switch, and dtype 'auto' rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import openinfer.config
+from openinfer import LLM, SamplingParams
+from openinfer.config import _resolve_dtype
+from openinfer.cpu_features import auto_cpu_dtype, cpu_capability, has_native_bf16
+from openinfer.layers import gemm
+from openinfer.layers.embedding import LMHead, VocabEmbedding
+from openinfer.layers.gemm import (
+    BUCKETS,
+    EXTRA_COPY_MARGIN,
+    PATHS,
+    choose_paths,
+    describe_gemms,
+    plan_gemms,
+)
+from openinfer.layers.linear import Linear, MergedLinear
+
+ROWS = (1, 7, 33, 600)  # one row per bucket
+SHAPES = [(13, 37), (96, 64), (200, 384)]  # (in, out): odd sizes and a few model-like ones
+
+
+@pytest.fixture(autouse=True)
+def fresh_timings(monkeypatch):
+    """No timings from other tests; the small weights used here are timed all the same."""
+    monkeypatch.setattr(gemm, "MIN_TIMED_WEIGHT", 0)
+    gemm.clear_timing_cache()
+    yield
+    gemm.clear_timing_cache()
+
+
+def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+            seed: int = 0) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
+    """A Linear with random weights (outputs of order 1), and copies of them."""
+    g = torch.Generator().manual_seed(seed)
+    layer = Linear(in_features, out_features, bias=bias).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out_features, in_features, generator=g) / in_features**0.5)
+        if bias:
+            layer.bias.copy_(torch.randn(out_features, generator=g))
+    return layer, layer.weight.detach().clone(), None if not bias else layer.bias.detach().clone()
+
+
+def _plan_or_skip(module: nn.Module, mode: str) -> None:
+    try:
+        plan_gemms(module, mode)
+    except ValueError as e:  # the path has no kernel for this dtype on this CPU
+        pytest.skip(str(e))
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """fp32: tight against F.linear in float64; bf16: loose against F.linear in float32 on the
+    same (bf16) numbers."""
+    if x.dtype == torch.float32:
+        ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    else:
+        ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_each_path_equals_f_linear(path, bias, dtype):
+    for i, (k, n) in enumerate(SHAPES):
+        layer, w, b = _linear(k, n, bias, dtype, seed=i)
+        _plan_or_skip(layer, path)
+        assert layer.plan.paths == [path] * len(BUCKETS)
+        for rows in ROWS:
+            x = torch.randn(rows, k, dtype=dtype)
+            _check(layer(x), x, w, b)
+        x = torch.randn(2, 3, k, dtype=dtype)  # leading dims are flattened and restored
+        assert layer(x).shape == (2, 3, n)
+        _check(layer(x).reshape(6, n), x.reshape(6, k), w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_auto_plan_equals_f_linear_in_every_bucket(dtype, monkeypatch):
+    monkeypatch.setattr(gemm, "cpu_flags", lambda: frozenset({"avx512_bf16"}))  # bf16 is planned
+    layer, w, b = _linear(96, 160, True, dtype)
+    plan_gemms(layer, "auto")
+    assert len(layer.plan.routes) == len(BUCKETS)
+    for rows in ROWS:
+        x = torch.randn(rows, 96, dtype=dtype)
+        _check(layer(x), x, w, b)
+
+
+@pytest.mark.parametrize("path", ["auto", *PATHS])
+def test_merged_linear_splits_after_planning(path):
+    sizes = [24, 8, 8]
+    layer = MergedLinear(40, sizes, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 40) / 40**0.5)
+        layer.bias.copy_(torch.randn(40))
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    _plan_or_skip(layer, path)
+    for rows in ROWS:
+        x = torch.randn(rows, 40)
+        q, k, v = layer.split(layer(x))
+        ref = F.linear(x, w, b)
+        assert (q.shape[-1], k.shape[-1], v.shape[-1]) == tuple(sizes)
+        torch.testing.assert_close(torch.cat([q, k, v], -1), ref, atol=2e-5, rtol=1e-5)
+
+
+def _filled(*layers: Linear) -> list[Linear]:
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.copy_(torch.randn_like(layer.weight) / layer.weight.shape[1]**0.5)
+    return list(layers)
+
+
+def test_timings_are_measured_once_per_shape(monkeypatch):
+    calls = []
+    original = gemm.time_paths
+
+    def counting(paths, weight, bias, rows, weight_in, **kwargs):
+        calls.append((tuple(weight.shape), bias is not None, rows))
+        return original(paths, weight, bias, rows, weight_in, **kwargs)
+
+    monkeypatch.setattr(gemm, "time_paths", counting)
+    model = nn.Sequential(*_filled(*(Linear(32, 48) for _ in range(5)), Linear(48, 32),
+                                   Linear(48, 32, bias=True)))
+    plan_gemms(model, "auto")
+    distinct = 3  # (48, 32); (32, 48); (32, 48) with a bias
+    assert len(calls) == distinct * len(BUCKETS)
+    assert sorted(set(calls)) == sorted(calls)  # each (shape, bias, rows) once
+    # Identical layers make identical choices.
+    assert len({tuple(m.plan.paths) for m in list(model)[:5]}) == 1
+    plan_gemms(nn.Sequential(*_filled(Linear(32, 48))), "auto")  # another model: cached
+    assert len(calls) == distinct * len(BUCKETS)
+
+
+def test_lm_head_times_two_buckets_and_keeps_a_tied_weight(monkeypatch):
+    calls = []
+    original = gemm.time_paths
+
+    def counting(paths, weight, bias, rows, weight_in, **kwargs):
+        calls.append(rows)
+        return original(paths, weight, bias, rows, weight_in, **kwargs)
+
+    monkeypatch.setattr(gemm, "time_paths", counting)
+    model = nn.Module()
+    model.embed = VocabEmbedding(300, 32)
+    model.head = LMHead(300, 32, tied_to=model.embed)
+    with torch.no_grad():
+        model.embed.weight.copy_(torch.randn(300, 32))
+    w = model.embed.weight.detach().clone()
+    plan_gemms(model, "auto")
+    assert sorted(calls) == sorted(b.timed_rows for b in BUCKETS[:LMHead.timed_buckets])
+    paths = model.head.plan.paths
+    assert paths[LMHead.timed_buckets:] == [paths[LMHead.timed_buckets - 1]] * (
+        len(BUCKETS) - LMHead.timed_buckets)
+    assert model.embed.weight.device.type == "cpu"  # shared: never freed
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(model.head(x), F.linear(x, w), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(model.embed(torch.tensor([3, 299])), w[[3, 299]])
+
+
+def test_a_packed_only_plan_frees_the_plain_weight():
+    layer, w, _ = _linear(64, 96, False, torch.float32)
+    _plan_or_skip(layer, "onednn_packed")
+    assert layer.weight.device.type == "meta" and layer.weight.shape == (96, 64)
+    assert sum(p.numel() for p in layer.parameters()) == 96 * 64  # still counted
+    assert layer.plan.extra_bytes == 0
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, w), atol=2e-5, rtol=1e-5)
+
+
+def test_default_switch_and_bad_values(monkeypatch):
+    layer, w, _ = _linear(16, 8, False, torch.float32)
+    monkeypatch.setenv(gemm.ENV_VAR, "default")
+    plan_gemms(layer)
+    assert layer.plan is None and describe_gemms(layer).label == "default"
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(layer(x), F.linear(x, w))
+    monkeypatch.setenv(gemm.ENV_VAR, "fastest")
+    with pytest.raises(ValueError, match="OPENINFER_CPU_GEMM must be one of"):
+        plan_gemms(layer)
+    monkeypatch.setenv(gemm.ENV_VAR, "torch_t")
+    plan_gemms(layer)
+    assert layer.plan.paths == ["torch_t"] * len(BUCKETS)
+    assert describe_gemms(layer).label == "torch_t"
+
+
+def test_small_weights_run_f_linear_untimed(monkeypatch):
+    monkeypatch.setattr(gemm, "MIN_TIMED_WEIGHT", 16 * 8 + 1)
+    monkeypatch.setattr(gemm, "time_paths", None)  # must not be called
+    layer, _, _ = _linear(16, 8, False, torch.float32)
+    plan_gemms(layer, "auto")
+    assert layer.plan.paths == ["torch"] * len(BUCKETS)
+
+
+def test_no_plans_for_a_dtype_without_native_gemms(monkeypatch):
+    monkeypatch.setattr(gemm, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    layer, _, _ = _linear(16, 8, False, torch.bfloat16)
+    plan_gemms(layer, "auto")
+    assert layer.plan is None
+    assert describe_gemms(layer, "auto").text == "linear() (bfloat16 has no native GEMM on this CPU)"
+    plan_gemms(layer, "torch")  # asked for by name: planned all the same
+    assert layer.plan.paths == ["torch"] * len(BUCKETS)
+
+
+def test_models_off_the_cpu_get_no_plans():
+    with torch.device("meta"):
+        layer = Linear(16, 8)
+    plan_gemms(layer, "auto")
+    assert layer.plan is None
+
+
+def test_a_path_that_fails_is_left_out_or_refused(monkeypatch):
+    def no_kernel(weight):
+        raise RuntimeError("no oneDNN kernel for this dtype here")
+
+    monkeypatch.setattr(gemm, "pack_weight", no_kernel)
+    layer, w, _ = _linear(32, 16, False, torch.float32)
+    plan_gemms(layer, "auto")
+    assert "onednn_packed" not in layer.plan.paths
+    with pytest.raises(ValueError, match="onednn_packed fails: no oneDNN kernel"):
+        plan_gemms(_linear(32, 16, False, torch.float32)[0], "onednn_packed")
+
+
+def test_a_path_that_disagrees_with_f_linear_is_left_out(monkeypatch):
+    wrong = gemm.GemmPath("torch_t", gemm.PLAIN, lambda x, w, b: F.linear(x, w, b) * 1.01,
+                          rows=(2, 256))
+    monkeypatch.setitem(gemm.PATHS, "torch_t", wrong)
+    layer, _, _ = _linear(32, 16, False, torch.float32)
+    plan_gemms(layer, "auto")
+    assert "torch_t" not in layer.plan.paths
+    with pytest.raises(ValueError, match="differs from F.linear"):
+        plan_gemms(_linear(32, 16, False, torch.float32)[0], "torch_t")
+
+
+# ----------------------------------------------------------------------------- in the engine
+
+
+def _generate(model: str, prompts: list[list[int]]) -> tuple[LLM, list]:
+    llm = LLM(model, progress=False, kv_cache_memory=1 << 24)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1,
+                            prompt_logprobs=1)
+    return llm, llm.generate(prompts, params)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_every_path_gives_the_engine_the_same_logprobs(path, qwen3_checkpoint, monkeypatch):
+    """Through load_model's plans and the LM head: prefills of 1..150 rows (every bucket) and
+    batched decodes give F.linear's logprobs."""
+    prompts = [[7], [5, 9, 200, 31], list(range(40, 90)), [(7 * i) % 500 for i in range(150)]]
+    monkeypatch.setenv(gemm.ENV_VAR, "default")
+    _, expected = _generate(str(qwen3_checkpoint), prompts)
+    monkeypatch.setenv(gemm.ENV_VAR, path)
+    llm, outs = _generate(str(qwen3_checkpoint), prompts)
+    assert llm.engine.core.compute_info["gemm"] == path
+    assert llm.engine.core.compute_info["dtype"] == "float32"
+    for out, ref in zip(outs, expected):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        got = [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+        want = [lp[t].logprob for lp, t in zip(ref.prompt_logprobs[1:], ref.prompt_token_ids[1:])]
+        got += [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        want += [lp[t].logprob for lp, t in zip(ref.outputs[0].logprobs, ref.outputs[0].token_ids)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4)
+
+
+def test_the_engine_reports_how_it_computes(qwen3_checkpoint, monkeypatch):
+    monkeypatch.setenv(gemm.ENV_VAR, "auto")
+    llm = LLM(str(qwen3_checkpoint), progress=False, kv_cache_memory=1 << 24)
+    info = llm.engine.core.compute_info
+    assert set(info) == {"dtype", "gemm", "cpu_capability", "attention"}
+    assert info["dtype"] == "float32" and info["cpu_capability"] == cpu_capability()
+    assert set(info["gemm"].split("+")) <= set(PATHS)  # timed: MIN_TIMED_WEIGHT is 0 here
+
+
+# ----------------------------------------------------------------------------- choice rules
+
+
+def _times(*buckets: dict[str, float]) -> list[dict[str, float]]:
+    return list(buckets)
+
+
+def test_torch_unless_another_path_is_clearly_faster():
+    even = {"torch": 1.0, "onednn": 0.97, "onednn_packed": 0.98}
+    assert choose_paths(_times(even, even)) == ["torch", "torch"]
+    assert choose_paths(_times(even, {"torch": 1.0, "onednn": 0.5, "onednn_packed": 0.9})) == [
+        "torch", "onednn"]
+
+
+def test_packed_weights_when_they_are_faster_overall():
+    times = _times({"torch": 1.0, "onednn": 1.1, "onednn_packed": 1.1},
+                   {"torch": 2.0, "onednn": 1.9, "onednn_packed": 1.0},
+                   {"torch": 3.0, "onednn": 2.9, "onednn_packed": 1.5})
+    assert choose_paths(times) == ["onednn_packed"] * 3
+
+
+def test_one_copy_per_layer_plain_or_packed():
+    # Plain torch 2x faster at M=1, packed 2x faster for batches: one format must serve both.
+    times = _times({"torch": 1.0, "onednn": 2.0, "onednn_packed": 2.0},
+                   {"torch": 2.0, "onednn": 2.0, "onednn_packed": 1.0})
+    assert choose_paths(times) == ["torch", "torch"]
+    # With a plain oneDNN path nearly as fast as the packed one, plain serves both well.
+    times[1]["onednn"] = 1.1
+    assert choose_paths(times) == ["torch", "onednn"]
+    # Plain oneDNN slow again, packed nearly as fast as torch at M=1: packed for all.
+    times[1]["onednn"], times[0]["onednn_packed"] = 2.0, 1.05
+    assert choose_paths(times) == ["onednn_packed", "onednn_packed"]
+
+
+def test_a_shared_weight_gets_a_packed_copy_only_when_it_pays():
+    kept = frozenset({gemm.PLAIN})  # a tied embedding holds the plain weight anyway
+    times = _times({"torch": 1.0, "onednn_packed": 0.9}, {"torch": 1.0, "onednn_packed": 0.8})
+    assert choose_paths(times, kept=kept) == ["torch", "torch"]
+    assert choose_paths(times) == ["onednn_packed"] * 2  # not shared: packed replaces plain
+    times[1]["onednn_packed"] = 1.0 / EXTRA_COPY_MARGIN
+    assert choose_paths(times, kept=kept) == ["onednn_packed"] * 2
+    times[0]["onednn_packed"] = 2.0  # the copy serves only the buckets where it is faster
+    assert choose_paths(times, kept=kept) == ["torch", "onednn_packed"]
+
+
+def test_only_paths_that_ran_are_chosen():
+    assert choose_paths(_times({"torch": 1.0}, {"torch": 1.0, "torch_t": 0.5})) == [
+        "torch", "torch_t"]
+
+
+# ----------------------------------------------------------------------------- dtype auto
+
+
+@pytest.mark.parametrize("checkpoint,flags,expected", [
+    ("bfloat16", {"avx2", "fma"}, torch.float32),            # Zen 3: bf16 slower than fp32
+    ("bfloat16", {"avx512f", "avx512_bf16"}, torch.bfloat16),  # Zen 4/5, Cooper Lake
+    ("bfloat16", {"amx_bf16", "amx_tile"}, torch.bfloat16),    # Sapphire Rapids
+    ("float32", {"avx512_bf16"}, torch.float32),
+    ("float16", {"avx512_bf16", "amx_bf16"}, torch.float32),
+    (None, {"avx512_bf16"}, torch.float32),
+])
+def test_auto_cpu_dtype(checkpoint, flags, expected):
+    dtype, reason = auto_cpu_dtype(checkpoint, flags)
+    assert dtype == expected and reason
+    assert has_native_bf16(flags) == bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def test_resolve_dtype_reads_the_cpu_flags(monkeypatch, caplog):
+    bf16_config = {"torch_dtype": "bfloat16"}
+    monkeypatch.setattr(openinfer.config, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    with caplog.at_level("INFO", logger="openinfer.config"):
+        assert _resolve_dtype("auto", bf16_config, "cpu") == torch.bfloat16
+    assert "dtype auto: bfloat16 on this CPU (bfloat16 checkpoint and the CPU has avx512_bf16)" \
+        in caplog.text
+    assert _resolve_dtype("auto", {"dtype": "bfloat16"}, "cpu") == torch.bfloat16
+    monkeypatch.setattr(openinfer.config, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert _resolve_dtype("auto", bf16_config, "cpu") == torch.float32
+    assert _resolve_dtype("bfloat16", {}, "cpu") == torch.bfloat16  # asked for: given
+    assert _resolve_dtype("auto", bf16_config, "cuda") == torch.bfloat16  # CUDA: the checkpoint's
