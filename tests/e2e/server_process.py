@@ -76,3 +76,12 @@ def admin_workers(router: str) -> list[dict]:
     resp = urllib.request.urlopen(urllib.request.Request(f"{router}/admin/workers", headers=ADMIN),
                                   timeout=30)
     return json.loads(resp.read())["workers"]
+
+
+def process_running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child waits to be reaped by whoever adopted it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from server_process import process_running
 
 from openinfer import LLM, SamplingParams
 from openinfer.engine.core_client import EngineCoreClient, EngineDeadError
@@ -98,14 +99,6 @@ def test_a_front_end_killed_during_the_load_leaves_no_engine_core(qwen3_checkpoi
     front.kill()  # while the core is still loading (or just ready): no chance to say goodbye
     front.wait()
     deadline = time.monotonic() + 15
-    while _alive(core_pid) and time.monotonic() < deadline:
+    while process_running(core_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(core_pid), "the engine core outlived its front end"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not process_running(core_pid), "the engine core outlived its front end"

@@ -16,7 +16,7 @@ import anthropic
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import MODEL
+from server_process import MODEL, process_running
 from server_process import start_server as _start
 
 from openinfer import LLM, SamplingParams
@@ -301,19 +301,10 @@ def test_models_and_clean_shutdown(qwen3_checkpoint):
     # uvicorn shuts down gracefully, then re-raises the signal so the exit status tells it.
     assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
     deadline = time.monotonic() + 10  # helpers (e.g. multiprocessing's tracker) exit on EOF
-    while any(_running(pid) for pid in child_pids) and time.monotonic() < deadline:
+    while any(process_running(pid) for pid in child_pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in child_pids:
-        assert not _running(pid), f"child {pid} outlived the server"
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an exited child waits to be reaped by whoever adopted it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+        assert not process_running(pid), f"child {pid} outlived the server"
 
 
 @pytest.mark.slow
