@@ -1,7 +1,8 @@
 """The router process: the same OpenAI/Anthropic API, forwarded to data-parallel replicas.
 
-For each request it computes the prompt's KV block hashes exactly as the engines do (same
-tokenizer, chat template and hash chain), picks a replica (policies.py) and streams the
+For each request it computes the prompt's KV block hashes exactly as the engines do (the
+server's own prompt renderer, server/prompt.py, over the same tokenizer and chat template,
+then the same hash chain), picks a replica (policies.py) and streams the
 replica's response back byte for byte. A replica that cannot be reached before it
 answered is marked unhealthy and the request goes to the next choice, so no request is
 lost to a dead replica; once a response has started, a broken stream ends with an error
@@ -32,8 +33,11 @@ from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.router.metrics import cluster_exposition, replica_load
 from openinfer.router.pd import prefill_first
 from openinfer.router.policies import Router, RouterConfig, Worker
+from openinfer.server.anthropic_api import MessagesRequest
 from openinfer.server.errors import error_body
 from openinfer.server.limits import admin_refusal
+from openinfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from openinfer.server.prompt import PromptRenderer
 
 logger = logging.getLogger(__name__)
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
@@ -41,7 +45,8 @@ HEALTH_INTERVAL_S = 1.0
 
 
 class RouterState:
-    def __init__(self, urls: list[str], config: RouterConfig, tokenizer, block_size: int,
+    def __init__(self, urls: list[str], config: RouterConfig, renderer: PromptRenderer,
+                 block_size: int,
                  prefill_urls: list[str] = (), disagg_min_tokens: int = 256) -> None:
         self.router = Router(config, [Worker(u.rstrip("/")) for u in urls])
         """The replicas that answer clients (decode instances, when disaggregated)."""
@@ -49,7 +54,8 @@ class RouterState:
             if prefill_urls else None
         """Disaggregation: the prefill instances, chosen by the same policy."""
         self.disagg_min_tokens = disagg_min_tokens
-        self.tokenizer = tokenizer
+        self.renderer = renderer
+        """The server's prompt renderer, over the replicas' tokenizer and chat template."""
         self.block_size = block_size
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                       limits=httpx.Limits(max_connections=None,
@@ -206,23 +212,37 @@ class RouterState:
     def prompt_hashes(self, path: str, body: dict) -> tuple[int, list[bytes]]:
         """The request's prompt length and full blocks, hashed as its engine will hash them."""
         try:
-            if path == "/v1/completions":
-                prompt = body.get("prompt")
-                if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-                    prompt = prompt[0]
-                ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-            else:
-                messages = list(body.get("messages") or [])
-                if path == "/v1/messages" and body.get("system"):
-                    messages.insert(0, {"role": "system", "content": body["system"]})
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                          add_generation_prompt=True)
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = prompt_ids(self.renderer, path, body)
         except Exception:
             return 0, []  # the replica will explain what is wrong with it
         hashes: list[bytes] = []
         extend_block_hashes(hashes, ids, self.block_size, body.get("cache_salt"))
         return len(ids), hashes
+
+
+def prompt_ids(renderer: PromptRenderer, path: str, body: dict) -> list[int]:
+    """The token ids a replica's engine will run for the request's (first) prompt.
+
+    The body is read by the server's own request models and rendered by the server's
+    renderer, so defaults, template arguments and content blocks are the same as there;
+    the engine then keeps the last ``truncate_prompt_tokens`` tokens, and so does this.
+    Raises whatever the server would answer with a 400.
+    """
+    limit = None
+    if path == "/v1/completions":
+        completion = CompletionRequest.model_validate(body)
+        prompts = renderer.completion(completion.prompt, completion.add_special_tokens)
+        ids, limit = prompts[0].token_ids, completion.truncate_prompt_tokens
+    elif path == "/v1/chat/completions":
+        chat = ChatCompletionRequest.model_validate(body)
+        ids, limit = renderer.openai_chat(chat), chat.truncate_prompt_tokens
+    elif path == "/v1/messages":
+        ids = renderer.anthropic_messages(MessagesRequest.model_validate(body))
+    else:
+        raise ValueError(f"no prompt on {path}")
+    if limit is not None and limit >= 1:  # -1 depends on max_model_len: not known here
+        ids = ids[-limit:]
+    return ids
 
 
 def build_router_app(state: RouterState, admin_api_key: str | None = None) -> FastAPI:
@@ -348,7 +368,7 @@ def _generate_route(state: RouterState, path: str):
                 _relay(upstream, first, chunks, worker), status_code=upstream.status_code,
                 media_type=upstream.headers.get("content-type"),
                 headers={"x-openinfer-worker": worker.url, "x-openinfer-route": decision.reason,
-                         "x-openinfer-prefill": prefilled_by})
+                         "x-openinfer-prefill": prefilled_by, **_prefix_headers(hashes)})
 
     return route
 
@@ -381,6 +401,17 @@ async def _forward_get(state: RouterState, path: str, request: Request) -> Respo
         except (httpx.HTTPError, OSError):
             continue
     return JSONResponse(error_body("no healthy replica", "service_unavailable"), status_code=503)
+
+
+def _prefix_headers(hashes: list[bytes]) -> dict[str, str]:
+    """The prompt's full blocks as the router hashed them: their number and the last hash
+    (hex). The hashes chain, so the last one names the whole prefix: an operator (or a
+    test) can check it against the replica's BlockStored events to see that routing saw
+    the prompt the engine ran."""
+    headers = {"x-openinfer-prefix-blocks": str(len(hashes))}
+    if hashes:
+        headers["x-openinfer-prefix-hash"] = hashes[-1].hex()
+    return headers
 
 
 def _connectable(endpoint: str, host: str | None) -> str:

@@ -62,12 +62,18 @@ def run_router(urls: list[str], tokenizer_path: str, args: argparse.Namespace,
     """Serve the router on ``sock`` (bound by the caller before anything slow)."""
     from openinfer.engine.input_processor import load_tokenizer
     from openinfer.router.app import RouterState, build_router_app
+    from openinfer.server.prompt import PromptRenderer
+    from openinfer.server.sampling_defaults import load_chat_template
 
     host, port = sock.getsockname()[:2]
-    tokenizer = load_tokenizer(tokenizer_path)
+    # The replicas' --chat-template (`serve` passes its own on to them and to us), so that
+    # the prompts we hash are the ones they run.
+    template = getattr(args, "chat_template", None)
+    renderer = PromptRenderer(load_tokenizer(tokenizer_path),
+                              load_chat_template(template) if template is not None else None)
     config = RouterConfig(policy=args.policy, balance_abs=args.balance_abs,
                           balance_rel=args.balance_rel)
-    state = RouterState(urls, config, tokenizer, args.block_size, prefill_urls,
+    state = RouterState(urls, config, renderer, args.block_size, prefill_urls,
                         args.disagg_min_tokens)
     pd = f" (prefill: {', '.join(prefill_urls)})" if prefill_urls else ""
     logger.info("router (%s) over %s%s on http://%s:%s", args.policy, ", ".join(urls), pd, host,

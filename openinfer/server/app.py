@@ -30,6 +30,7 @@ from openinfer.server.openai_protocol import (
     TokenizeRequest,
     kv_transfer_field,
 )
+from openinfer.server.prompt import PromptRenderer
 
 
 def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None = None, *,
@@ -56,6 +57,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
     max_model_len = llm.config.model.max_model_len
     metrics = ServerMetrics.for_llm(llm, served_model_name, prefix=metrics_prefix,
                                     engine=metrics_engine)
+    # `--chat-template` is already the tokenizer's own (cli.py sets it), as on the router.
+    renderer = PromptRenderer(llm.tokenizer)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
@@ -98,39 +101,11 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
             "id": served_model_name, "object": "model", "created": 0, "owned_by": "openinfer",
             "max_model_len": max_model_len}]}
 
-    def chat_prompt_ids(messages: list[dict], add_generation_prompt: bool,
-                        template_kwargs: dict | None = None, *, chat_template: str | None = None,
-                        continue_final_message: bool = False,
-                        add_special_tokens: bool = False) -> list[int]:
-        if llm.tokenizer is None:
-            raise APIError(400, "chat needs a tokenizer", "messages")
-        if chat_template is None and llm.tokenizer.chat_template is None:
-            raise APIError(400, "this model has no chat template; start the server with "
-                           "--chat-template or use /v1/completions", "messages")
-        try:
-            text = llm.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=chat_template,
-                **(template_kwargs or {}))
-        except Exception as e:  # a template that rejects these messages
-            raise APIError(400, f"chat template failed: {e}", "messages") from e
-        # The rendered template already holds its special tokens (unless asked for more).
-        return llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def text_prompt_ids(prompt: str | list[int], add_special_tokens: bool) -> str | list[int]:
-        """Token ids of a text prompt when the tokenizer must not add its special tokens."""
-        if isinstance(prompt, str) and not add_special_tokens and llm.tokenizer is not None:
-            return llm.tokenizer.encode(prompt, add_special_tokens=False)
-        return prompt
-
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         check_model(body.model)
         if body.messages is not None:
-            tokens = chat_prompt_ids(_dump(body.messages), body.add_generation_prompt,
-                                     body.chat_template_kwargs, chat_template=body.chat_template,
-                                     continue_final_message=body.continue_final_message,
-                                     add_special_tokens=bool(body.add_special_tokens))
+            tokens = renderer.openai_chat(body)
         elif body.prompt is not None and llm.tokenizer is not None:
             tokens = llm.tokenizer.encode(body.prompt,
                                           add_special_tokens=body.add_special_tokens is not False)
@@ -168,8 +143,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
         score_prompt = body.echo and body.logprobs is not None
         params = body.sampling_params(body.max_tokens, body.logprobs, sampling_defaults,
                                       prompt_logprobs=body.logprobs if score_prompt else None)
-        prompts = [tokenized(text_prompt_ids(p, body.add_special_tokens), params)
-                   for p in _prompt_list(body.prompt)]
+        prompts = [(p.text, tokenized(p.token_ids, params)[1])
+                   for p in renderer.completion(body.prompt, body.add_special_tokens)]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         header = {"id": request_id, "object": "text_completion", "created": created,
@@ -231,11 +206,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
         top = body.top_logprobs or 0
         params = body.sampling_params(max_tokens, top if body.logprobs else None,
                                       sampling_defaults)
-        token_ids = chat_prompt_ids(_dump(body.messages), body.add_generation_prompt,
-                                    body.chat_template_kwargs, chat_template=body.chat_template,
-                                    continue_final_message=body.continue_final_message,
-                                    add_special_tokens=body.add_special_tokens)
-        _, token_ids = tokenized(token_ids, params)
+        _, token_ids = tokenized(renderer.openai_chat(body), params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                   "model": served_model_name}
@@ -272,21 +243,9 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
         return JSONResponse({**header, "choices": choices, "usage": usage,
                              **kv_transfer_field(final)})
 
-    install_anthropic_routes(app, llm, served_model_name, check_model, chat_prompt_ids,
+    install_anthropic_routes(app, llm, served_model_name, check_model, renderer,
                              tokenized, _final, sampling_defaults or {})
     return app
-
-
-def _dump(messages: list) -> list[dict]:
-    return [m.model_dump(exclude_none=True) for m in messages]
-
-
-def _prompt_list(prompt: str | list) -> list[str | list[int]]:
-    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
-        return [prompt]
-    if not prompt:
-        raise APIError(400, "prompt must not be empty", "prompt")
-    return list(prompt)
 
 
 async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:

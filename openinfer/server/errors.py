@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openinfer.engine.async_llm import RequestFailedError
 from openinfer.engine.core_client import EngineDeadError
+from openinfer.server.prompt import PromptError
 
 
 class APIError(Exception):
@@ -62,6 +63,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
         return error_response(request, e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(PromptError)  # a ValueError that names its own param
+    async def prompt_error(request: Request, e: PromptError) -> JSONResponse:
+        return error_response(request, 400, e.message, "invalid_request_error", e.param)
 
     @app.exception_handler(ValueError)
     async def value_error(request: Request, e: ValueError) -> JSONResponse:

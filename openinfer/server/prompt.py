@@ -1,0 +1,143 @@
+"""Request bodies to prompt token ids: the one renderer the API server and the router share.
+
+The server feeds the engine what :class:`PromptRenderer` returns, and the router hashes
+the same ids to find the replica holding the prompt's KV blocks. Both used to render on
+their own, and the router's copy ignored ``chat_template_kwargs``, per-request and
+``--chat-template`` templates, Anthropic content blocks and ``add_special_tokens``, so its
+block hashes missed the engine's and cache-aware routing went blind for those requests.
+One implementation makes them agree by construction.
+
+It depends on a tokenizer and the request models' fields only (no FastAPI objects), so
+the router can import it. Whatever is wrong with a prompt raises :class:`PromptError`,
+which the server answers with a 400 naming ``param``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from openinfer.server.anthropic_api import MessagesRequest
+    from openinfer.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
+
+CompletionPrompt = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
+"""``/v1/completions``' ``prompt``: a text, texts, token ids, or lists of token ids."""
+
+
+class PromptError(ValueError):
+    """A prompt the server cannot render: answered with a 400 naming ``param``."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """One prompt as the engine gets it, with the text it came from (for ``echo``)."""
+
+    text: str | None
+    """The prompt text as the client gave it; None for token ids."""
+    token_ids: list[int]
+
+
+@dataclass
+class PromptRenderer:
+    """Renders chat messages and completion prompts to the token ids the engine runs.
+
+    ``chat_template`` is the server's ``--chat-template``; without it the tokenizer's own
+    template is used (a GGUF's is already set on the tokenizer by ``load_tokenizer``). A
+    request's ``chat_template`` wins over both.
+    """
+
+    tokenizer: Any | None
+    """A Hugging Face tokenizer; None when the engine runs with ``skip_tokenizer_init``."""
+    chat_template: str | None = None
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template: str | None = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None,
+             add_special_tokens: bool = False) -> list[int]:
+        """Chat messages through the chat template, then the tokenizer.
+
+        ``add_special_tokens`` is off by default because the rendered template already
+        holds the model's special tokens; a BOS added on top would double it.
+        """
+        if self.tokenizer is None:
+            raise PromptError("chat needs a tokenizer", "messages")
+        template = chat_template or self.chat_template
+        if template is None and self.tokenizer.chat_template is None:
+            raise PromptError("this model has no chat template; start the server with "
+                              "--chat-template or use /v1/completions", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=template,
+                **(chat_template_kwargs or {}))
+        except Exception as e:  # a template that rejects these messages
+            raise PromptError(f"chat template failed: {e}", "messages") from e
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def openai_chat(self, request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        """``/v1/chat/completions`` (and ``/tokenize`` with messages)."""
+        return self.chat(
+            [m.model_dump(exclude_none=True) for m in request.messages or ()],
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template=request.chat_template,
+            chat_template_kwargs=request.chat_template_kwargs,
+            # /tokenize leaves it unset (None): no, as for chat completions.
+            add_special_tokens=bool(request.add_special_tokens))
+
+    def anthropic_messages(self, request: MessagesRequest) -> list[int]:
+        """``/v1/messages``: the system prompt becomes a leading system message, and content
+        blocks are reduced to their text (the only kind served; tools are refused)."""
+        chat = [{"role": m.role, "content": content_text(m.content)} for m in request.messages]
+        if request.system is not None:
+            chat.insert(0, {"role": "system", "content": content_text(request.system)})
+        return self.chat(chat, add_generation_prompt=True)
+
+    def completion(self, prompt: CompletionPrompt,
+                   add_special_tokens: bool = True) -> list[RenderedPrompt]:
+        """``/v1/completions``: each prompt of the request (one engine request each).
+
+        ``add_special_tokens`` is whether the tokenizer adds its special tokens (BOS) to a
+        text prompt; token ids are taken as given (the engine checks their range).
+        """
+        rendered = []
+        for one in _prompt_list(prompt):
+            if isinstance(one, str):
+                if not one:
+                    raise PromptError("prompt must not be empty", "prompt")
+                if self.tokenizer is None:
+                    raise PromptError("prompt: text needs a tokenizer (skip_tokenizer_init is "
+                                      "set); pass token ids", "prompt")
+                ids = list(self.tokenizer.encode(one, add_special_tokens=add_special_tokens))
+                rendered.append(RenderedPrompt(one, ids))
+            else:
+                if not one:
+                    raise PromptError("prompt must not be empty", "prompt")
+                rendered.append(RenderedPrompt(None, list(one)))
+        return rendered
+
+
+def content_text(content: str | Sequence[Mapping[str, Any]]) -> str:
+    """Anthropic content (a string or content blocks) as the text the model reads."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+
+
+def _prompt_list(prompt: CompletionPrompt) -> list[str | Sequence[int]]:
+    """One prompt, or the several a request batches: a flat list of ids is one prompt."""
+    if isinstance(prompt, str) or (prompt and all(_is_int(t) for t in prompt)):
+        return [prompt]
+    if not prompt:
+        raise PromptError("prompt must not be empty", "prompt")
+    return list(prompt)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
