@@ -92,6 +92,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="torch (reference), cpu (C++ paged kernel), auto (the fastest that "
                         "runs here; $OPENINFER_ATTENTION_BACKEND overrides auto)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="bitwise-identical logits for a request whatever else is in the batch "
+                        "(CPU only; slower)")
 
 
 def resolve_model_arg(args: argparse.Namespace) -> None:
@@ -117,6 +120,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_transfer_timeout=args.kv_transfer_timeout, kv_lease_s=args.kv_lease_timeout,
         kv_load_failure_policy=args.kv_load_failure_policy,
         attention_backend=args.attention_backend,
+        batch_invariant=args.batch_invariant,
     )
 
 
@@ -192,7 +196,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_cache_inspect(args: argparse.Namespace) -> int:
     import datetime as dt
 
-    from openinfer.kv.file_store import inspect_store
+    from openinfer.transfer.file_store import inspect_store
 
     if not Path(args.dir).is_dir():
         print(f"openinfer: {args.dir} is not a directory", file=sys.stderr)
@@ -292,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--tokenizer", required=True,
                         help="the replicas' tokenizer (so prompt hashes match theirs)")
     router.add_argument("--block-size", type=int, default=16, help="the replicas' KV block size")
+    router.add_argument("--chat-template", help="the replicas' --chat-template, if they have one "
+                                                "(so chat prompt hashes match theirs)")
     router.add_argument("--host", default="127.0.0.1", help="address to listen on")
     router.add_argument("--port", type=int, default=8000, help="port to listen on")
     router.add_argument("--log-level", default="info",

@@ -49,6 +49,9 @@ class ModelConfig:
     """'hf': config.json + safetensors in ``path``; 'gguf': ``path`` is one .gguf file."""
     served_name: str
     """The model name the server shows unless told otherwise (--served-model-name)."""
+    batch_invariant: bool = False
+    """--batch-invariant: compute so that a request's logits are bitwise the same whatever else
+    is in the batch (CPU only; openinfer.layers.batch_invariant)."""
 
     @staticmethod
     def from_pretrained(
@@ -56,8 +59,11 @@ class ModelConfig:
         dtype: str | torch.dtype = "auto",
         device: str = "cpu",
         max_model_len: int | None = None,
+        batch_invariant: bool = False,
     ) -> ModelConfig:
         """Resolve ``model`` (a directory, .gguf file, built-in name or Hub id) and read it."""
+        if batch_invariant and device != "cpu":
+            raise ValueError(f"batch_invariant: supported on CPU only, not on {device}")
         from openinfer.models.source import resolve_model
 
         source = resolve_model(str(model))
@@ -95,6 +101,7 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(path, hf),
             format=source.format,
             served_name=source.served_name,
+            batch_invariant=batch_invariant,
         )
 
 
@@ -148,7 +155,7 @@ KV_CONNECTORS = ("tcp", "shm", "file")
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    """Prefill/decode disaggregation (openinfer/disagg/)."""
+    """Prefill/decode disaggregation (openinfer/transfer/)."""
     role: str = "both"
     """prefill: hold finished prompts' KV for pickup; decode: pull it before decoding;
     both: a colocated instance (serves the KV it holds only when ``port`` is set)."""
@@ -233,12 +240,14 @@ class EngineConfig:
         kv_lease_s: float = 30.0,
         kv_load_failure_policy: str = "recompute",
         attention_backend: str = "auto",
+        batch_invariant: bool = False,
     ) -> EngineConfig:
         """Build the whole config from flat options (the offline API's and the CLI's)."""
         device = resolve_device(device)
         return EngineConfig(
             model=ModelConfig.from_pretrained(model, dtype=dtype, device=device,
-                                              max_model_len=max_model_len),
+                                              max_model_len=max_model_len,
+                                              batch_invariant=batch_invariant),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching,
                               kv_host_memory=kv_host_memory, kv_store_dir=kv_store_dir,

@@ -35,3 +35,10 @@ class AttentionBackend(ABC):
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Write k/v ([T, Hkv, D]) into ``cache`` at ``meta.slot_mapping``, then return the
         attention of q ([T, Hq, D]) over each sequence's cached context, [T, Hq, D]."""
+
+    def forward_batch_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                cache: torch.Tensor, meta: AttentionMetadata,
+                                scale: float) -> torch.Tensor:
+        """``forward``, with each query row's result bitwise independent of the rest of the
+        step (other sequences, its own prompt's chunking, padding): ``--batch-invariant``."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no batch-invariant mode")

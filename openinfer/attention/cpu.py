@@ -23,3 +23,14 @@ class CPUAttentionBackend(AttentionBackend):
         paged_attention(out, q, cache[0], cache[1], meta.block_tables, meta.query_start_loc,
                         meta.seq_lens, scale, meta.max_query_len)
         return out
+
+    def forward_batch_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                cache: torch.Tensor, meta: AttentionMetadata,
+                                scale: float) -> torch.Tensor:
+        # The kernel's invariant mode: no split-KV, no shared-prefix items, one score path.
+        write_kv(cache, k, v, meta.slot_mapping)
+        q = q.to(cache.dtype).contiguous()
+        out = torch.empty_like(q)
+        paged_attention(out, q, cache[0], cache[1], meta.block_tables, meta.query_start_loc,
+                        meta.seq_lens, scale, meta.max_query_len, invariant=True)
+        return out

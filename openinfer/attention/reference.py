@@ -12,6 +12,7 @@ import torch
 from openinfer.attention.backend import AttentionBackend
 from openinfer.attention.metadata import AttentionMetadata
 from openinfer.kernels.paged_attention import (
+    batch_invariant_attention,
     decode_attention,
     gather_kv,
     prefill_attention,
@@ -40,6 +41,15 @@ class TorchAttentionBackend(AttentionBackend):
                 k_ctx, v_ctx = gather_kv(cache, meta.block_tables[i].long(), seq_len)
             out[s:s + n] = prefill_attention(q[s:s + n], k_ctx, v_ctx, scale)
         return out
+
+    def forward_batch_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                cache: torch.Tensor, meta: AttentionMetadata,
+                                scale: float) -> torch.Tensor:
+        # SDPA is not batch-invariant: its kernels depend on the padded length of the decodes and
+        # on a prefill chunk's row count.
+        write_kv(cache, k, v, meta.slot_mapping)
+        return batch_invariant_attention(q, cache, meta.block_tables, meta.query_lens_list,
+                                         meta.seq_lens_list, scale)
 
     @staticmethod
     def _decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ at offset ``t % bs``. Table entries past ``ceil(seq_len / bs)`` are never read.
 How the kernel splits the work (GQA packing, stacked rows over shared prefix blocks, split-KV,
 online softmax in fp32) is described at the top of the C++ source. Beyond the contract, the
 module has ``paged_attention(..., kv_splits=k)`` (force k KV splits per item; tests),
+``paged_attention(..., invariant=True)`` (batch-invariant mode),
 ``plan_stats(...)`` (how a call would be split into items) and ``isa()``.
 
 The extension is compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja)
@@ -103,7 +104,7 @@ def load_cpu_attention() -> ModuleType | None:
 def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    max_query_len: int) -> None:
+                    max_query_len: int, invariant: bool = False) -> None:
     """out[T, Hq, D] = attention of q[T, Hq, D] over each sequence's paged K/V.
 
     key_cache / value_cache: [num_blocks, block_size, Hkv, D] — strided views: dim 0 has an
@@ -117,6 +118,9 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
     just a longer seq_len). Decode is q_len == 1. Its own K/V is already in the cache.
     GQA: Hq = Hkv * group. dtypes: float32 and bfloat16 (q, caches and out share one dtype;
     accumulate in fp32). head_dim a multiple of 16. Softmax scale given.
+    ``invariant``: batch-invariant mode, each row's result bitwise independent of the other
+    sequences and of how its own prompt was chunked (no split-KV, no shared-prefix items, one
+    score path; slower for decode batches).
 
     Raises RuntimeError if the extension could not be built (check ``load_cpu_attention()``
     first) and on malformed inputs (shapes, strides, block ids out of range).
@@ -125,7 +129,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
     if module is None:
         raise RuntimeError("the CPU paged attention extension could not be built (see the log)")
     module.paged_attention(out, q, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                           float(scale), int(max_query_len))
+                           float(scale), int(max_query_len), invariant=invariant)
 
 
 def paged_attention_reference(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,

@@ -12,6 +12,8 @@ These ops are the correctness reference that faster kernels are tested against.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -74,3 +76,84 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
                                              enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
+
+
+INVARIANT_GRAIN = 1 << 15
+"""torch splits an elementwise op of this many elements or more across threads; where a thread's
+range starts mid-vector, the elements before the next vector boundary take the scalar code, whose
+exp (and silu) can round differently. Batch-invariant ops keep their transcendental steps under it."""
+INVARIANT_KEY_CHUNK = 64
+"""Keys per online-softmax step of ``batch_invariant_attention`` (rounded up to whole blocks):
+a multiple of every vector loop's width, so no score ever takes a scalar tail."""
+
+
+def batch_invariant_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                              query_lens: list[int], seq_lens: list[int],
+                              scale: float) -> torch.Tensor:
+    """Attention of every query row of a step over its sequence's cached keys (all written
+    already), each row's result bitwise independent of the other rows: of the other sequences,
+    of where its own sequence's prompt was cut into chunks, of padding.
+
+    q: [T, Hq, D] (sequences' rows consecutive, ``query_lens`` of them each); query ``i`` of
+    sequence ``b`` sits at position ``seq_lens[b] - query_lens[b] + i``. block_tables: [B, nb].
+    Returns [T, Hq, D] in q's dtype.
+
+    Every row runs the same ops on tensors of the same shapes: keys in chunks of
+    ``INVARIANT_KEY_CHUNK`` aligned to position 0 (each row reads its own sequence's blocks),
+    scores as an elementwise product summed over D (no GEMM, whose kernel would depend on the
+    row count), an online softmax in fp32 (keys after a row's position get -inf: exact zeros),
+    P.V the same way. Rows go in tiles small enough that the exp stays on one thread. A chunk
+    past a row's position changes nothing (alpha is exactly 1, p exactly 0). Slow: for
+    ``--batch-invariant`` with the torch backend.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = cache.shape
+    group = num_heads // num_kv_heads
+    chunk = math.lcm(block_size, INVARIANT_KEY_CHUNK)  # whole blocks, whole vectors
+    chunk_blocks = chunk // block_size
+    device = q.device
+    q_lens = torch.tensor(query_lens, dtype=torch.long)
+    s_lens = torch.tensor(seq_lens, dtype=torch.long)
+    seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    positions = ((s_lens - q_lens)[seq_of_row] + torch.arange(num_tokens) - starts[seq_of_row])
+    num_chunks = -(-max(seq_lens, default=0) // chunk)
+    # Entries past a sequence's blocks (padding, junk) read block 0 instead; what they hold is
+    # masked out below.
+    tables = torch.zeros(len(query_lens), num_chunks * chunk_blocks, dtype=torch.long)
+    width = min(block_tables.shape[1], tables.shape[1])
+    tables[:, :width] = block_tables[:, :width].long().cpu()
+    owned = torch.arange(tables.shape[1])[None, :] < -(-s_lens // block_size)[:, None]
+    tables = tables.masked_fill_(~owned, 0).to(device)
+    positions_dev = positions.to(device)
+    seq_of_row = seq_of_row.to(device)
+    key_offsets = torch.arange(chunk, device=device)
+    out = torch.empty_like(q)
+    tile = max(1, (INVARIANT_GRAIN - 1) // (num_heads * chunk))
+    for r0 in range(0, num_tokens, tile):
+        r1 = min(num_tokens, r0 + tile)
+        rows = r1 - r0
+        qf = (q[r0:r1].float() * scale).view(rows, num_kv_heads, group, 1, head_dim)
+        pos = positions_dev[r0:r1]
+        row_tables = tables[seq_of_row[r0:r1]]
+        m = torch.full((rows, num_kv_heads, group), float("-inf"), device=device)
+        total = torch.zeros(rows, num_kv_heads, group, device=device)
+        o = torch.zeros(rows, num_kv_heads, group, head_dim, device=device)
+        for c in range(-(-(int(positions[r0:r1].max()) + 1) // chunk)):
+            blocks = row_tables[:, c * chunk_blocks:(c + 1) * chunk_blocks].flatten()
+            hidden = (c * chunk + key_offsets)[None, :] > pos[:, None]  # [rows, chunk]
+            k = cache[0].index_select(0, blocks).view(rows, chunk, num_kv_heads, head_dim)
+            v = cache[1].index_select(0, blocks).view(rows, chunk, num_kv_heads, head_dim)
+            v = v.float().masked_fill(hidden[:, :, None, None], 0.0)  # 0 * junk could be NaN
+            k = k.float().permute(0, 2, 1, 3).unsqueeze(2)  # [rows, Hkv, 1, chunk, D]
+            v = v.permute(0, 2, 1, 3).unsqueeze(2)
+            s = (qf * k).sum(-1)  # [rows, Hkv, G, chunk]
+            s.masked_fill_(hidden[:, None, None, :], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))  # finite: key 0 is visible to every row
+            p = torch.exp(s - m_new[..., None])
+            alpha = torch.exp(m - m_new)
+            total = total * alpha + p.sum(-1)
+            o = o * alpha[..., None] + (p[..., None] * v).sum(-2)
+            m = m_new
+        out[r0:r1] = (o / total[..., None]).view(rows, num_heads, head_dim).to(q.dtype)
+    return out

@@ -15,6 +15,10 @@ from openinfer.attention.metadata import AttentionMetadata
 class Attention(nn.Module):
     """Stores this step's K/V in the paged cache, then attends over each sequence's context."""
 
+    batch_invariant = False
+    """Set on a model loaded with ``--batch-invariant`` (openinfer.layers.batch_invariant): the
+    backend's batch-invariant mode, whose rows never depend on the rest of the step."""
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -25,4 +29,6 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, H, D]; cache: this layer's [2, num_blocks, bs, H, D]."""
+        if self.batch_invariant:
+            return meta.backend.forward_batch_invariant(q, k, v, cache, meta, self.scale)
         return meta.backend.forward(q, k, v, cache, meta, self.scale)

@@ -168,6 +168,9 @@ class Route:
 class GemmPlan:
     """y = x @ W^T + b for one weight; each call goes to the path chosen for its row count."""
 
+    invariant_sizes: tuple[int, ...] = ()
+    """Batch-invariant plans (openinfer.layers.batch_invariant): the row counts they run."""
+
     def __init__(self, routes: Sequence[Route], bias: torch.Tensor | None, extra_bytes: int,
                  seconds: float) -> None:
         self.routes = tuple(routes)
@@ -432,6 +435,13 @@ def describe_gemms(model: nn.Module, mode: str | None = None) -> GemmSummary:
         reason = why_no_plans(layers, gemm_mode(mode)) or "not planned"
         return GemmSummary("default", f"linear() ({reason})", 0, 0.0)
     used = sorted({name for plan in plans for name in plan.paths})
+    extra = sum(plan.extra_bytes for plan in plans)
+    seconds = sum(plan.seconds for plan in plans)
+    if any(plan.invariant_sizes for plan in plans):  # --batch-invariant
+        sizes = sorted({s for plan in plans for s in plan.invariant_sizes})
+        text = (f"batch-invariant: {', '.join(used)} on {sizes[0]}..{sizes[-1]}-row chunks; "
+                f"extra weight copies {extra / 2**20:.0f} MiB; planned in {seconds:.2f} s")
+        return GemmSummary("invariant:" + "+".join(used), text, extra, seconds)
     parts = []
     for i, bucket in enumerate(BUCKETS):
         routes = [plan.routes[i] for plan in plans]
@@ -444,8 +454,6 @@ def describe_gemms(model: nn.Module, mode: str | None = None) -> GemmSummary:
         speedup = (f" {sum(r.torch_seconds for r in timed) / sum(r.seconds for r in timed):.2f}x"
                    if timed else "")
         parts.append(f"{bucket} {names}{speedup}")
-    extra = sum(plan.extra_bytes for plan in plans)
-    seconds = sum(plan.seconds for plan in plans)
     text = (f"{', '.join(parts)} (vs F.linear); extra weight copies {extra / 2**20:.0f} MiB; "
             f"planned in {seconds:.2f} s")
     return GemmSummary("+".join(used), text, extra, seconds)

@@ -15,6 +15,7 @@ from torch import nn
 from tqdm import tqdm
 
 from openinfer.config import ModelConfig
+from openinfer.layers.batch_invariant import make_batch_invariant
 from openinfer.layers.gemm import plan_gemms
 from openinfer.layers.linear import default_weight_loader
 from openinfer.models.registry import get_model_class
@@ -28,12 +29,16 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 def load_model(config: ModelConfig, device: str | torch.device = "cpu",
                progress: bool = True, gemm: str | None = None) -> nn.Module:
     """The model with its weights, ready for inference. On CPU each linear layer then gets
-    a GEMM plan (openinfer.layers.gemm; ``gemm``: its mode, default $OPENINFER_CPU_GEMM)."""
+    a GEMM plan (openinfer.layers.gemm; ``gemm``: its mode, default $OPENINFER_CPU_GEMM), or,
+    with ``config.batch_invariant``, a batch-invariant one (openinfer.layers.batch_invariant)."""
     cls = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(config.dtype):
         model = cls(config.hf_config)
     load_weights(model, Path(config.path), progress=progress)
-    plan_gemms(model, gemm)
+    if config.batch_invariant:
+        make_batch_invariant(model)
+    else:
+        plan_gemms(model, gemm)
     return model.eval()
 
 

@@ -26,6 +26,13 @@
 //   converted once per block (bf16). Keys past a sequence (block padding, junk table entries)
 //   are never loaded; causally masked keys get p = 0 exactly.
 //
+// Batch-invariant mode (`invariant`): no shared-prefix items, no split-KV, and every item scores
+//   through the transposed path (a plain FMA chain over D per score). Then each row's result
+//   depends only on its own query, position and keys, never on the rest of the step: key chunks
+//   are aligned to absolute block indices, keys past a row's position contribute exact zeros,
+//   and no row is merged from partial results. Slower for decode (no split across threads, K
+//   transposed for a few rows); see openinfer/layers/batch_invariant.py.
+//
 // SIMD: GCC/Clang vector extensions of W lanes (W = 16 with AVX-512, else 8, or -DOI_VEC_WIDTH).
 // The same source is correct for any W; the compiler picks the instructions (-march=native),
 // so an AVX2 machine can test the 16-lane code (its vectors are split in two).
@@ -471,6 +478,7 @@ struct Params {
   int64_t q_s0, q_s1, o_s0, o_s1;
   int64_t k_s0, v_s0, kv_row;  // block stride (any), row stride within a block (= Hkv * D)
   int tile_rows;               // rows of the largest item (scratch sizing)
+  bool invariant;              // batch-invariant mode: one score path for every item
   int chunk_blocks;            // blocks per softmax step
   const int32_t* row_tokens;
   float* part_o;  // [part_rows][D] unnormalised outputs of partial items
@@ -494,7 +502,7 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
     pos0 = P.seq_lens[it.b] - (P.qsl[it.b + 1] - tokens[0]);
     kv_end = std::min(kv_end, pos0 + ntok);
   }
-  const bool rowdot = M <= ROWDOT_ROWS;
+  const bool rowdot = !P.invariant && M <= ROWDOT_ROWS;
 
   const size_t TR = size_t(P.tile_rows), mD = TR * D;
   float* qf = tls_scratch.get(2 * mD + TR * (SW + 2) + size_t(D) * BSP + size_t(CB) * BS * D);
@@ -666,15 +674,16 @@ void check_cache(const at::Tensor& c, const char* name, int64_t H, int64_t D) {
 // 3. Split-KV: items far above an even share of the work are cut along their KV blocks, so that
 //    few long items (batch-1 decode) still occupy every thread.
 // Items whose rows get contributions from several items write partial results, merged at the end.
+// `invariant` (batch-invariant mode): step 2 only, so that no row's result depends on the others.
 Plan make_plan(int64_t B, const int32_t* qsl, const int32_t* sl, const int32_t* tables, int64_t table_stride,
-               int Hkv, int G, int BS, int threads, int64_t kv_splits) {
+               int Hkv, int G, int BS, int threads, int64_t kv_splits, bool invariant) {
   Plan plan;
   const int tile_tokens = std::max(1, TILE_ROWS / G);
   auto cost = [](int rows, int blocks) { return int64_t(blocks) * (rows + 4); };  // + K/V loads
 
   // 1. Shared prefixes: group by first block, then keep the blocks all members agree on.
   std::vector<int> shared(B, 0);  // shared blocks of each sequence (0: none)
-  {
+  if (!invariant) {
     std::vector<std::pair<int32_t, int32_t>> by_first;  // (first block, sequence)
     for (int32_t b = 0; b < B; ++b) {
       const int q_len = qsl[b + 1] - qsl[b];
@@ -743,7 +752,7 @@ Plan make_plan(int64_t B, const int32_t* qsl, const int32_t* sl, const int32_t* 
   items.reserve(plan.items.size());
   for (const Item& it : plan.items) {
     const int blocks = it.blk1 - it.blk0;
-    int64_t parts = kv_splits > 0 ? kv_splits : (it.cost + share - 1) / share;
+    int64_t parts = invariant ? 1 : kv_splits > 0 ? kv_splits : (it.cost + share - 1) / share;
     parts = std::clamp<int64_t>(parts, 1, blocks);
     for (int p = 0; p < parts; ++p) {
       Item piece = it;
@@ -771,11 +780,12 @@ Plan make_plan(int64_t B, const int32_t* qsl, const int32_t* sl, const int32_t* 
 }  // namespace
 
 // See openinfer/kernels/cpu_attention.py for the contract. kv_splits: 0 = automatic,
-// k > 0 = split every item's KV range into (up to) k parts (tests).
+// k > 0 = split every item's KV range into (up to) k parts (tests). invariant: batch-invariant
+// mode (see the top of this file; kv_splits is then ignored).
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                     int64_t max_query_len, int64_t kv_splits) {
+                     int64_t max_query_len, int64_t kv_splits, bool invariant) {
   for (const at::Tensor* t : {&static_cast<const at::Tensor&>(out), &q, &key_cache, &value_cache, &block_tables,
                               &query_start_loc, &seq_lens})
     TORCH_CHECK(t->device().is_cpu(), "paged_attention: CPU tensors only");
@@ -825,7 +835,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
 
   const int threads = std::max(1, at::get_num_threads());
   const int G = int(Hq / Hkv);
-  Plan plan = make_plan(B, qsl, sl, tables, table_stride, int(Hkv), G, int(BS), threads, kv_splits);
+  Plan plan = make_plan(B, qsl, sl, tables, table_stride, int(Hkv), G, int(BS), threads, kv_splits, invariant);
 
   Params P;
   P.Hq = int(Hq);
@@ -847,6 +857,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
   P.v_s0 = value_cache.stride(0);
   P.kv_row = Hkv * D;
   P.tile_rows = plan.tile_rows;
+  P.invariant = invariant;
   P.chunk_blocks = int(std::clamp<int64_t>(CHUNK_KEYS / BS, 1, MAX_CHUNK_BLOCKS));
   P.row_tokens = plan.row_tokens.data();
   std::unique_ptr<float[]> parts(new float[size_t(plan.part_rows) * (D + 2)]);
@@ -924,11 +935,12 @@ std::string isa() {
 // items writing partial results (shared-prefix members, split KV).
 std::tuple<int64_t, int64_t, int64_t> plan_stats(const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                                  const at::Tensor& seq_lens, int64_t num_kv_heads, int64_t group,
-                                                 int64_t block_size, int64_t threads, int64_t kv_splits) {
+                                                 int64_t block_size, int64_t threads, int64_t kv_splits,
+                                                 bool invariant) {
   const auto qsl = query_start_loc.contiguous(), sl = seq_lens.contiguous();
   Plan plan = make_plan(seq_lens.size(0), qsl.data_ptr<int32_t>(), sl.data_ptr<int32_t>(),
                         block_tables.data_ptr<int32_t>(), block_tables.stride(0), int(num_kv_heads), int(group),
-                        int(block_size), int(threads), kv_splits);
+                        int(block_size), int(threads), kv_splits, invariant);
   int64_t shared = 0, partial = 0;
   for (const Item& it : plan.items) {
     shared += it.b < 0;
@@ -941,9 +953,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged varlen attention (see openinfer/kernels/cpu_attention.py)",
         py::arg("out"), py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("max_query_len"),
-        py::arg("kv_splits") = 0, py::call_guard<py::gil_scoped_release>());
+        py::arg("kv_splits") = 0, py::arg("invariant") = false, py::call_guard<py::gil_scoped_release>());
   m.def("plan_stats", &plan_stats, "(items, shared-prefix items, partial items) of a call's plan",
         py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("num_kv_heads"),
-        py::arg("group"), py::arg("block_size"), py::arg("threads"), py::arg("kv_splits") = 0);
+        py::arg("group"), py::arg("block_size"), py::arg("threads"), py::arg("kv_splits") = 0,
+        py::arg("invariant") = false);
   m.def("isa", &isa, "The vector width and ISA macros this build was compiled with");
 }
