@@ -162,7 +162,7 @@ def run_transfer(model: str, num_prompts: int, prompt_len: int) -> dict[str, dic
                 params.append(out.kv_transfer_params)
             prefill.engine.core.drain_file_io()  # (file) the writes a puller would wait for
             latency = []
-            stats = decode.engine.core.transfer.stats
+            stats = decode.engine.core.executor.worker.mover.stats
             direction = "store_to_host" if connector == "file" else "remote_to_host"
             for prompt, p in zip(prompts, params):
                 before_s, before_b = stats.seconds[direction], stats.bytes[direction]

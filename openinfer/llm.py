@@ -23,7 +23,8 @@ class LLM:
     ``max_model_len``, ``kv_cache_memory`` (bytes), ``block_size``,
     ``max_num_batched_tokens`` (step token budget), ``max_num_seqs``,
     ``scheduling_policy`` ('fcfs' | 'priority'), ``enable_chunked_prefill``, ``seed``
-    (for unseeded sampling), ``tokenizer``, ``skip_tokenizer_init``.
+    (for unseeded sampling), ``tokenizer``, ``skip_tokenizer_init``, ``batch_invariant``
+    (a request's logits bitwise the same whatever else is in the batch; CPU only).
     """
 
     def __init__(self, model: str, *, progress: bool = True, **engine_options) -> None:
@@ -60,7 +61,7 @@ class LLM:
 
         ids = [f"gen-{next(self._counter)}" for _ in prompt_list]
         for request_id, (text, token_ids), params in zip(ids, processed, params_list):
-            engine.add_tokenized_request(request_id, text, token_ids, params)
+            engine.add_processed_request(request_id, text, token_ids, params)
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():

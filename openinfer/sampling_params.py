@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from openinfer.transfer.params import KVTransferParams
+
 # Temperatures below this are treated as greedy decoding.
 GREEDY_TEMPERATURE = 1e-5
 # logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range).
@@ -53,10 +55,11 @@ class SamplingParams:
     cache_salt: str | None = None
     """Prefix-cache isolation key (e.g. per tenant): requests with different salts never
     share cached KV, even for identical prompts."""
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | dict | None = None
     """Disaggregation: {"do_remote_decode": true} asks a prefill instance to hold the
     prompt's KV for pickup; a prefill instance's answer (remote_host, remote_port,
-    remote_lease_id, remote_block_hashes) tells a decode instance where to pull it."""
+    remote_lease_id, remote_block_hashes) tells a decode instance where to pull it.
+    Parsed at construction into a frozen ``KVTransferParams``."""
     logit_bias: dict[int, float] | None = None
     """Token id -> value added to its logit before sampling (OpenAI semantics: each value in
     [-100, 100]; -100 in effect bans the token, +100 in effect forces it). Keys may be given as
@@ -139,8 +142,7 @@ class SamplingParams:
             )
             self.stop_token_ids = list(self.stop_token_ids)
         require(_is_int(self.priority), "priority", f"must be an integer, got {self.priority!r}")
-        require(self.kv_transfer_params is None or isinstance(self.kv_transfer_params, dict),
-                "kv_transfer_params", "must be an object")
+        self.kv_transfer_params = KVTransferParams.parse(self.kv_transfer_params)
         require(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
                 "cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
         if self.logit_bias is not None:
@@ -215,6 +217,8 @@ class SamplingParams:
         ``logit_bias`` keyed by decimal strings, since msgpack maps only take string keys) plus
         the input processor's resolved fields. ``from_wire(p.to_wire()) == p``."""
         wire = self.public_dict()
+        if self.kv_transfer_params is not None:
+            wire["kv_transfer_params"] = self.kv_transfer_params.to_dict()
         if self.logit_bias is not None:
             wire["logit_bias"] = {str(token): bias for token, bias in self.logit_bias.items()}
         wire["_bad_words_token_ids"] = self._bad_words_token_ids

@@ -119,4 +119,4 @@ def check_block_pools_after_test(monkeypatch):
         core.check_integrity()
         assert not core.has_unfinished_requests(), "a request was left in the engine"
         assert all(p.num_free == p.num_blocks for p in core.kv.pools), "KV blocks leaked"
-        assert not core.runner.requests, "the runner kept a finished request"
+        assert not core.executor.worker.runner.requests, "the runner kept a finished request"

@@ -96,3 +96,27 @@ def test_params_survive_the_engine_core_protocol():
     assert protocol.params_from_body(protocol.decode(
         protocol.encode(protocol.ADD, protocol.add_body("r", [1], SamplingParams(), 0.0)))[1]
     ) == SamplingParams()
+
+
+def test_kv_transfer_params_are_parsed_once_into_a_frozen_value():
+    from openinfer.transfer.params import KVTransferParams
+
+    p = SamplingParams(kv_transfer_params={"remote_host": "10.0.0.1", "remote_port": 7000,
+                                           "remote_lease_id": "r1",
+                                           "remote_block_hashes": ["ab", "cd01"]})
+    params = p.kv_transfer_params
+    assert isinstance(params, KVTransferParams) and params.pulls
+    assert params.remote_block_hashes == (b"\xab", b"\xcd\x01")
+    assert SamplingParams.from_wire(p.to_wire()) == p            # bytes cross msgpack
+    assert params.to_dict(hex_hashes=True)["remote_block_hashes"] == ["ab", "cd01"]
+    assert SamplingParams(kv_transfer_params={"do_remote_decode": True}).kv_transfer_params \
+        == KVTransferParams(do_remote_decode=True)
+    for bad, field in [({"remote_engine_id": "x"}, "remote_engine_id"),
+                       ({"do_remote_decode": "yes"}, "do_remote_decode"),
+                       ({"remote_host": "h", "remote_port": 0}, "remote_port"),
+                       ({"remote_block_hashes": ["ab"]}, "remote_host"),
+                       ({"remote_host": "h", "remote_port": 1, "remote_block_hashes": "ab"},
+                        "remote_block_hashes"),
+                       ([1], "must be an object")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(kv_transfer_params=bad)

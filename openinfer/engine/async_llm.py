@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Callable
 
 from openinfer.config import EngineConfig
 from openinfer.engine.core_client import EngineCoreClient
-from openinfer.engine.input_processor import InputProcessor, PromptInput, fan_out
+from openinfer.engine.input_processor import InputProcessor, PromptInput, admit
 from openinfer.engine.output_processor import OutputProcessor
 from openinfer.engine.outputs import EngineCoreOutput
 from openinfer.outputs import CompletionOutput, RequestOutput
@@ -61,20 +60,15 @@ class AsyncLLM:
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Stream a request's progress. Bad input raises ValueError before anything is queued."""
         text, token_ids = self.inputs.process(prompt, params)
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        admitted = admit(self.output_processor, request_id, text, token_ids, params, stream=True)
         stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._streams[request_id] = stream
-        children = fan_out(request_id, params)
-        arrival = time.monotonic()
-        self.output_processor.add_request(request_id, text, token_ids, params,
-                                          [cid for cid, _ in children], arrival, stream=True)
         for observe in self.request_observers:
             observe(request_id, params)
         try:
-            for child_id, child_params in children:
-                self.client.add_request(child_id, token_ids, child_params, arrival,
-                                        queue=self._core_outputs)
+            for child_id, child_params in admitted.children:
+                self.client.add_request(child_id, token_ids, child_params,
+                                        admitted.arrival_time, queue=self._core_outputs)
             while True:
                 item = await stream.get()
                 if isinstance(item, Exception):

@@ -7,9 +7,12 @@ a bad request raises ``ValueError`` (naming the field) and others are unaffected
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from openinfer.config import EngineConfig
+from openinfer.engine.output_processor import OutputProcessor
 from openinfer.sampling_params import SamplingParams
 
 PromptInput = str | Sequence[int] | dict
@@ -141,6 +144,29 @@ def bad_words_token_ids(tokenizer, words: Sequence[str]) -> list[list[int]]:
             if sequence and sequence not in sequences:
                 sequences.append(sequence)
     return sequences
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request the output processor now tracks: what to queue in the engine core."""
+    children: list[tuple[str, SamplingParams]]
+    """(engine-core request id, its params): one per parallel sample."""
+    token_ids: list[int]
+    arrival_time: float
+
+
+def admit(outputs: OutputProcessor, request_id: str, text: str | None, token_ids: list[int],
+          params: SamplingParams, stream: bool = False) -> Admitted:
+    """The one admission path of every front end (offline ``LLMEngine``, server ``AsyncLLM``):
+    a processed request (``InputProcessor.process``) is registered with the output processor
+    under a fresh id and fanned out into engine-core requests, which the caller queues."""
+    if outputs.has_request(request_id):
+        raise ValueError(f"request_id {request_id!r} is already in use")
+    children = fan_out(request_id, params)
+    arrival = time.monotonic()
+    outputs.add_request(request_id, text, token_ids, params, [cid for cid, _ in children],
+                        arrival, stream=stream)
+    return Admitted(children, token_ids, arrival)
 
 
 def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:

@@ -6,11 +6,9 @@ request raises ``ValueError`` naming the field and leaves the engine serving eve
 
 from __future__ import annotations
 
-import time
-
 from openinfer.config import EngineConfig
 from openinfer.engine.core import EngineCore
-from openinfer.engine.input_processor import InputProcessor, PromptInput, fan_out
+from openinfer.engine.input_processor import InputProcessor, PromptInput, admit
 from openinfer.engine.output_processor import OutputProcessor
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
@@ -26,21 +24,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
         text, token_ids = self.inputs.process(prompt, params)
-        self.add_tokenized_request(request_id, text, token_ids, params)
+        self.add_processed_request(request_id, text, token_ids, params)
 
-    def add_tokenized_request(self, request_id: str, text: str | None, token_ids: list[int],
+    def add_processed_request(self, request_id: str, text: str | None, token_ids: list[int],
                               params: SamplingParams) -> None:
-        """Add a tokenized prompt (truncated here if params.truncate_prompt_tokens asks)."""
-        token_ids = self.inputs.truncate(token_ids, params)
-        self.inputs.validate(token_ids, params)
-        if self.output_processor.has_request(request_id):
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        children = fan_out(request_id, params)
-        arrival = time.monotonic()
-        self.output_processor.add_request(request_id, text, token_ids, params,
-                                          [cid for cid, _ in children], arrival)
-        for child_id, child_params in children:
-            self.core.add_request(child_id, token_ids, child_params, arrival)
+        """Queue a request that ``self.inputs.process`` made ready (see ``admit``)."""
+        admitted = admit(self.output_processor, request_id, text, token_ids, params)
+        for child_id, child_params in admitted.children:
+            self.core.add_request(child_id, token_ids, child_params, admitted.arrival_time)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         output, child_ids = self.output_processor.abort(request_id)

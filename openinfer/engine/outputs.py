@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from openinfer.kv.plan import KVPlan
 from openinfer.outputs import PositionLogprobs
 from openinfer.sampling_params import SamplingParams
 
@@ -42,10 +43,9 @@ class SchedulerOutput:
     """Tokens of each request to compute this step (a prompt chunk, or 1 for a decode)."""
     finished_request_ids: set[str] = field(default_factory=set)
     """Requests that ended (or were preempted) since the last step: the runner drops them."""
-    kv_stores: list[tuple[int, int]] = field(default_factory=list)
-    """(device block, host slot): copy before the forward pass (KV tiers)."""
-    kv_loads: list[tuple[int, int]] = field(default_factory=list)
-    """(host slot, device block): copy after kv_stores, before the forward pass."""
+    kv: KVPlan = field(default_factory=KVPlan)
+    """The step's KV byte movement (tiers, file store, pulls): done by the worker, stores
+    and loads before the forward pass."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -7,10 +7,14 @@ import time
 from dataclasses import dataclass, field
 
 from openinfer.sampling_params import SamplingParams
+from openinfer.transfer.params import KVTransferParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
+    """Queued, and its prefix blocks are being read into the host tier (file store or a
+    prefill instance); schedulable again when they arrive or fail."""
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -65,15 +69,15 @@ class Request:
         return self.sampling_params.cache_salt
 
     @property
-    def remote_prefill(self) -> dict | None:
+    def remote_prefill(self) -> KVTransferParams | None:
         """The prefill instance's kv_transfer_params, when this request pulls its KV."""
         params = self.sampling_params.kv_transfer_params
-        return params if params and params.get("remote_block_hashes") else None
+        return params if params is not None and params.pulls else None
 
     @property
     def wants_remote_decode(self) -> bool:
         params = self.sampling_params.kv_transfer_params
-        return bool(params and params.get("do_remote_decode"))
+        return params is not None and params.do_remote_decode
 
     @property
     def priority(self) -> int:

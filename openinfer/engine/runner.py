@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from openinfer.attention.backend import AttentionBackend
+from openinfer.engine.kv_cache import per_layer_views
 from openinfer.engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from openinfer.kv.spec import LayerGroup
-from openinfer.kv.transfer import KVTransfer
 from openinfer.layers.sampler import Sampler, SamplingRow, compute_logprobs
 from openinfer.sampling_params import SamplingParams
 
@@ -44,44 +44,29 @@ class RunnerRequest:
         )
 
 
-def allocate_kv_blocks(group: LayerGroup, num_blocks: int, num_layers: int,
-                       dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """The whole KV cache as one block-major tensor
-    ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``.
-
-    A block of every layer is one contiguous chunk, so moving a block to the host or a
-    file is one copy, not one per layer. Zero-filled: padded block-table entries are
-    read (then masked), and garbage there could be NaN, which masking does not cancel.
-    """
-    spec = group.spec
-    return torch.zeros(num_blocks, num_layers, 2, spec.block_size, spec.num_kv_heads,
-                       spec.head_dim, dtype=dtype, device=device)
-
-
-def layer_views(kv_blocks: torch.Tensor) -> list[torch.Tensor]:
-    """Each layer's cache as the attention ops take it: ``[2, num_blocks, block_size, H, D]``
-    (a strided view of the block-major tensor)."""
-    return [kv_blocks[:, layer].transpose(0, 1) for layer in range(kv_blocks.shape[1])]
-
-
 class ModelRunner:
-    def __init__(self, model: nn.Module, groups: list[LayerGroup], num_blocks: int,
-                 num_layers: int, dtype: torch.dtype, device: torch.device | str,
-                 attention: AttentionBackend, seed: int | None = None) -> None:
-        # Only full-attention layers exist so far: one group, one attention metadata.
-        if len(groups) != 1:
-            raise NotImplementedError("models with several KV layer groups are not supported yet")
+    """Turns the scheduler's diff into the step's tensors, runs the model and samples.
+
+    ``kv_caches`` holds one tensor per layer group (engine/kv_cache.py); each step builds
+    one attention metadata per group (its block tables) and hands every layer its
+    group's."""
+
+    def __init__(self, model: nn.Module, groups: list[LayerGroup], kv_caches: list[torch.Tensor],
+                 num_layers: int, device: torch.device | str, attention: AttentionBackend,
+                 seed: int | None = None) -> None:
         self.model = model
         self.attention = attention
         self.device = torch.device(device)
+        self.groups = groups
         self.block_size = groups[0].spec.block_size
-        assert groups[0].layers == tuple(range(num_layers)), "every layer must have a KV cache"
-        self.kv_blocks = allocate_kv_blocks(groups[0], num_blocks, num_layers, dtype, device)
-        self.kv_caches = layer_views(self.kv_blocks)
+        self.kv_caches = kv_caches
+        self.layer_caches = per_layer_views(groups, kv_caches, num_layers)
+        self.layer_group = [0] * num_layers
+        for g, group in enumerate(groups):
+            for layer in group.layers:
+                self.layer_group[layer] = g
         self.sampler = Sampler(seed)
         self.requests: dict[str, RunnerRequest] = {}
-        self.transfer: KVTransfer | None = None
-        """Copies between the device cache and the host tier (set when tiers are on)."""
 
     def _apply_diff(self, sched: SchedulerOutput) -> None:
         for request_id in sched.finished_request_ids:
@@ -97,9 +82,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._apply_diff(sched)
-        if self.transfer is not None:  # before the forward pass may overwrite a block
-            self.transfer.copy_to_host(sched.kv_stores)
-            self.transfer.copy_to_device(sched.kv_loads)
         if sched.is_empty:
             return ModelRunnerOutput()
         counts = sched.num_scheduled_tokens
@@ -113,14 +95,14 @@ class ModelRunner:
             start, end = req.num_computed_tokens, req.num_computed_tokens + counts[req.request_id]
             input_ids.extend(req.token_ids[start:end])
             positions.extend(range(start, end))
-        meta = self.attention.build_metadata(
-            query_lens=[counts[r.request_id] for r in batch],
-            seq_lens=[r.num_computed_tokens + counts[r.request_id] for r in batch],
-            block_tables=[r.block_ids[0] for r in batch],
-            block_size=self.block_size,
-            device=self.device,
-        )
-        hidden = self.model(self._long(input_ids), self._long(positions), self.kv_caches, meta)
+        query_lens = [counts[r.request_id] for r in batch]
+        seq_lens = [r.num_computed_tokens + counts[r.request_id] for r in batch]
+        group_metas = [self.attention.build_metadata(
+            query_lens=query_lens, seq_lens=seq_lens,
+            block_tables=[r.block_ids[g] for r in batch],
+            block_size=self.block_size, device=self.device) for g in range(len(self.groups))]
+        metas = [group_metas[g] for g in self.layer_group]
+        hidden = self.model(self._long(input_ids), self._long(positions), self.layer_caches, metas)
 
         out = ModelRunnerOutput()
         self._prompt_logprobs(batch, counts, hidden, out)

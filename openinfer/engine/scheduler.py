@@ -43,7 +43,9 @@ from openinfer.engine.outputs import (
 )
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.kv.block_hash import extend_block_hashes
-from openinfer.kv.kv_manager import BlockLoad, KVCacheManager, PrefixHit
+from openinfer.kv.kv_manager import KVCacheManager, PrefixHit
+from openinfer.kv.plan import BlockLoad
+from openinfer.transfer.params import KVTransferParams
 
 
 class Scheduler:
@@ -70,8 +72,10 @@ class Scheduler:
         self._claim_owner: dict[bytes, str] = {}
         self._claims: dict[str, deque[tuple[int, bytes]]] = {}
         """In-flight sharing: per claimant, (block index, hash) of the blocks it claimed."""
-        self._loading: set[str] = set()
-        """Waiting requests whose prefix blocks are being read (file store or remote)."""
+        self._waiting_for_kv: set[str] = set()
+        """Requests in WAITING_FOR_KV: their prefix blocks are being read into the host
+        tier (from the file store or a prefill instance). They stay in the waiting queue,
+        stepped over, until ``finish_load``."""
         self.num_prompt_tokens_computed = 0
         """Prompt tokens this scheduler sent to the model (cache hits excluded)."""
 
@@ -137,23 +141,21 @@ class Scheduler:
         while (not preempted and self._waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self._waiting[0][1]
-            if req.request_id in self._loading:  # its prefix is on its way from the store
+            if req.status is RequestStatus.WAITING_FOR_KV:
                 stepped_aside.append(heapq.heappop(self._waiting))
                 continue
             hit = self._cached_prefix(req)
             if hit.store_hashes and not req.store_load_tried:
                 req.store_load_tried = True
-                if self.kv.start_load(req.request_id, hit.store_hashes):
-                    self._loading.add(req.request_id)
+                if self._wait_for_kv(req, hit.store_hashes):
                     stepped_aside.append(heapq.heappop(self._waiting))
                     continue
             if req.remote_prefill is not None and not req.remote_load_tried and self.kv.can_pull:
                 req.remote_load_tried = True
                 pull = self._blocks_to_pull(req, hit)
                 if not pull:  # it holds them all already: the prefill side may let go
-                    self.kv.pending_releases.append(req.remote_prefill)
-                elif self.kv.start_load(req.request_id, pull, req.remote_prefill):
-                    self._loading.add(req.request_id)
+                    self.kv.plan.releases.append(req.remote_prefill)
+                elif self._wait_for_kv(req, pull, req.remote_prefill):
                     stepped_aside.append(heapq.heappop(self._waiting))
                     continue
             num_hit = hit.num_tokens
@@ -185,8 +187,7 @@ class Scheduler:
             budget -= n
         for item in stepped_aside:
             heapq.heappush(self._waiting, item)
-        out.kv_stores, self.kv.pending_stores = self.kv.pending_stores, []
-        out.kv_loads, self.kv.pending_loads = self.kv.pending_loads, []
+        out.kv = self.kv.take_plan()
         for req in self.running:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.num_prompt_tokens_computed += min(
@@ -204,7 +205,7 @@ class Scheduler:
     def _blocks_to_pull(self, req: Request, hit: PrefixHit) -> list[bytes]:
         """The prompt blocks after every local hit that the prefill instance holds: only
         what this instance lacks crosses the wire."""
-        held = set(req.remote_prefill["remote_block_hashes"])
+        held = set(req.remote_prefill.remote_block_hashes)
         # (Blocks in the file store were loaded already, or failed to load: pull them too.)
         first = len(hit.blocks[0]) + len(hit.host_slots)
         pull = []
@@ -214,13 +215,25 @@ class Scheduler:
             pull.append(block_hash)
         return pull
 
+    def _wait_for_kv(self, req: Request, block_hashes: list[bytes],
+                     source: KVTransferParams | None = None) -> bool:
+        """Start reading the request's prefix blocks into the host tier (from the file
+        store, or the prefill instance ``source``); False when no host slot is free."""
+        if not self.kv.start_load(req.request_id, block_hashes, source):
+            return False
+        req.status = RequestStatus.WAITING_FOR_KV
+        self._waiting_for_kv.add(req.request_id)
+        return True
+
     def finish_load(self, load: BlockLoad, num_loaded: int) -> None:
         """Blocks read from the file store or pulled from a prefill instance are in the host
         tier: the request may start (recomputing what did not arrive, or failing, as the
         policy says)."""
         self.kv.finish_load(load, num_loaded)
-        self._loading.discard(load.request_id)
+        self._waiting_for_kv.discard(load.request_id)
         req = self.requests.get(load.request_id)
+        if req is not None and req.status is RequestStatus.WAITING_FOR_KV:
+            req.status = RequestStatus.WAITING
         if load.source is None:
             if req is not None:
                 req.num_blocks_from_store = num_loaded
@@ -236,8 +249,8 @@ class Scheduler:
             self.failed.append(req)
 
     @property
-    def num_loading(self) -> int:
-        return len(self._loading)
+    def num_waiting_for_kv(self) -> int:
+        return len(self._waiting_for_kv)
 
     def _next_block_is_claimed(self, req: Request, num_hit: int) -> bool:
         index = num_hit // self.kv.block_size
@@ -365,7 +378,8 @@ class Scheduler:
             req = self.requests.get(request_id)
             if req is None:
                 continue
-            if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED,
+                              RequestStatus.WAITING_FOR_KV):
                 self._waiting = [(k, r) for k, r in self._waiting if r is not req]
                 heapq.heapify(self._waiting)
             self._finish(req, status)
@@ -376,7 +390,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         req.status = status
-        self._loading.discard(req.request_id)
+        self._waiting_for_kv.discard(req.request_id)
         self._settle_claims(req, release_all=True)
         if req.wants_remote_decode and status in (RequestStatus.FINISHED_LENGTH,
                                                   RequestStatus.FINISHED_STOPPED):
@@ -399,6 +413,8 @@ class Scheduler:
         for _, req in self._waiting:
             assert req.request_id not in running_ids, "a request is both waiting and running"
             assert req.num_computed_tokens == 0, "a waiting request has computed tokens"
+            assert (req.status is RequestStatus.WAITING_FOR_KV) == (
+                req.request_id in self._waiting_for_kv), "WAITING_FOR_KV and its index disagree"
         assert set(self.requests) == running_ids | {r.request_id for _, r in self._waiting}, (
             "a request is lost (neither waiting nor running)")
         assert set(self._claim_owner.values()) <= running_ids, "a claim outlived its claimant"

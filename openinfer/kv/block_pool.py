@@ -82,6 +82,9 @@ class BlockPool:
         """The block holding this content, if cached."""
         return self._block_of.get(block_hash)
 
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._block_of
+
     def touch(self, blocks: list[int]) -> None:
         """Take a reference to cached blocks (a prefix hit), reviving free ones."""
         for b in blocks:

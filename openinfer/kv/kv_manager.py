@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.block_pool import BlockPool
 from openinfer.kv.host_cache import HostCacheIndex
+from openinfer.kv.plan import BlockCopy, BlockLoad, KVPlan
 from openinfer.kv.spec import LayerGroup
+from openinfer.transfer.params import KVTransferParams
 
 TIERS = ("L1", "L2", "L3")
 
@@ -66,15 +68,6 @@ class PrefixHit:
         return (len(self.blocks[0]) + len(self.host_slots)) * self.block_size
 
 
-@dataclass
-class BlockLoad:
-    """Blocks to read into reserved host slots for a request, from the file store or, with
-    ``source``, from a prefill instance (its kv_transfer_params)."""
-    request_id: str
-    blocks: list[tuple[BlockHash, int]]
-    source: dict | None = None
-
-
 class KVCacheManager:
     def __init__(self, groups: list[LayerGroup], num_blocks: int,
                  enable_caching: bool = True) -> None:
@@ -93,34 +86,45 @@ class KVCacheManager:
         """Per request: how many of its leading blocks are already in the cache index."""
         self.events: list[KVEvent] = []
         """What entered and left the cache since the caller last drained this list."""
-        self.pools[0].on_evict = lambda h: self.events.append(BlockRemoved(h))
+        for pool in self.pools:
+            pool.on_evict = self._on_device_evict
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.hit_tokens_by_tier = dict.fromkeys(TIERS, 0)
-        # Lower tiers (attach_tiers); the copies they need are drained by the engine core.
+        # Lower tiers (attach_tiers).
         self.host: HostCacheIndex | None = None
         self.store_contains: Callable[[BlockHash], bool] | None = None
-        self.pending_stores: list[tuple[int, int]] = []
-        """(device block, host slot): copy to the host at the start of the next step."""
-        self.pending_loads: list[tuple[int, int]] = []
-        """(host slot, device block): copy to the device at the start of the next step."""
-        self.pending_block_loads: list[BlockLoad] = []
+        self.plan = KVPlan()
+        """Byte movement decided since the scheduler last took it (``take_plan``)."""
         self.can_pull = False
         """A KV connector is attached: requests may pull their prefix from a prefill instance."""
-        self.pending_releases: list[dict] = []
-        """kv_transfer_params of prefill instances whose blocks this side did not need."""
         self._held: dict[str, list[list[int]]] = {}
         """Block tables of finished requests kept for a decode instance to pull."""
         self.num_host_stores_skipped = 0
 
     def attach_tiers(self, host: HostCacheIndex | None,
                      store_contains: Callable[[BlockHash], bool] | None) -> None:
-        if len(self.groups) != 1:
-            raise ValueError("KV tiers need a model with one KV layer group")
         self.host = host
         self.store_contains = store_contains
         if host is not None:
             host.on_evict = lambda h: self.events.append(BlockRemoved(h, "L2"))
+
+    def take_plan(self) -> KVPlan:
+        """The byte movement decided since the last call (for this step's SchedulerOutput)."""
+        plan, self.plan = self.plan, KVPlan()
+        return plan
+
+    def _on_device_evict(self, block_hash: BlockHash) -> None:
+        # A block is in L1 while every group holds it: it leaves when the first group
+        # evicts its page (one event, however many groups follow). The evicting pool has
+        # already dropped it.
+        if sum(block_hash in pool for pool in self.pools) == len(self.pools) - 1:
+            self.events.append(BlockRemoved(block_hash))
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks every layer group holds in its prefix cache (device tier)."""
+        return min(pool.num_cached for pool in self.pools)
 
     @property
     def usage(self) -> float:
@@ -164,7 +168,7 @@ class KVCacheManager:
         return hit
 
     def start_load(self, request_id: str, block_hashes: list[BlockHash],
-                   source: dict | None = None) -> bool:
+                   source: KVTransferParams | None = None) -> bool:
         """Reserve host slots and queue a read of these blocks (from the file store, or
         the remote ``source``); False if no slot is free."""
         blocks = []
@@ -175,7 +179,7 @@ class KVCacheManager:
             blocks.append((block_hash, slot))
         if not blocks:
             return False
-        self.pending_block_loads.append(BlockLoad(request_id, blocks, source))
+        self.plan.reads.append(BlockLoad(request_id, blocks, source))
         return True
 
     def finish_load(self, load: BlockLoad, num_loaded: int) -> None:
@@ -233,9 +237,10 @@ class KVCacheManager:
         if hit is not None and (hit.blocks[0] or hit.host_slots):
             first = len(hit.blocks[0])
             for i, (block_hash, slot) in enumerate(hit.host_slots):
-                block = tables[0][first + i]
-                self.pools[0].cache(block, block_hash)  # its bytes land before any read
-                self.pending_loads.append((slot, block))
+                blocks = tuple(table[first + i] for table in tables)
+                for pool, block in zip(self.pools, blocks):
+                    pool.cache(block, block_hash)  # its bytes land before any read
+                self.plan.loads.append(BlockCopy(block_hash, blocks, slot))
             self._num_cached_blocks[request_id] = first + len(hit.host_slots)
         return added
 
@@ -251,7 +256,7 @@ class KVCacheManager:
         tables = self._tables[request_id]
         for i in range(done, full):
             new = [pool.cache(table[i], block_hashes[i]) for pool, table in zip(self.pools, tables)]
-            if not new[0]:
+            if not all(new):
                 continue
             stored.append(block_hashes[i])
             bs = self.block_size
@@ -263,7 +268,8 @@ class KVCacheManager:
                     self.num_host_stores_skipped += 1
                     continue
                 self.host.pin(slot)  # until the copy at the start of the next step
-                self.pending_stores.append((tables[0][i], slot))
+                self.plan.stores.append(
+                    BlockCopy(block_hashes[i], tuple(table[i] for table in tables), slot))
                 self.events.append(BlockStored(block_hashes[i], parent, tokens, "L2"))
         self._num_cached_blocks[request_id] = max(done, full)
         return stored
@@ -278,10 +284,11 @@ class KVCacheManager:
             pool.free(table[::-1])
 
     def hold(self, request_id: str, block_hashes: list[BlockHash],
-             num_tokens: int) -> dict[BlockHash, int]:
+             num_tokens: int) -> dict[BlockHash, tuple[int, ...]]:
         """Instead of freeing a finished request, keep its cached full blocks of the first
         ``num_tokens`` tokens referenced (for a decode instance to pull) and free the
-        rest; returns hash -> device block of what is held. ``release`` frees them."""
+        rest; returns hash -> device block per group of what is held. ``release`` frees
+        them."""
         tables = self._tables.pop(request_id, None)
         num_cached = self._num_cached_blocks.pop(request_id, 0)
         if tables is None:
@@ -290,7 +297,7 @@ class KVCacheManager:
         for pool, table in zip(self.pools, tables):
             pool.free(table[n:][::-1])
         self._held[request_id] = [table[:n] for table in tables]
-        return dict(zip(block_hashes[:n], tables[0][:n]))
+        return {h: tuple(table[i] for table in tables) for i, h in enumerate(block_hashes[:n])}
 
     def release(self, request_id: str) -> None:
         for pool, table in zip(self.pools, self._held.pop(request_id, [])):
@@ -302,7 +309,7 @@ class KVCacheManager:
 
     def reset_cache(self) -> int:
         """Forget every cached prefix (admin reset); returns how many blocks were cached."""
-        count = self.pools[0].num_cached
+        count = self.num_cached_blocks
         for pool in self.pools:
             pool.reset_cache()
         if self.host is not None:

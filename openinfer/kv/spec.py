@@ -1,13 +1,20 @@
-"""What each layer stores per token, and how layers group into block tables.
+"""What each layer stores per token, how layers group into block tables, and what one
+cached block's bytes are.
 
-Layers with the same spec share one block table per request (a *layer group*).
-The scheduler and KV manager only see groups and block counts, so a new kind of
-layer (MLA latent, sliding window) is a new spec class, not a scheduler change.
+A model declares one spec per layer (``model.kv_cache_specs``). Layers with the same
+spec share one block table per request (a *layer group*) and one cache tensor on the
+device. The scheduler and KV manager only see groups and block counts, so a new kind
+of layer (MLA latent, sliding window, compressed) is a new spec class, not a scheduler
+change. What leaves the device (host tier, file store, KV transfer, KV events) reads
+the ``BlockLayout`` derived from the groups, never a hard-coded K/V pair.
+
+Pure Python: shapes and dtypes are named, not tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
@@ -21,10 +28,26 @@ class FullAttentionSpec:
     head_dim: int
     dtype: str
 
+    kind = "full_attention"
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """One layer's share of one block: ``[K|V, token, head, dim]``."""
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+
     @property
     def bytes_per_block(self) -> int:
         """Bytes one layer of this spec needs for one block."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        n = 1
+        for d in self.page_shape:
+            n *= d
+        return n * DTYPE_BYTES[self.dtype]
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether a full block of this layer is a function of its prefix alone, so it may
+        be kept by content hash (prefix cache, tiers, KV transfer)."""
+        return True
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks a request with ``num_tokens`` tokens holds in a layer of this spec."""
@@ -45,9 +68,58 @@ class LayerGroup:
         return self.spec.bytes_per_block * len(self.layers)
 
 
-def group_layers(specs: list[KVSpec]) -> list[LayerGroup]:
-    """Group layers with identical specs, in order of first appearance."""
+def group_layers(specs: list[KVSpec | None]) -> list[LayerGroup]:
+    """Group layers with identical specs, in order of first appearance (a layer without a
+    KV cache has spec None and joins no group)."""
     groups: dict[KVSpec, list[int]] = {}
     for layer, spec in enumerate(specs):
-        groups.setdefault(spec, []).append(layer)
+        if spec is not None:
+            groups.setdefault(spec, []).append(layer)
     return [LayerGroup(spec, tuple(layers)) for spec, layers in groups.items()]
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """One cached block as bytes: the cacheable groups' pages, group after group, each
+    ``[layer][page_shape]`` in the group's dtype (what the device tensor of a group holds
+    for one block id, so a group's part is one contiguous copy).
+
+    Everything that moves a block off the device or names its contents reads this: the
+    host tier and file store (segment sizes), the file header and the KV-transfer
+    handshake (``describe()``: instances and files that disagree on any field never
+    exchange bytes), KV events (``block_size``)."""
+
+    groups: tuple[LayerGroup, ...]
+    group_ids: tuple[int, ...]
+    """Each of ``groups``' index among all the model's layer groups (a block's device ids
+    come per model group)."""
+    model_fingerprint: str = ""
+
+    @staticmethod
+    def of(groups: list[LayerGroup], model_fingerprint: str = "") -> BlockLayout:
+        ids = tuple(i for i, g in enumerate(groups) if g.spec.cacheable)
+        return BlockLayout(tuple(groups[i] for i in ids), ids, model_fingerprint)
+
+    @property
+    def block_size(self) -> int:
+        return self.groups[0].spec.block_size
+
+    @property
+    def segment_bytes(self) -> list[int]:
+        """Bytes of each group's part of a block, in order."""
+        return [g.bytes_per_block for g in self.groups]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(self.segment_bytes)
+
+    def describe(self) -> dict[str, Any]:
+        """Every field two parties must agree on (JSON- and msgpack-friendly)."""
+        return {
+            "model_fingerprint": self.model_fingerprint,
+            "block_size": self.block_size,
+            "groups": [{"kind": g.spec.kind, "layers": list(g.layers),
+                        "page_shape": list(g.spec.page_shape), "dtype": g.spec.dtype}
+                       for g in self.groups],
+            "order": "group-major[group][layer][page]",
+        }

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from openinfer.attention.metadata import AttentionMetadata
+from openinfer.kv.spec import FullAttentionSpec, KVSpec
 from openinfer.layers.attention import Attention
 from openinfer.layers.embedding import LMHead, VocabEmbedding
 from openinfer.layers.linear import Linear, MergedLinear
@@ -96,9 +97,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for layer, cache in zip(self.layers, kv_caches):
+        for layer, cache, meta in zip(self.layers, kv_caches, metas):
             x, residual = layer(positions, x, residual, cache, meta)
         x, _ = self.norm(x, residual)
         return x
@@ -128,10 +129,17 @@ class LlamaForCausalLM(nn.Module):
         return BlockVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)),
                             qk_norm=False)
 
+    def kv_cache_specs(self, block_size: int, dtype: str) -> list[KVSpec | None]:
+        """What each layer keeps per token: K and V of its KV heads, in every layer."""
+        return [FullAttentionSpec(block_size, layer.self_attn.num_kv_heads,
+                                  layer.self_attn.head_dim, dtype)
+                for layer in self.model.layers]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states of the step's tokens, [T, hidden]."""
-        return self.model(input_ids, positions, kv_caches, meta)
+                kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
+        """Hidden states of the step's tokens, [T, hidden]; ``kv_caches`` and ``metas`` are
+        per layer (a layer's cache view and its layer group's step metadata)."""
+        return self.model(input_ids, positions, kv_caches, metas)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

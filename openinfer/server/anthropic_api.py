@@ -17,7 +17,9 @@ from openinfer.engine.core_client import EngineDeadError
 from openinfer.outputs import CompletionOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.errors import APIError, anthropic_error_body
-from openinfer.server.openai_protocol import engine_kv_transfer_params, kv_transfer_field
+from openinfer.server.openai_protocol import kv_transfer_field
+from openinfer.server.prompt import PromptRenderer
+from openinfer.transfer.params import KVTransferParams
 
 
 class AnthropicMessage(BaseModel):
@@ -70,12 +72,6 @@ class MessagesRequest(BaseModel):
                 raise APIError(400, f"{name}: {why}", name, code="unsupported_parameter")
 
 
-def _text(content: str | list[dict[str, Any]]) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
-
-
 def _stop(c: CompletionOutput) -> tuple[str, str | None]:
     if c.finish_reason == "length":
         return "max_tokens", None
@@ -95,17 +91,15 @@ def _event(kind: str, payload: dict) -> str:
 
 
 def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str,
-                             check_model: Callable, chat_prompt_ids: Callable,
+                             check_model: Callable, renderer: PromptRenderer,
                              tokenized: Callable, final: Callable,
                              sampling_defaults: dict[str, Any]) -> None:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest):
         check_model(body.model)
         body.refuse_unsupported()
-        chat = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
-        if body.system is not None:
-            chat.insert(0, {"role": "system", "content": _text(body.system)})
-        token_ids = chat_prompt_ids(chat, True)
+        token_ids = renderer.anthropic_messages(body)
+
         def pick(name: str, value: Any, fallback: Any) -> Any:
             return value if value is not None else sampling_defaults.get(name, fallback)
 
@@ -114,7 +108,7 @@ def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str
             top_p=pick("top_p", body.top_p, 1.0), top_k=pick("top_k", body.top_k, 0),
             min_p=pick("min_p", None, 0.0),
             repetition_penalty=pick("repetition_penalty", None, 1.0), stop=body.stop_sequences,
-            kv_transfer_params=engine_kv_transfer_params(body.kv_transfer_params))
+            kv_transfer_params=KVTransferParams.parse(body.kv_transfer_params))
         _, token_ids = tokenized(token_ids, params)
         message_id = f"msg_{uuid.uuid4().hex}"
         stream = llm.generate(token_ids, params, message_id)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.errors import APIError
+from openinfer.transfer.params import KVTransferParams
 
 
 def _unset(value: Any) -> bool:
@@ -183,25 +184,12 @@ class SamplingFields(BaseModel):
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words, truncate_prompt_tokens=self.truncate_prompt_tokens,
             priority=self.priority, cache_salt=self.cache_salt,
-            kv_transfer_params=engine_kv_transfer_params(self.kv_transfer_params),
+            kv_transfer_params=KVTransferParams.parse(self.kv_transfer_params),
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
-
-def engine_kv_transfer_params(params: dict | None) -> dict | None:
-    """Block hashes travel as hex in JSON and as bytes in the engine."""
-    if not params or "remote_block_hashes" not in params:
-        return params
-    hashes = params["remote_block_hashes"]
-    try:
-        assert isinstance(hashes, list)
-        return {**params, "remote_block_hashes": [bytes.fromhex(h) for h in hashes]}
-    except (AssertionError, TypeError, ValueError):
-        raise ValueError("kv_transfer_params.remote_block_hashes must be a list of hex "
-                         "strings") from None
 
 
 def kv_transfer_field(out: RequestOutput) -> dict:

@@ -4,10 +4,12 @@ The scheduler decides (pure Python, kv_manager.py); this moves bytes:
 
 * device -> host (write-through of newly cached blocks) and host -> device (L2 hits) run
   at the start of a step, stores before loads, before the forward pass writes any
-  block. The device cache is block-major, so each block is one contiguous chunk. On
-  CUDA the host pool is pinned and the copies are asynchronous on the compute stream.
+  block. Each layer group's device cache is block-major, so a block's part of a group is
+  one contiguous chunk; a block off the device is those chunks in ``BlockLayout`` order.
+  On CUDA the host pool is pinned; host->device copies are asynchronous on the compute
+  stream, device->host copies synchronous (their bytes are read at once).
 * host <-> file store reads and writes, and pulls from a prefill instance through a KV
-  connector (openinfer/disagg/), run on a small thread pool; their completions
+  connector (openinfer/transfer/), run on a small thread pool; their completions
   are polled by the engine core each step, so the engine loop never waits on a disk
   (except, when nothing else can run, briefly for the load a request waits on).
 """
@@ -22,10 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from openinfer.disagg.protocol import KVTransferError
 from openinfer.kv.block_hash import BlockHash
-from openinfer.kv.file_store import FileStore, StoreFileError
-from openinfer.kv.kv_manager import BlockLoad
+from openinfer.kv.kv_manager import BlockCopy, BlockLoad
+from openinfer.kv.spec import BlockLayout
+from openinfer.transfer.file_store import FileStore, StoreFileError
+from openinfer.transfer.params import KVTransferParams
+from openinfer.transfer.protocol import KVTransferError
 
 logger = logging.getLogger(__name__)
 DIRECTIONS = ("device_to_host", "host_to_device", "host_to_store", "store_to_host",
@@ -44,16 +48,26 @@ class TransferStats:
     """Pulls from prefill instances that delivered fewer blocks than asked."""
 
 
-class KVTransfer:
-    def __init__(self, device_blocks: torch.Tensor, num_host_slots: int,
-                 store: FileStore | None, io_threads: int = 2) -> None:
+class BlockMover:
+    """Moves cached blocks' bytes between the device cache (one tensor per layer group),
+    the host pool (the same, with a slot per block), the file store and remote instances.
+
+    A block's bytes off the device are its cacheable groups' pages in ``layout`` order;
+    ``device_caches`` are those groups' tensors ``[num_blocks, layers, *page_shape]``.
+    """
+
+    def __init__(self, layout: BlockLayout, device_caches: list[torch.Tensor],
+                 num_host_slots: int, store: FileStore | None, io_threads: int = 2) -> None:
+        assert len(device_caches) == len(layout.groups)
+        self.layout = layout
         self.connector = None
-        """A disagg KVConnector when this instance pulls KV from prefill instances."""
-        self.device_blocks = device_blocks
-        pin = device_blocks.is_cuda
-        self.host_blocks = torch.zeros((num_host_slots, *device_blocks.shape[1:]),
-                                       dtype=device_blocks.dtype, pin_memory=pin)
-        self.block_bytes = self.host_blocks[0].numel() * self.host_blocks.element_size()
+        """A KVConnector when this instance pulls KV from prefill instances."""
+        self.device_caches = device_caches
+        pin = device_caches[0].is_cuda
+        self.host_caches = [torch.zeros((num_host_slots, *c.shape[1:]), dtype=c.dtype,
+                                        pin_memory=pin) for c in device_caches]
+        self.block_bytes = layout.block_bytes
+        assert self.block_bytes == sum(h[0].numel() * h.element_size() for h in self.host_caches)
         self.store = store
         self.stats = TransferStats()
         self._io: ThreadPoolExecutor | None = None
@@ -66,24 +80,44 @@ class KVTransfer:
 
     # ---- device <-> host (main thread, at the start of a step) ------------------------
 
-    def copy_to_host(self, pairs: list[tuple[int, int]]) -> None:
-        if not pairs:
+    def copy_to_host(self, copies: list[BlockCopy]) -> None:
+        if not copies:
             return
         start = time.perf_counter()
-        blocks, slots = (torch.tensor(x) for x in zip(*pairs))
-        data = self.device_blocks.index_select(0, blocks.to(self.device_blocks.device))
-        self.host_blocks.index_copy_(0, slots, data.to("cpu", non_blocking=True))
-        self._account("device_to_host", len(pairs), start)
+        slots = torch.tensor([c.slot for c in copies])
+        for g, device, host in zip(self.layout.group_ids, self.device_caches, self.host_caches):
+            blocks = torch.tensor([c.blocks[g] for c in copies], device=device.device)
+            # A synchronous copy: the slot's bytes are read (file writes) right after, and
+            # an asynchronous device->host copy would not have landed yet.
+            host.index_copy_(0, slots, device.index_select(0, blocks).to("cpu"))
+        self._account("device_to_host", len(copies), start)
 
-    def copy_to_device(self, pairs: list[tuple[int, int]]) -> None:
-        if not pairs:
+    def copy_to_device(self, copies: list[BlockCopy]) -> None:
+        if not copies:
             return
         start = time.perf_counter()
-        slots, blocks = (torch.tensor(x) for x in zip(*pairs))
-        data = self.host_blocks.index_select(0, slots)
-        device = self.device_blocks.device
-        self.device_blocks.index_copy_(0, blocks.to(device), data.to(device, non_blocking=True))
-        self._account("host_to_device", len(pairs), start)
+        slots = torch.tensor([c.slot for c in copies])
+        for g, device, host in zip(self.layout.group_ids, self.device_caches, self.host_caches):
+            blocks = torch.tensor([c.blocks[g] for c in copies], device=device.device)
+            # Host->device on the compute stream: ordered before the forward pass reads it.
+            data = host.index_select(0, slots).to(device.device, non_blocking=True)
+            device.index_copy_(0, blocks, data)
+        self._account("host_to_device", len(copies), start)
+
+    def slot_payload(self, slot: int) -> bytes:
+        """A host slot's block as bytes, in layout order (for the file store)."""
+        return b"".join(h[slot].view(torch.uint8).numpy().tobytes() for h in self.host_caches)
+
+    def fill_slot(self, slot: int, payload: bytes | bytearray | memoryview) -> None:
+        """Put a block's bytes (layout order, already checked for size) into a host slot."""
+        if isinstance(payload, bytes):
+            payload = bytearray(payload)  # torch.frombuffer wants a writable buffer
+        offset = 0
+        for h in self.host_caches:
+            n = h[slot].numel() * h.element_size()
+            chunk = torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=offset)
+            h[slot].view(torch.uint8).view(-1).copy_(chunk)
+            offset += n
 
     def _account(self, kind: str, num_blocks: int, start: float) -> None:
         self.stats.bytes[kind] += num_blocks * self.block_bytes
@@ -98,7 +132,7 @@ class KVTransfer:
         if self._pending_write_bytes + self.block_bytes > self.max_pending_write_bytes:
             self.stats.store_writes_skipped += 1
             return False
-        payload = self.host_blocks[slot].numpy().tobytes()
+        payload = self.slot_payload(slot)
         self._pending_write_bytes += len(payload)
         self.num_in_flight += 1
         self._io.submit(self._write, block_hash, payload)
@@ -119,24 +153,22 @@ class KVTransfer:
         else:
             self._pulls.submit(self._pull, load)
 
-    def submit_release(self, source: dict) -> None:
+    def submit_release(self, source: KVTransferParams) -> None:
         """Tell a prefill instance its blocks are not needed (a pull of nothing)."""
         self._pulls.submit(self._release, source)
 
-    def _release(self, source: dict) -> None:
+    def _release(self, source: KVTransferParams) -> None:
         try:
             self.connector.fetch(source, [], lambda i, data: None)
         except Exception as e:  # its lease expires instead
-            logger.info("KV release of %s failed: %s", source.get("remote_lease_id"), e)
+            logger.info("KV release of %s failed: %s", source.remote_lease_id, e)
 
     def _pull(self, load: BlockLoad) -> None:
         start, loaded = time.perf_counter(), 0
-        shape, dtype = self.host_blocks.shape[1:], self.host_blocks.dtype
 
         def put(i: int, data: memoryview) -> None:
             nonlocal loaded
-            slot = load.blocks[i][1]
-            self.host_blocks[slot].copy_(torch.frombuffer(data, dtype=dtype).view(shape))
+            self.fill_slot(load.blocks[i][1], data)
             loaded = i + 1
 
         try:
@@ -170,8 +202,7 @@ class KVTransfer:
                 except (StoreFileError, OSError):
                     self.stats.store_read_failures += 1
                     break  # the rest is recomputed
-                view = torch.frombuffer(bytearray(payload), dtype=self.host_blocks.dtype)
-                self.host_blocks[slot].copy_(view.view(self.host_blocks.shape[1:]))
+                self.fill_slot(slot, payload)
                 loaded += 1
             self._account("store_to_host", loaded, start)
         finally:

@@ -29,8 +29,9 @@ import zlib
 from collections.abc import Callable
 from multiprocessing import shared_memory
 
-from openinfer.disagg.protocol import KVTransferError, recv_frame, send_frame
-from openinfer.kv.file_store import FileStore, StoreFileError
+from openinfer.transfer.file_store import FileStore, StoreFileError
+from openinfer.transfer.params import KVTransferParams
+from openinfer.transfer.protocol import KVTransferError, recv_frame, send_frame
 
 PutBlock = Callable[[int, memoryview], None]
 """Called with (index into the requested hashes, the block's bytes), in order."""
@@ -44,7 +45,7 @@ class KVConnector:
         self.block_bytes = block_bytes
         self.timeout_s = timeout_s
 
-    def fetch(self, params: dict, hashes: list[bytes], put: PutBlock) -> int:
+    def fetch(self, params: KVTransferParams, hashes: list[bytes], put: PutBlock) -> int:
         """Deliver the leading blocks of ``hashes`` the prefill instance holds; returns
         how many. Raises KVTransferError (carrying ``delivered``) when it fails."""
         raise NotImplementedError
@@ -52,9 +53,9 @@ class KVConnector:
     def close(self) -> None:
         """Free what the connector keeps between pulls."""
 
-    def _connect(self, params: dict) -> socket.socket:
+    def _connect(self, params: KVTransferParams) -> socket.socket:
         try:
-            sock = socket.create_connection((params["remote_host"], int(params["remote_port"])),
+            sock = socket.create_connection((params.remote_host, params.remote_port),
                                             timeout=self.timeout_s)
         except (OSError, KeyError, ValueError) as e:
             raise KVTransferError(f"cannot reach the prefill instance: {e}") from e
@@ -64,8 +65,6 @@ class KVConnector:
     def _check(self, header: dict, i: int, expected: bytes, data) -> None:
         if header.get("op") != "block" or header.get("i") != i or header.get("hash") != expected:
             raise KVTransferError(f"unexpected frame {header.get('op')!r} for block {i}")
-        if header.get("group", 0) != 0:
-            raise KVTransferError("a layer group this engine does not have")
         if len(data) != self.block_bytes or zlib.crc32(data) != header.get("crc"):
             raise KVTransferError(f"block {i} is corrupt (size or checksum)")
 
@@ -74,12 +73,12 @@ class TcpConnector(KVConnector):
     name = "tcp"
     mode = "tcp"
 
-    def fetch(self, params: dict, hashes: list[bytes], put: PutBlock) -> int:
+    def fetch(self, params: KVTransferParams, hashes: list[bytes], put: PutBlock) -> int:
         delivered = 0
         with self._connect(params) as sock:
             try:
                 shm = self._segment(len(hashes))
-                send_frame(sock, {"op": "pull", "lease": params.get("remote_lease_id"),
+                send_frame(sock, {"op": "pull", "lease": params.remote_lease_id,
                                   "hashes": hashes, "layout": self.layout, "mode": self.mode,
                                   "shm": shm.name if shm else None, "release": True})
                 while True:
@@ -165,7 +164,7 @@ class FileConnector(KVConnector):
         super().__init__(layout, block_bytes, timeout_s)
         self.store = store
 
-    def fetch(self, params: dict, hashes: list[bytes], put: PutBlock) -> int:
+    def fetch(self, params: KVTransferParams, hashes: list[bytes], put: PutBlock) -> int:
         deadline = time.monotonic() + self.timeout_s
         delivered = 0
         try:
@@ -187,7 +186,7 @@ class FileConnector(KVConnector):
             raise
         finally:
             with contextlib.suppress(KVTransferError, OSError), self._connect(params) as sock:
-                send_frame(sock, {"op": "release", "lease": params.get("remote_lease_id")})
+                send_frame(sock, {"op": "release", "lease": params.remote_lease_id})
                 recv_frame(sock, 0)  # the lease is no longer needed either way
         return delivered
 

@@ -5,9 +5,11 @@ One file per block, named by its content hash (never by anything from a request)
     DIR/<model fingerprint, 16 hex>/<hash[:2]>/<hash hex>.kvblock
 
 A file is ``MAGIC | u32 header length | JSON header | payload``. The header names the
-format version, the model fingerprint, the KV layout (layer groups, heads, head size,
-block size, dtype), the block hash and the payload's length and CRC32. A file whose
-header or checksum does not match what this engine expects is deleted, never loaded.
+format version, the block layout (``BlockLayout.describe()``: model fingerprint, block
+size, and every cacheable layer group's kind, layers, page shape and dtype), the block
+hash and the payload's length and CRC32. A file whose header or checksum does not match
+what this engine expects is deleted, never loaded: a store written under one layout is
+never read under another.
 
 Writes go to a temporary file in the same directory and are renamed into place, so a
 reader (this process or another sharing the directory) sees a whole file or none.
@@ -25,38 +27,19 @@ import struct
 import threading
 import uuid
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 from openinfer.kv.block_hash import BlockHash
+from openinfer.kv.spec import BlockLayout
 
 MAGIC = b"OIKVBLK\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header names a BlockLayout (layer groups)
 SUFFIX = ".kvblock"
 _LEN = struct.Struct("<I")
 
 
 class StoreFileError(ValueError):
     """A block file that must not be used (and has been deleted)."""
-
-
-@dataclass(frozen=True)
-class StoreLayout:
-    """What a block's bytes mean; every field must match for a file to be loaded."""
-    model_fingerprint: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    layout: str = "block-major[layer][k,v][token][head][dim]"
-
-    @property
-    def block_bytes(self) -> int:
-        from openinfer.kv.spec import DTYPE_BYTES
-
-        return (self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-                * DTYPE_BYTES[self.dtype])
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
@@ -80,12 +63,14 @@ def model_fingerprint(model_dir: str | Path) -> str:
 
 
 class FileStore:
-    def __init__(self, root: str | Path, layout: StoreLayout, capacity_bytes: int) -> None:
+    def __init__(self, root: str | Path, layout: BlockLayout, capacity_bytes: int) -> None:
+        if not layout.model_fingerprint:
+            raise ValueError("a file store needs the model's fingerprint in its block layout")
         self.layout = layout
         self.capacity_bytes = capacity_bytes
         self.dir = Path(root) / layout.model_fingerprint[:16]
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._expected = {k: v for k, v in vars(layout).items()}
+        self._expected = {"layout": layout.describe()}
         self.bytes_used = sum(p.stat().st_size for p in self._files())
         self.num_deleted_bad = 0
         self.num_evicted = 0
@@ -206,8 +191,7 @@ def inspect_store(root: str | Path) -> list[dict]:
             try:
                 (length,) = _LEN.unpack_from(data, len(MAGIC))
                 header = json.loads(data[len(MAGIC) + _LEN.size:][:length])
-                entry["layout"] = {k: header[k] for k in (
-                    "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "layout")}
+                entry["layout"] = _summary(header["layout"])
             except (ValueError, KeyError, struct.error):
                 entry["bad_headers"] += 1
         if files:
@@ -215,3 +199,11 @@ def inspect_store(root: str | Path) -> list[dict]:
             entry["oldest_mtime"], entry["newest_mtime"] = min(mtimes), max(mtimes)
         summary.append(entry)
     return summary
+
+
+def _summary(layout: dict) -> dict:
+    """A block layout in a line's worth of fields (for `openinfer cache inspect`)."""
+    groups = layout["groups"]
+    return {"block_size": layout["block_size"],
+            "groups": "; ".join(f"{g['kind']} x{len(g['layers'])} layers {g['page_shape']} "
+                                f"{g['dtype']}" for g in groups)}

@@ -29,16 +29,17 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from openinfer.disagg.connector import LOCAL_SEGMENTS
-from openinfer.disagg.protocol import KVTransferError, recv_frame, send_frame
+from openinfer.kv.spec import BlockLayout
+from openinfer.transfer.connector import LOCAL_SEGMENTS
+from openinfer.transfer.protocol import KVTransferError, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Lease:
-    blocks: dict[bytes, int]
-    """Block hash -> device block id."""
+    blocks: dict[bytes, tuple[int, ...]]
+    """Block hash -> its device block id in each of the model's layer groups."""
     deadline: float
     pulls: int = 0
     """Pulls streaming from it now: it is not freed under them."""
@@ -46,10 +47,12 @@ class _Lease:
 
 
 class KVServer:
-    def __init__(self, device_blocks: torch.Tensor, layout: dict, host: str, port: int,
-                 lease_s: float) -> None:
-        self.device_blocks = device_blocks
-        self.layout = layout
+    def __init__(self, layout: BlockLayout, device_caches: list[torch.Tensor], host: str,
+                 port: int, lease_s: float) -> None:
+        self.block_layout = layout
+        self.device_caches = device_caches
+        """The layout groups' device tensors (a block's bytes are its pages in each, in order)."""
+        self.layout = layout.describe()
         self.lease_s = lease_s
         self._leases: dict[str, _Lease] = {}
         self._segments: OrderedDict[str, shared_memory.SharedMemory] = OrderedDict()
@@ -63,7 +66,7 @@ class KVServer:
 
     # ---- engine thread ---------------------------------------------------------------
 
-    def add_lease(self, lease_id: str, blocks: dict[bytes, int]) -> None:
+    def add_lease(self, lease_id: str, blocks: dict[bytes, tuple[int, ...]]) -> None:
         with self._lock:
             self._leases[lease_id] = _Lease(blocks, time.monotonic() + self.lease_s)
 
@@ -140,12 +143,11 @@ class KVServer:
             if header.get("mode") == "shm":
                 shm = self._attach(str(header["shm"]))
             for i, block_hash in enumerate(header.get("hashes") or []):
-                block = lease.blocks.get(block_hash)
-                if block is None:
+                blocks = lease.blocks.get(block_hash)
+                if blocks is None:
                     break  # only a leading run of held blocks is useful to the puller
-                data = self._block_bytes(block)
-                frame = {"op": "block", "i": i, "hash": block_hash, "group": 0,
-                         "crc": zlib.crc32(data)}
+                data = self._block_bytes(blocks)
+                frame = {"op": "block", "i": i, "hash": block_hash, "crc": zlib.crc32(data)}
                 if shm is not None:
                     offset = i * len(data)
                     shm.buf[offset:offset + len(data)] = data
@@ -191,8 +193,11 @@ class KVServer:
             if lease is not None:
                 lease.released = True
 
-    def _block_bytes(self, block: int) -> memoryview:
-        data = self.device_blocks[block]
+    def _block_bytes(self, blocks: tuple[int, ...]) -> memoryview:
+        """A block's pages in every layout group, in order, as one buffer."""
+        pages = [cache[blocks[g]].reshape(-1).view(torch.uint8)
+                 for g, cache in zip(self.block_layout.group_ids, self.device_caches)]
+        data = pages[0] if len(pages) == 1 else torch.cat(pages)
         if data.device.type != "cpu":
             data = data.cpu()
-        return memoryview(data.contiguous().view(torch.uint8).numpy()).cast("B")
+        return memoryview(data.numpy()).cast("B")

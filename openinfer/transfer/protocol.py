@@ -7,14 +7,15 @@ Every message is one frame:
 No pickle crosses the socket. A decode instance opens a connection to a prefill
 instance's KV server and sends
 
-    {"op": "pull", "lease": id, "hashes": [block hash, ...], "layout": {...},
+    {"op": "pull", "lease": id, "hashes": [block hash, ...], "layout": BlockLayout.describe(),
      "mode": "tcp" | "shm", "shm": name, "release": bool}
 
 and the server answers one frame per block it holds, in order, so the puller can copy
 each block while the next is on the wire:
 
-    {"op": "block", "i": k, "hash": h, "group": g, "crc": crc32}  + the block's bytes
-        (mode "shm": no payload; the bytes are in the named shared memory at k * block)
+    {"op": "block", "i": k, "hash": h, "crc": crc32}  + the block's bytes: its page in
+        every layer group of the layout, in order (mode "shm": no payload; the bytes are
+        in the named shared memory at k * block bytes)
 
 then {"op": "end", "n": blocks sent, "error": reason or None}. With "release" the
 lease ends once the blocks are sent; {"op": "release", "lease": id} ends one

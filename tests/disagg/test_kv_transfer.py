@@ -15,7 +15,7 @@ import zlib
 import pytest
 
 from openinfer import LLM, SamplingParams
-from openinfer.disagg.protocol import recv_frame, send_frame
+from openinfer.transfer.protocol import recv_frame, send_frame
 
 MiB = 1024**2
 PROMPT_LEN = 100  # 6 full blocks before the last token, 4 tokens recomputed by decode
@@ -68,7 +68,7 @@ def _wait_leases_freed(prefill: LLM, timeout_s: float = 5.0) -> None:
     while core.kv.num_held and time.monotonic() < deadline:
         time.sleep(0.02)
         core.collect_leases()
-    assert core.kv.num_held == 0 and core.kv_server.num_leases == 0
+    assert core.kv.num_held == 0 and core.executor.worker.kv_server.num_leases == 0
 
 
 @pytest.mark.parametrize("connector", ["tcp", "shm", "file"])
@@ -84,9 +84,10 @@ def test_disaggregated_greedy_tokens_equal_colocated(engine, plain, tmp_path, co
     from_store = core.kv.hit_tokens_by_tier["L3"] // 16  # a shared store: some already there
     assert core.scheduler.num_remote_blocks_pulled + from_store == 4 * 6
     assert core.scheduler.num_prompt_tokens_computed == 4 * 4  # only the tails
-    assert core.transfer.stats.remote_pull_failures == 0
+    mover = core.executor.worker.mover
+    assert mover.stats.remote_pull_failures == 0
     if connector != "file":
-        assert core.transfer.stats.bytes["remote_to_host"] == 24 * core.transfer.block_bytes
+        assert mover.stats.bytes["remote_to_host"] == 24 * mover.block_bytes
     _wait_leases_freed(prefill)
 
 
@@ -119,7 +120,7 @@ def test_32_simultaneous_transfers(engine, plain):
     params = _prefill(prefill, prompts)
     assert _decode(decode, prompts, params) == expected
     assert decode.engine.core.scheduler.num_remote_blocks_pulled == 32 * 6
-    assert prefill.engine.core.kv_server.num_pulls == 32
+    assert prefill.engine.core.executor.worker.kv_server.num_pulls == 32
     _wait_leases_freed(prefill)
 
 
@@ -159,13 +160,13 @@ def test_failed_transfers_recompute_and_free_blocks_on_both_sides(engine, plain,
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, SamplingParams(**DECODE))]
     params = _prefill(prefill, prompts)
     if failure == "dead_prefill":
-        prefill.engine.core.kv_server.close()
+        prefill.engine.core.executor.worker.kv_server.close()
     else:
-        bad = _BadPrefill(failure.removesuffix("_shm"), decode.engine.core.transfer.block_bytes)
+        bad = _BadPrefill(failure.removesuffix("_shm"), decode.engine.core.executor.worker.mover.block_bytes)
         params = [{**p, "remote_port": bad.port} for p in params]
     assert _decode(decode, prompts, params) == expected  # recomputed locally
     core = decode.engine.core
-    assert core.transfer.stats.remote_pull_failures == 2
+    assert core.executor.worker.mover.stats.remote_pull_failures == 2
     assert core.scheduler.num_prompt_tokens_computed == 2 * PROMPT_LEN
     time.sleep(0.6)  # nobody pulled: the prefill side's leases expire
     _wait_leases_freed(prefill)
@@ -177,7 +178,7 @@ def test_fail_policy_fails_the_request_and_keeps_serving(engine, plain):
                  kv_transfer_timeout=0.5)
     prompts = _prompts(2, seed=5)
     params = _prefill(prefill, prompts)
-    prefill.engine.core.kv_server.close()
+    prefill.engine.core.executor.worker.kv_server.close()
     outs = decode.generate(prompts, [SamplingParams(**DECODE, kv_transfer_params=p) for p in params])
     assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
     expected = plain.generate(prompts[:1], SamplingParams(**DECODE))[0].outputs[0].token_ids

@@ -274,6 +274,11 @@ def _post(base: str, path: str, body: bytes | dict) -> tuple[int, dict]:
     ({"model": MODEL, "prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ({"model": MODEL, "prompt": "hi", "truncate_prompt_tokens": 0}, 400,
      "truncate_prompt_tokens"),
+    ({"model": MODEL, "prompt": "hi", "kv_transfer_params": {"remote_engine_id": "x"}}, 400,
+     "kv_transfer_params"),
+    ({"model": MODEL, "prompt": "hi", "kv_transfer_params": {
+        "remote_host": "h", "remote_port": 1, "remote_block_hashes": ["zz"]}}, 400,
+     "kv_transfer_params"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, param):
     base, _ = server

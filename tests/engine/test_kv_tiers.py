@@ -11,7 +11,7 @@ import pytest
 
 from openinfer import LLM, SamplingParams
 from openinfer.kv.block_hash import extend_block_hashes
-from openinfer.kv.file_store import MAGIC, SUFFIX
+from openinfer.transfer.file_store import MAGIC, SUFFIX
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 MiB = 1024**2
@@ -45,7 +45,7 @@ def test_device_evictions_are_served_from_host_memory(qwen3_checkpoint, plain):
     assert _tokens(again) == expected
     assert all(o.num_cached_tokens == 64 for o in again)
     assert core.kv.hit_tokens_by_tier["L2"] > 0
-    assert core.transfer.stats.bytes["host_to_device"] > 0
+    assert core.executor.worker.mover.stats.bytes["host_to_device"] > 0
     core.check_integrity()
 
 
@@ -97,7 +97,7 @@ def test_bad_store_files_are_deleted_never_loaded(qwen3_checkpoint, plain, tmp_p
     header_len = int.from_bytes(data[len(MAGIC):len(MAGIC) + 4], "little")
     start = len(MAGIC) + 4
     header = json.loads(data[start:start + header_len])
-    header["model_fingerprint"] = "0" * 64   # a block of another model
+    header["layout"]["model_fingerprint"] = "0" * 64   # a block of another model
     new_header = json.dumps(header).encode()
     foreign.write_bytes(MAGIC + len(new_header).to_bytes(4, "little") + new_header
                         + data[start + header_len:])
@@ -106,8 +106,8 @@ def test_bad_store_files_are_deleted_never_loaded(qwen3_checkpoint, plain, tmp_p
     outs = fresh.generate(prompts, GREEDY)
     assert _tokens(outs) == expected
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0]  # their chains break at block 0
-    file_store = fresh.engine.core.transfer.store
-    assert fresh.engine.core.transfer.stats.store_read_failures == 3
+    file_store = fresh.engine.core.executor.worker.mover.store
+    assert fresh.engine.core.executor.worker.mover.stats.store_read_failures == 3
     assert file_store.num_deleted_bad == 3
     fresh.engine.core.shutdown()
     # Deleted, then written again from the recomputed blocks: valid files now.
@@ -117,7 +117,7 @@ def test_bad_store_files_are_deleted_never_loaded(qwen3_checkpoint, plain, tmp_p
 def test_file_store_stays_within_its_budget(qwen3_checkpoint, tmp_path):
     store = tmp_path / "store"
     llm = LLM(str(qwen3_checkpoint), kv_store_dir=str(store), progress=False)
-    file_store = llm.engine.core.transfer.store
+    file_store = llm.engine.core.executor.worker.mover.store
     budget = 20 * (file_store.layout.block_bytes + 1024)  # room for ~20 block files
     file_store.capacity_bytes = budget
     llm.generate(_prompts(10, 70, seed=4), GREEDY)  # 40 blocks

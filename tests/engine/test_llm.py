@@ -33,7 +33,7 @@ def assert_idle(llm: LLM) -> None:
     core = llm.engine.core
     assert not core.has_unfinished_requests()
     assert all(pool.num_free == pool.num_blocks for pool in core.kv.pools)
-    assert not core.runner.requests
+    assert not core.executor.worker.runner.requests
 
 
 @pytest.fixture(scope="module")

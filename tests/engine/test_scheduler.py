@@ -216,14 +216,16 @@ def test_a_request_loading_from_the_file_store_steps_aside_then_starts_after_its
     in_store.update(s.requests["loading"].block_hashes)   # both full blocks are on disk
     out = s.schedule()
     assert list(out.num_scheduled_tokens) == ["other"]    # not held up by the load
-    (load,) = s.kv.pending_block_loads
-    s.kv.pending_block_loads.clear()
+    (load,) = out.kv.reads                           # the step's plan carries the read
+    assert s.requests["loading"].status is RequestStatus.WAITING_FOR_KV
+    s.check_integrity()
     s.update_from_output(out, FakeRunner().execute(out))
     s.finish_load(load, num_loaded=2)                # now in host memory (L2)
     out = s.schedule()
     (started,) = [n for n in out.new_requests if n.request_id == "loading"]
     assert started.num_computed_tokens == 8 and out.num_scheduled_tokens["loading"] == 2
-    assert [slot for slot, _ in out.kv_loads] == [slot for _, slot in load.blocks]
+    assert [copy.slot for copy in out.kv.loads] == [slot for _, slot in load.blocks]
+    assert s.requests["loading"].status is RequestStatus.RUNNING
     assert s.kv.hit_tokens_by_tier["L3"] == 8
     s.check_integrity()
 

@@ -24,11 +24,11 @@ from openinfer import LLM, SamplingParams
 from openinfer.attention import select_attention_backend
 from openinfer.config import ModelConfig
 from openinfer.engine.input_processor import load_tokenizer
-from openinfer.engine.runner import allocate_kv_blocks, layer_views
-from openinfer.kv.file_store import model_fingerprint
+from openinfer.engine.kv_cache import allocate_group_cache, layer_views
 from openinfer.kv.spec import FullAttentionSpec, group_layers
 from openinfer.models.loader import load_model
 from openinfer.models.source import resolve_model
+from openinfer.transfer.file_store import model_fingerprint
 
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 BLOCK = 4
@@ -159,11 +159,12 @@ def prefill_logits(model: torch.nn.Module, config: ModelConfig, prompt: list[int
     spec = FullAttentionSpec(BLOCK, config.num_kv_heads, config.head_dim, "float32")
     (group,) = group_layers([spec] * config.num_layers)
     num_blocks = -(-len(prompt) // BLOCK)
-    caches = layer_views(allocate_kv_blocks(group, num_blocks, config.num_layers, torch.float32, "cpu"))
+    caches = layer_views(group, allocate_group_cache(group, num_blocks, "cpu"))
     meta = select_attention_backend("auto", "cpu").build_metadata(
         [len(prompt)], [len(prompt)], [list(range(num_blocks))], BLOCK, "cpu")
     with torch.inference_mode():
-        hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), caches, meta)
+        hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), caches,
+                       [meta] * len(caches))
         return model.compute_logits(hidden)
 
 
@@ -372,7 +373,7 @@ def test_smollm2_logits_match_transformers(smollm2):
     path = Path(resolve_model("smollm2").path)
     tok = smollm2.get_tokenizer()
     prompt = tok.encode(tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True))
-    engine = smollm2.engine.core.runner
+    engine = smollm2.engine.core.executor.worker.runner
     config = smollm2.engine.config.model
     hf = hf_gguf_model(path)
     assert hf.config.tie_word_embeddings and config.hf_config["tie_word_embeddings"]

@@ -11,7 +11,7 @@ from attention_support import ATTENTION_BACKENDS, attention_backend
 import openinfer.config
 from openinfer import LLM, SamplingParams
 from openinfer.config import ModelConfig
-from openinfer.engine.runner import allocate_kv_blocks, layer_views
+from openinfer.engine.kv_cache import allocate_group_cache, layer_views
 from openinfer.kv.spec import FullAttentionSpec, group_layers
 from openinfer.models.loader import load_model
 
@@ -36,8 +36,7 @@ class PagedModel:
         spec = FullAttentionSpec(BLOCK, c.num_kv_heads, c.head_dim,
                                  str(c.dtype).removeprefix("torch."))
         (group,) = group_layers([spec] * c.num_layers)
-        self.caches = layer_views(allocate_kv_blocks(group, num_blocks, c.num_layers,
-                                                     c.dtype, "cpu"))
+        self.caches = layer_views(group, allocate_group_cache(group, num_blocks, "cpu"))
         self.tables: dict[int, list[int]] = {}
         self.next_block = 0
 
@@ -55,7 +54,8 @@ class PagedModel:
         ids = torch.tensor([x for _, t, _ in chunks for x in t])
         pos = torch.tensor([p for _, t, s in chunks for p in range(s, s + len(t))])
         with torch.inference_mode():
-            return self.model.compute_logits(self.model(ids, pos, self.caches, meta))
+            metas = [meta] * len(self.caches)
+            return self.model.compute_logits(self.model(ids, pos, self.caches, metas))
 
 
 def _hf_logits(hf, prompt: list[int]) -> torch.Tensor:

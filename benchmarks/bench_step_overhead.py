@@ -1,0 +1,160 @@
+"""Where a decode step's time goes: Python around the model vs the model itself.
+
+Runs batch-B decode steps (after the prompts are prefilled) through ``openinfer.LLM`` and
+times, per step, the engine's parts by wrapping them in place (no copy of the engine):
+
+    schedule      Scheduler.schedule()                     pure Python
+    prepare       the runner's input building up to the model call (diff, ids, metadata)
+    forward       the model's forward pass                  torch
+    sample        logits + sampler                          torch + a little Python
+    update        Scheduler.update_from_output()           pure Python
+    output        the output processor (detokenize, stops)  pure Python
+    other         the rest of LLMEngine.step
+
+"Python overhead" = schedule + prepare + update + output + other: what asynchronous
+scheduling could hide behind the forward pass. The figures are fractions of one step,
+so they hold on a noisy machine better than absolute times do.
+
+    .venv/bin/python benchmarks/bench_step_overhead.py [--model DIR] [--batch 32] [--steps 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from doc_sections import write_section
+from offline_limits import cpu_model
+
+from openinfer import LLM, SamplingParams
+from openinfer.cpu_features import cpu_capability
+from openinfer.engine.llm_engine import LLMEngine
+from openinfer.engine.output_processor import OutputProcessor
+from openinfer.engine.runner import ModelRunner
+from openinfer.engine.scheduler import Scheduler
+
+REPO = Path(__file__).resolve().parent.parent
+PEERS_MODEL = Path("/root/.cache/openinfer-peers/models/qwen3-0.4b-random-fp32")
+
+
+class StepClock:
+    """Accumulates seconds per part while ``enabled``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self.enabled = False
+
+    def wrap(self, owner: type, name: str, part: str) -> None:
+        original = getattr(owner, name)
+        clock = self
+
+        def timed(*args, **kwargs):
+            if not clock.enabled:
+                return original(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                clock.seconds[part] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+
+def measure(model: str, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
+    clock = StepClock()
+    clock.wrap(Scheduler, "schedule", "schedule")
+    clock.wrap(Scheduler, "update_from_output", "update")
+    clock.wrap(OutputProcessor, "process", "output")
+    clock.wrap(ModelRunner, "execute", "runner")
+    clock.wrap(ModelRunner, "_sample", "sample")
+    clock.wrap(LLMEngine, "step", "step")
+    llm = LLM(model, progress=False, enable_prefix_caching=False)
+    runner = llm.engine.core.executor.worker.runner
+    model_forward = runner.model.forward
+
+    def forward(*args, **kwargs):
+        if not clock.enabled:
+            return model_forward(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return model_forward(*args, **kwargs)
+        finally:
+            clock.seconds["forward"] += time.perf_counter() - start
+
+    runner.model.forward = forward  # an instance attribute: nn.Module.__call__ finds it
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 20000) for _ in range(prompt_len)] for _ in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.scheduler.requests.values()):
+        engine.step()  # prefill, untimed
+    for _ in range(4):
+        engine.step()  # warm-up decodes
+    clock.enabled = True
+    for _ in range(steps):
+        engine.step()
+    clock.enabled = False
+    while engine.has_unfinished_requests():
+        engine.step()
+    s = {k: v / steps for k, v in clock.seconds.items()}
+    parts = {
+        "schedule": s["schedule"],
+        "prepare": s["runner"] - s["forward"] - s["sample"],
+        "forward": s["forward"],
+        "sample": s["sample"],
+        "update": s["update"],
+        "output": s["output"],
+    }
+    parts["other"] = s["step"] - sum(parts.values())
+    parts["step"] = s["step"]
+    return parts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(PEERS_MODEL) if PEERS_MODEL.exists() else None)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    if args.model is None:
+        sys.exit("--model: no checkpoint given and the peers checkpoint is absent")
+    parts = measure(args.model, args.batch, args.prompt_len, args.steps)
+    step = parts["step"]
+    python = step - parts["forward"] - parts["sample"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()
+    rows = [f"| {name} | {parts[name] * 1e3:.2f} | {parts[name] / step:.1%} |"
+            for name in ("schedule", "prepare", "forward", "sample", "update", "output", "other")]
+    body = "\n".join([
+        "## Decode step: Python overhead (benchmarks/bench_step_overhead.py)",
+        "",
+        f"Batch {args.batch} decode after {args.prompt_len}-token prompts, {args.steps} steps, "
+        f"model `{Path(args.model).name}`, {torch.get_num_threads()} threads. "
+        f"CPU: {cpu_model()} ({cpu_capability()}); commit {commit}.",
+        "",
+        "| part | ms per step | share |",
+        "|---|---|---|",
+        *rows,
+        f"| **step** | {step * 1e3:.2f} | 100% |",
+        "",
+        f"Python overhead (everything but the forward pass and sampling): "
+        f"**{python / step:.1%}** of a step.",
+    ])
+    print(body)
+    if not args.no_write:
+        write_section(REPO / "docs" / "benchmarks.md", "bench_step_overhead", body)
+
+
+if __name__ == "__main__":
+    main()

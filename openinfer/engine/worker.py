@@ -1,0 +1,187 @@
+"""A worker: one device's model, its KV cache tensors, and the bytes that move in and out
+of them (host tier, file store, KV transfer). The engine core never touches a tensor; it
+talks to workers through an executor (engine/executor.py).
+
+    EngineCore ──SchedulerOutput──> Executor ──> Worker ──> ModelRunner ──> model
+               <─ModelRunnerOutput──          <── KV I/O completions, leases
+
+Lifecycle, as the core drives it: load the model (``__init__``) -> report the layers' KV
+specs and the memory the cache may take -> allocate the cache for the core's block count
+(``initialize_kv_cache``) -> optionally attach the tiers and KV transfer -> execute steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from openinfer.attention import select_attention_backend
+from openinfer.config import CUDA_MEMORY_UTILIZATION, DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from openinfer.cpu_features import cpu_capability
+from openinfer.engine.kv_cache import allocate_group_cache
+from openinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from openinfer.engine.runner import ModelRunner
+from openinfer.kv.block_hash import BlockHash
+from openinfer.kv.plan import BlockLoad
+from openinfer.kv.spec import BlockLayout, KVSpec, LayerGroup
+from openinfer.layers.gemm import describe_gemms
+from openinfer.models.loader import load_model
+from openinfer.transfer.block_mover import BlockMover
+from openinfer.transfer.connector import make_connector
+from openinfer.transfer.file_store import FileStore
+from openinfer.transfer.kv_server import KVServer
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        mc = config.model
+        start = time.perf_counter()
+        self.model = load_model(mc, config.device, progress=progress)
+        num_params = sum(p.numel() for p in self.model.parameters())
+        self.dtype_name = str(mc.dtype).removeprefix("torch.")
+        gemm = describe_gemms(self.model)
+        logger.info("%s (%s, %.0fM parameters) loaded in %.1f s: %s on %s (CPU capability %s); "
+                    "GEMM %s", mc.path, mc.architecture, num_params / 1e6,
+                    time.perf_counter() - start, self.dtype_name, config.device, cpu_capability(),
+                    gemm.text)
+        self.attention = select_attention_backend(config.attention_backend, config.device)
+        logger.info("attention backend: %s", self.attention.name)
+        self.compute_info = {"dtype": self.dtype_name, "gemm": gemm.label,
+                             "cpu_capability": cpu_capability(), "attention": self.attention.name}
+        """How this worker computes (the labels of the compute_info metric)."""
+        self.runner: ModelRunner | None = None
+        self.mover: BlockMover | None = None
+        """Host tier, file store and pulls (when tiers or KV transfer are on)."""
+        self.kv_server: KVServer | None = None
+
+    # ---- set-up -----------------------------------------------------------------------
+
+    def compute_info_labels(self) -> dict[str, str]:
+        return dict(self.compute_info)
+
+    def kv_cache_specs(self) -> list[KVSpec | None]:
+        """The model's declaration of what each layer keeps per token."""
+        return self.model.kv_cache_specs(self.config.cache.block_size, self.dtype_name)
+
+    def kv_cache_memory(self) -> int:
+        """Bytes the KV cache may take on this worker's device."""
+        memory = self.config.cache.kv_cache_memory
+        if memory is not None:
+            return memory
+        if self.config.device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info()
+            return int(free * CUDA_MEMORY_UTILIZATION)
+        return DEFAULT_CPU_KV_CACHE_MEMORY
+
+    def initialize_kv_cache(self, groups: list[LayerGroup], num_blocks: int) -> None:
+        """One tensor per layer group, and the runner over them."""
+        self.groups = groups
+        self.kv_caches = [allocate_group_cache(g, num_blocks, self.config.device) for g in groups]
+        self.runner = ModelRunner(self.model, groups, self.kv_caches,
+                                  self.config.model.num_layers, self.config.device,
+                                  self.attention, seed=self.config.seed)
+
+    def attach_tiers(self, layout: BlockLayout, num_host_slots: int) -> Callable | None:
+        """The host pool (L2) and, when configured, the file store (L3); returns the
+        store's membership test for the KV manager (None without a store)."""
+        cache = self.config.cache
+        store = None
+        if cache.kv_store_dir is not None:
+            store = FileStore(cache.kv_store_dir, layout, cache.kv_store_bytes)
+        self.mover = BlockMover(layout, self._layout_caches(layout), num_host_slots, store)
+        return store.contains if store is not None else None
+
+    def attach_kv_transfer(self, layout: BlockLayout, pulls: bool, serves: bool) -> None:
+        """Disaggregation: a connector that pulls prefill instances' blocks into the host
+        tier (decode side), a KV server that lends finished prompts' blocks (prefill side).
+        Both move whole cached blocks by hash, in ``layout``."""
+        kt = self.config.kv_transfer
+        if pulls:
+            self.mover.attach_connector(make_connector(
+                kt.connector, layout.describe(), layout.block_bytes, kt.timeout_s,
+                self.mover.store))
+        if serves:
+            self.kv_server = KVServer(layout, self._layout_caches(layout), kt.host,
+                                      kt.port or 0, kt.lease_s)
+            logger.info("KV server on %s:%d (leases of %.0f s)", self.kv_server.host,
+                        self.kv_server.port, kt.lease_s)
+
+    def _layout_caches(self, layout: BlockLayout) -> list[torch.Tensor]:
+        return [self.kv_caches[g] for g in layout.group_ids]
+
+    # ---- steps ------------------------------------------------------------------------
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """The step's KV plan (stores, then loads, before the forward pass may overwrite a
+        block; reads and releases queued on I/O threads), then the forward pass."""
+        plan = sched.kv
+        if self.mover is not None:
+            self.mover.copy_to_host(plan.stores)
+            if self.mover.store is not None:  # the bytes are taken now: the slot is free again
+                for copy in plan.stores:
+                    self.mover.submit_write(copy.block_hash, copy.slot)
+            self.mover.copy_to_device(plan.loads)
+            for load in plan.reads:
+                self.mover.submit_load(load)
+            for source in plan.releases:
+                self.mover.submit_release(source)
+        return self.runner.execute(sched)
+
+    def finished_kv_reads(self, wait_s: float = 0.0) -> list[tuple[BlockLoad, int]]:
+        """Reads (file store, pulls) that finished: (load, blocks that arrived)."""
+        if self.mover is None or not self.mover.num_in_flight:
+            return []
+        loads = []
+        for done in self.mover.poll(wait_s):
+            if done[0] == "write":
+                self.mover.finish_write(done[1])
+            else:
+                loads.append((done[1], done[2]))
+        return loads
+
+    def num_kv_io_in_flight(self) -> int:
+        return self.mover.num_in_flight if self.mover is not None else 0
+
+    # ---- leases (prefill side of disaggregation) ----------------------------------------
+
+    def kv_server_address(self) -> tuple[str, int] | None:
+        return None if self.kv_server is None else (self.kv_server.host, self.kv_server.port)
+
+    def add_lease(self, lease_id: str, blocks: dict[BlockHash, tuple[int, ...]]) -> None:
+        self.kv_server.add_lease(lease_id, blocks)
+
+    def collect_leases(self) -> list[str]:
+        """Leases released or expired: the core frees their blocks."""
+        return self.kv_server.collect() if self.kv_server is not None else []
+
+    # ---- reporting and shutdown -------------------------------------------------------
+
+    def kv_io_stats(self) -> dict:
+        stats: dict = {}
+        if self.mover is not None:
+            t = self.mover.stats
+            stats.update(kv_transfer_bytes=dict(t.bytes), kv_transfer_seconds=dict(t.seconds),
+                         kv_store_read_failures=t.store_read_failures,
+                         kv_store_writes_skipped=t.store_writes_skipped)
+            if self.mover.store is not None:
+                stats["kv_store_bytes"] = self.mover.store.bytes_used
+            if self.mover.connector is not None:
+                stats["kv_remote_pull_failures"] = t.remote_pull_failures
+        if self.kv_server is not None:
+            stats["kv_leases"] = self.kv_server.num_leases
+            stats["kv_bytes_served"] = self.kv_server.bytes_sent
+        return stats
+
+    def close_kv_server(self) -> None:
+        if self.kv_server is not None:
+            self.kv_server.close()
+
+    def shutdown(self) -> None:
+        if self.mover is not None:
+            self.mover.shutdown()

@@ -1,0 +1,81 @@
+"""vLLM's ``kv_transfer_params``, parsed once where a request enters (the API server or
+``SamplingParams``) into a frozen value the engine reads by attribute.
+
+    to a prefill instance:   {"do_remote_decode": true}
+    its answer, to a decode: {"remote_host", "remote_port", "remote_lease_id",
+                              "remote_block_hashes": [hex, ...]}
+
+Block hashes are hex strings in JSON and bytes inside openinfer (msgpack carries bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+FIELDS = ("do_remote_decode", "remote_host", "remote_port", "remote_lease_id",
+          "remote_block_hashes")
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    do_remote_decode: bool = False
+    """Hold the prompt's KV for a decode instance to pull (sent to a prefill instance)."""
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_lease_id: str | None = None
+    remote_block_hashes: tuple[bytes, ...] = ()
+    """The prompt's full blocks the prefill instance holds, in order."""
+
+    @property
+    def pulls(self) -> bool:
+        """This request's prefix is to be pulled from a prefill instance."""
+        return bool(self.remote_block_hashes)
+
+    @staticmethod
+    def parse(value: Any) -> KVTransferParams | None:
+        """From a dict (hashes as hex strings or bytes); ValueError naming the field."""
+        if value is None or isinstance(value, KVTransferParams):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_params must be an object, got {value!r}")
+        unknown = sorted(set(value) - set(FIELDS))
+        if unknown:
+            raise ValueError(f"kv_transfer_params: unknown field(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(FIELDS)})")
+        do_remote_decode = value.get("do_remote_decode", False)
+        if not isinstance(do_remote_decode, bool):
+            raise ValueError("kv_transfer_params.do_remote_decode must be a boolean")
+        host, port, lease = (value.get(k) for k in ("remote_host", "remote_port",
+                                                       "remote_lease_id"))
+        if host is not None and not isinstance(host, str):
+            raise ValueError("kv_transfer_params.remote_host must be a string")
+        if port is not None and not (isinstance(port, int) and not isinstance(port, bool)
+                                     and 0 < port < 65536):
+            raise ValueError("kv_transfer_params.remote_port must be a port number")
+        if lease is not None and not isinstance(lease, str):
+            raise ValueError("kv_transfer_params.remote_lease_id must be a string")
+        hashes = value.get("remote_block_hashes") or []
+        try:
+            assert isinstance(hashes, list | tuple)
+            hashes = tuple(h if isinstance(h, bytes) else bytes.fromhex(h) for h in hashes)
+        except (AssertionError, TypeError, ValueError):
+            raise ValueError("kv_transfer_params.remote_block_hashes must be a list of hex "
+                             "strings") from None
+        if hashes and (host is None or port is None):
+            raise ValueError("kv_transfer_params: remote_block_hashes need remote_host and "
+                             "remote_port")
+        return KVTransferParams(do_remote_decode, host, port, lease, hashes)
+
+    def to_dict(self, hex_hashes: bool = False) -> dict[str, Any]:
+        """The fields that are set (hashes as hex for JSON, bytes for msgpack)."""
+        out: dict[str, Any] = {}
+        if self.do_remote_decode:
+            out["do_remote_decode"] = True
+        for key in ("remote_host", "remote_port", "remote_lease_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.remote_block_hashes:
+            out["remote_block_hashes"] = [h.hex() if hex_hashes else h
+                                          for h in self.remote_block_hashes]
+        return out
