@@ -24,10 +24,12 @@ from openinfer.cpu_features import cpu_capability
 from openinfer.engine.kv_cache import allocate_group_cache
 from openinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from openinfer.engine.runner import ModelRunner
+from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.plan import BlockLoad
 from openinfer.kv.spec import BlockLayout, KVSpec, LayerGroup
 from openinfer.layers.gemm import describe_gemms
+from openinfer.layers.norm import use_cpu_kernels
 from openinfer.models.loader import load_model
 from openinfer.transfer.block_mover import BlockMover
 from openinfer.transfer.connector import make_connector
@@ -52,6 +54,8 @@ class Worker:
                     gemm.text)
         self.attention = select_attention_backend(config.attention_backend, config.device)
         logger.info("attention backend: %s", self.attention.name)
+        if self.attention.name == "cpu":  # its extension also has the float32 RMSNorm
+            use_cpu_kernels(self.model, load_cpu_attention())
         self.compute_info = {"dtype": self.dtype_name, "gemm": gemm.label,
                              "cpu_capability": cpu_capability(), "attention": self.attention.name}
         """How this worker computes (the labels of the compute_info metric)."""

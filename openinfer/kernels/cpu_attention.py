@@ -21,8 +21,8 @@ module has ``paged_attention(..., kv_splits=k)`` (force k KV splits per item; te
 The extension is compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja)
 with ``-march=native`` into torch's extension cache (``~/.cache/torch_extensions`` or
 ``TORCH_EXTENSIONS_DIR``). Its name carries a hash of the CPU's ISA (``/proc/cpuinfo`` flags,
-torch's CPU capability, torch version, flags), so machines with different CPUs sharing that
-cache each get their own binary instead of an illegal instruction.
+torch's CPU capability, torch version, flags, the sources), so machines with different CPUs
+sharing that cache each get their own binary instead of an illegal instruction.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ import torch
 
 logger = logging.getLogger("openinfer.kernels.cpu_attention")
 
-SOURCE = Path(__file__).parent / "cpu" / "paged_attention.cpp"
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "rms_norm.cpp")]
+"""The extension: paged attention, and the float32 RMSNorm the norm layers use with it."""
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-Wno-psabi")
 
 _lock = threading.Lock()
@@ -58,7 +59,12 @@ def cpu_isa_tag() -> str:
     except OSError:
         pass
     capability = torch.backends.cpu.get_cpu_capability()
-    key = "|".join((flags, capability, platform.machine(), torch.__version__, " ".join(CFLAGS)))
+    # The sources' hash too: checkouts of different versions sharing the extension cache
+    # (a CI clone beside a working tree) each keep their own build instead of rebuilding
+    # over one another.
+    sources = hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()
+    key = "|".join((flags, capability, platform.machine(), torch.__version__, " ".join(CFLAGS),
+                    sources))
     return f"{capability.lower()}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
@@ -74,7 +80,7 @@ def build_extension(extra_cflags: tuple[str, ...] = (), variant: str = "") -> Mo
     name = f"openinfer_cpu_attention_{cpu_isa_tag()}" + (f"_{variant}" if variant else "")
     return cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(p) for p in SOURCES],
         extra_cflags=[*CFLAGS, *extra_cflags],
         extra_ldflags=["-fopenmp"],
         verbose=False,

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
+    cpu_kernels: ModuleType | None = None
+    """The CPU kernel extension, set by ``use_cpu_kernels`` for engines on the ``cpu``
+    attention backend: float32 norms then run as one C++ pass per row (add fused in)
+    instead of torch's five-op composite. Decided per model at start-up, so an engine
+    computes the same way from its first step to its last."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -15,6 +23,10 @@ class RMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
+            if self.cpu_kernels is not None and _rows_readable(x):
+                out = torch.empty(x.shape, dtype=x.dtype)
+                self.cpu_kernels.rms_norm(out, x, self.weight, self.eps)
+                return out
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Lower precision: normalize in float32, scale after casting back, as HF models do.
         xf = x.float()
@@ -27,5 +39,27 @@ class RMSNorm(nn.Module):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         if residual is None:
             return self._norm(x)
+        if (self.cpu_kernels is not None and x.dtype == torch.float32
+                and residual.dtype == torch.float32 and x.is_contiguous()
+                and residual.is_contiguous()):
+            out, total = torch.empty_like(x), torch.empty_like(x)
+            self.cpu_kernels.add_rms_norm(out, total, x, residual, self.weight, self.eps)
+            return out, total
         x = x + residual
         return self._norm(x), x
+
+
+def _rows_readable(x: torch.Tensor) -> bool:
+    """Whether the C++ norm reads x in place: [rows, n], or [T, H, n] whose heads are
+    adjacent (a view into the fused q/k/v output), with unit stride in n."""
+    if x.stride(-1) != 1:
+        return False
+    return x.dim() == 2 or (x.dim() == 3 and x.stride(1) == x.shape[-1])
+
+
+def use_cpu_kernels(model: nn.Module, kernels: ModuleType) -> int:
+    """Route the model's float32 RMSNorms through the CPU extension; returns how many."""
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    for norm in norms:
+        norm.cpu_kernels = kernels
+    return len(norms)
