@@ -1,7 +1,7 @@
 """Writes one benchmark's section of docs/benchmarks.md, keeping every other section.
 
 Every section is stamped with where its figures come from: the script, the commit (with
-``+dirty`` when the tree had changes), the CPU model and ISA, the core count and the date,
+``+dirty`` when tracked files outside docs/ had changes), the CPU model and ISA, the core count and the date,
 because these machines change from day to day and a figure without them cannot be compared.
 """
 
@@ -26,8 +26,8 @@ def provenance() -> str:
             return ""
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    if git("status", "--porcelain", "--untracked-files=no"):
-        commit += "+dirty"
+    if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs"):
+        commit += "+dirty"  # code differs from the commit (edits under docs/ do not count)
     model = "unknown CPU"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
