@@ -13,6 +13,9 @@ Paths compute the same product from the weight in one of two formats:
     onednn_packed  packed           the same on W reordered once, at load, into the blocked layout
                                     oneDNN's kernels read (for bf16: what VDPBF16PS/AMX read).
                                     vLLM's CPU linears do this.
+    small_gemm     plain            openinfer's C++ few-row kernel (kernels/cpu/small_gemm.cpp):
+                                    streams W once at close to the read bandwidth; float32,
+                                    timed for up to 16 rows
 
 A plan sends each call, by its row count M (tokens in the step), to one path:
 
@@ -59,6 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openinfer.cpu_features import cpu_capability, cpu_flags, has_native_gemm
+from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.layers.linear import GemmLayer
 
 logger = logging.getLogger(__name__)
@@ -114,6 +118,17 @@ def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
+def _small_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    kernels = load_cpu_attention()
+    if kernels is None:
+        raise RuntimeError("the CPU kernel extension cannot be built here")
+    if x.dtype != torch.float32 or w.dtype != torch.float32:
+        raise RuntimeError("small_gemm runs float32 only")
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    kernels.small_gemm(out, x.contiguous(), w, b)
+    return out
+
+
 @dataclass(frozen=True)
 class GemmPath:
     name: str
@@ -135,6 +150,7 @@ PATHS: dict[str, GemmPath] = {p.name: p for p in (
     GemmPath("torch_t", PLAIN, _torch_t, rows=(2, 256)),
     GemmPath("onednn", PLAIN, _onednn),
     GemmPath("onednn_packed", PACKED, _onednn),
+    GemmPath("small_gemm", PLAIN, _small_gemm, rows=(1, 16)),
 )}
 
 
@@ -267,6 +283,8 @@ def _plan_layer(layer: GemmLayer, mode: str, shared: bool) -> GemmPlan:
     for i, bucket in enumerate(BUCKETS):
         timed = i < len(buckets)
         name = chosen[min(i, len(buckets) - 1)]
+        if mode == "auto" and not timed and not PATHS[name].timed_in(bucket):
+            name = "torch"  # an untimed bucket beyond what the path is made for (plain, too)
         path = PATHS[name]
         t = times[i] if timed else {}
         routes.append(Route(bucket, path, weight_in(path.weight_format), t.get(name),

@@ -1,0 +1,140 @@
+// y = x @ W^T (+ b) for a few rows of x and a plain row-major float32 W [N, K]: decode's
+// GEMMs. With one to a handful of rows the product is bound by streaming W from memory, not
+// by arithmetic, and the BLAS/oneDNN GEMV paths stream it at about half the read bandwidth
+// here (10.6 of 21.7 GB/s measured on 2 Zen 3 cores). This reads each W row once for all of
+// x's rows: threads take contiguous ranges of W rows, and each inner step reads R rows of W
+// side by side (R independent streams for the prefetchers) against up to four rows of x held
+// in L1. Accumulation is in float32 lanes, reduced in a fixed order per output.
+// Built into the CPU attention extension (openinfer/kernels/cpu_attention.py); the GEMM
+// planner (openinfer/layers/gemm.py, path "small_gemm") times it against torch's paths at
+// start-up and uses it only where it is faster and matches F.linear.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int L = 16;
+#else
+constexpr int L = 8;
+#endif
+typedef float vf __attribute__((vector_size(L * 4)));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < L; ++i) s += v[i];
+  return s;
+}
+
+// out[m][n .. n+R) for MT rows of x starting at x (row stride K), W rows n .. n+R.
+template <int R, int MT>
+inline void tile(const float* w, const float* x, int64_t K, float* out, int64_t N,
+                 const float* bias) {
+  vf acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = vf{};
+  int64_t k = 0;
+  for (; k + L <= K; k += L) {
+    vf xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = load(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const vf wv = load(w + r * K + k);
+      for (int m = 0; m < MT; ++m) acc[r][m] += wv * xv[m];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) {
+      float s = hsum(acc[r][m]);
+      for (int64_t t = k; t < K; ++t) s += w[r * K + t] * x[m * K + t];
+      out[m * N + r] = bias ? s + bias[r] : s;
+    }
+}
+
+// W rows [n0, n1) against all M rows of x: each tile of R W rows is read from memory once
+// and stays in L1 while every group of up to four x rows passes over it.
+template <int R>
+void rows_block(const float* w, const float* x, int64_t M, int64_t K, float* out, int64_t N,
+                int64_t n0, int64_t n1, const float* bias) {
+  for (int64_t n = n0; n < n1; n += R) {
+    const bool full = n + R <= n1;
+    for (int64_t m = 0; m < M; m += 4) {
+      const int64_t mt = std::min<int64_t>(4, M - m);
+      const float* xm = x + m * K;
+      float* om = out + m * N;
+      if (!full) {  // the range's last rows, one at a time
+        for (int64_t t = n; t < n1; ++t) {
+          const float* wt = w + t * K;
+          const float* bt = bias ? bias + t : nullptr;
+          switch (mt) {
+            case 1: tile<1, 1>(wt, xm, K, om + t, N, bt); break;
+            case 2: tile<1, 2>(wt, xm, K, om + t, N, bt); break;
+            case 3: tile<1, 3>(wt, xm, K, om + t, N, bt); break;
+            default: tile<1, 4>(wt, xm, K, om + t, N, bt); break;
+          }
+        }
+        continue;
+      }
+      const float* wn = w + n * K;
+      const float* bn = bias ? bias + n : nullptr;
+      switch (mt) {
+        case 1: tile<R, 1>(wn, xm, K, om + n, N, bn); break;
+        case 2: tile<R, 2>(wn, xm, K, om + n, N, bn); break;
+        case 3: tile<R, 3>(wn, xm, K, om + n, N, bn); break;
+        default: tile<R, 4>(wn, xm, K, om + n, N, bn); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void small_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                  out.scalar_type() == at::kFloat,
+              "small_gemm: float32 only");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(),
+              "small_gemm: contiguous tensors");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) &&
+                  out.size(0) == x.size(0) && out.size(1) == weight.size(0),
+              "small_gemm: shapes");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const float* pb = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "small_gemm: bias");
+    pb = bias->data_ptr<float>();
+  }
+  const float* pw = weight.data_ptr<float>();
+  const float* px = x.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  // Enough W rows per task that it streams ~64 KiB; ranges are contiguous so each thread
+  // reads one run of memory.
+  const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    // One x row: four W streams at once; more rows: two W rows x four x rows per step
+    // (eight accumulators, within AVX2's sixteen registers).
+    if (M == 1)
+      rows_block<4>(pw, px, M, K, po, N, n0, n1, pb);
+    else
+      rows_block<2>(pw, px, M, K, po, N, n0, n1, pb);
+  });
+}
+
+void register_small_gemm(pybind11::module& m) {
+  m.def("small_gemm", &small_gemm, "out = x @ weight^T (+ bias), float32, few rows",
+        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+}
