@@ -22,9 +22,10 @@ class VocabEmbedding(nn.Module):
 class LMHead(GemmLayer):
     """Projects final hidden states to vocabulary logits, in float32 for sampling."""
 
-    # Logits are computed for each sequence's last token only: a step has few rows here, and
-    # timing a [512, vocab] GEMM would cost more start-up than it could tell.
-    timed_buckets = 2
+    # Logits are computed for each sampling sequence's last token only: a step has at most
+    # max_num_seqs rows here (32 in a batched decode), and timing a [512, vocab] GEMM would
+    # cost more start-up than it could tell.
+    timed_buckets = 3
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None) -> None:
         super().__init__()

@@ -22,8 +22,9 @@ A plan sends each call, by its row count M (tokens in the step), to one path:
     bucket (rows)   1  |  2..16  |  17..128  |  129..
     timed at M      1  |    8    |     32    |   512
 
-The LM head times only the first two buckets (logits are computed for each sequence's last
-token, so it sees few rows); its larger buckets take the last timed bucket's path.
+The LM head times only the first three buckets (logits are computed for each sampling
+sequence's last token, so it sees at most max_num_seqs rows); its last bucket takes the last
+timed bucket's path, or ``torch`` where that path is not made for so many rows.
 
 Choosing, for each distinct (N, K, bias, dtype) on this CPU and thread count; timings are
 cached for the process, so a model's 30 identical layers are timed once:
