@@ -56,12 +56,11 @@ from openinfer.layers.gemm import (
     BUCKETS,
     PACKED,
     PATHS,
-    PLAIN,
     GemmPath,
     GemmPlan,
     Route,
     _mismatch,
-    pack_weight,
+    weight_formats,
 )
 from openinfer.layers.linear import GemmLayer
 
@@ -155,14 +154,7 @@ def plan_invariant_gemm(layer: GemmLayer, shared: bool = False) -> InvariantGemm
     start = time.perf_counter()
     weight = layer.weight.data
     bias = None if layer.bias is None else layer.bias.data
-    packed: list[torch.Tensor] = []
-
-    def weight_in(fmt: str) -> torch.Tensor:
-        if fmt == PLAIN:
-            return weight
-        if not packed:
-            packed.append(pack_weight(weight))
-        return packed[0]
+    weight_in = weight_formats(weight)
 
     best: tuple[str, tuple[int, ...]] | None = None
     for name in PATH_PREFERENCE:

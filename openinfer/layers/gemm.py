@@ -256,11 +256,9 @@ def why_no_plans(layers: Sequence[GemmLayer], mode: str) -> str | None:
     return None
 
 
-def _plan_layer(layer: GemmLayer, mode: str, shared: bool) -> GemmPlan:
-    start = time.perf_counter()
-    weight, bias = layer.weight.data, None if layer.bias is None else layer.bias.data
-    buckets = BUCKETS[:layer.timed_buckets]
-    packed: list[torch.Tensor] = []  # the one packed copy of this weight, made when first needed
+def weight_formats(weight: torch.Tensor) -> Callable[[str], torch.Tensor]:
+    """``weight`` in a format (PLAIN or PACKED); the one packed copy is made when first asked."""
+    packed: list[torch.Tensor] = []
 
     def weight_in(fmt: str) -> torch.Tensor:
         if fmt == PLAIN:
@@ -268,6 +266,15 @@ def _plan_layer(layer: GemmLayer, mode: str, shared: bool) -> GemmPlan:
         if not packed:
             packed.append(pack_weight(weight))
         return packed[0]
+
+    return weight_in
+
+
+def _plan_layer(layer: GemmLayer, mode: str, shared: bool) -> GemmPlan:
+    start = time.perf_counter()
+    weight, bias = layer.weight.data, None if layer.bias is None else layer.bias.data
+    buckets = BUCKETS[:layer.timed_buckets]
+    weight_in = weight_formats(weight)
 
     if mode == "auto" and weight.numel() < MIN_TIMED_WEIGHT:
         times, chosen = [{} for _ in buckets], ["torch"] * len(buckets)
