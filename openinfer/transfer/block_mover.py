@@ -84,9 +84,7 @@ class BlockMover:
         if not copies:
             return
         start = time.perf_counter()
-        slots = torch.tensor([c.slot for c in copies])
-        for g, device, host in zip(self.layout.group_ids, self.device_caches, self.host_caches):
-            blocks = torch.tensor([c.blocks[g] for c in copies], device=device.device)
+        for device, host, slots, blocks in self._per_group(copies):
             # A synchronous copy: the slot's bytes are read (file writes) right after, and
             # an asynchronous device->host copy would not have landed yet.
             host.index_copy_(0, slots, device.index_select(0, blocks).to("cpu"))
@@ -96,13 +94,18 @@ class BlockMover:
         if not copies:
             return
         start = time.perf_counter()
+        for device, host, slots, blocks in self._per_group(copies):
+            # Host->device on the compute stream: ordered before the forward pass reads it.
+            device.index_copy_(0, blocks, host.index_select(0, slots).to(device.device,
+                                                                         non_blocking=True))
+        self._account("host_to_device", len(copies), start)
+
+    def _per_group(self, copies: list[BlockCopy]):
+        """Per layout group: (device cache, host cache, host slots, device block ids)."""
         slots = torch.tensor([c.slot for c in copies])
         for g, device, host in zip(self.layout.group_ids, self.device_caches, self.host_caches):
-            blocks = torch.tensor([c.blocks[g] for c in copies], device=device.device)
-            # Host->device on the compute stream: ordered before the forward pass reads it.
-            data = host.index_select(0, slots).to(device.device, non_blocking=True)
-            device.index_copy_(0, blocks, data)
-        self._account("host_to_device", len(copies), start)
+            yield device, host, slots, torch.tensor([c.blocks[g] for c in copies],
+                                                    device=device.device)
 
     def slot_payload(self, slot: int) -> bytes:
         """A host slot's block as bytes, in layout order (for the file store)."""
