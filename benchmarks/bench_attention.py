@@ -54,6 +54,7 @@ def cases() -> list[Case]:
     w3_decode = [1024 + 64 + i * 16 // 31 for i in range(32)]  # 64..80 own tokens
     return [
         Case("W3 decode 32x(1024+64..80)", [1] * 32, w3_decode, 1024),
+        Case("W1 decode 32x320", [1] * 32, [320] * 32, 0),
         Case("W3 prefill 32x64 over 1024 cached", [64] * 32, [1024 + 64] * 32, 1024),
         Case("W1 prefill 8x256, no cache", [256] * 8, [256] * 8, 0),
         Case("decode 1x512", [1], [512], 0),

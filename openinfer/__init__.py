@@ -1,5 +1,10 @@
 """openinfer: an open LLM inference engine."""
 
+from openinfer.huge_pages import request_huge_pages
+
+request_huge_pages()  # before torch allocates anything (see openinfer/huge_pages.py)
+
+
 from openinfer.llm import LLM
 from openinfer.logger import configure_logging
 from openinfer.outputs import CompletionOutput, Logprob, RequestOutput

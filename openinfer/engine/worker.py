@@ -24,6 +24,7 @@ from openinfer.cpu_features import cpu_capability
 from openinfer.engine.kv_cache import allocate_group_cache
 from openinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from openinfer.engine.runner import ModelRunner
+from openinfer.huge_pages import huge_pages_in_use, system_mode
 from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.plan import BlockLoad
@@ -53,11 +54,14 @@ class Worker:
                     time.perf_counter() - start, self.dtype_name, config.device, cpu_capability(),
                     gemm.text)
         self.attention = select_attention_backend(config.attention_backend, config.device)
-        logger.info("attention backend: %s", self.attention.name)
+        huge_pages = "on" if huge_pages_in_use() else "off"
+        logger.info("attention backend: %s; huge pages for tensors: %s (kernel THP mode %s)",
+                    self.attention.name, huge_pages, system_mode())
         if self.attention.name == "cpu":  # its extension also has the float32 RMSNorm
             use_cpu_kernels(self.model, load_cpu_attention())
         self.compute_info = {"dtype": self.dtype_name, "gemm": gemm.label,
-                             "cpu_capability": cpu_capability(), "attention": self.attention.name}
+                             "cpu_capability": cpu_capability(), "attention": self.attention.name,
+                             "huge_pages": huge_pages}
         """How this worker computes (the labels of the compute_info metric)."""
         self.runner: ModelRunner | None = None
         self.mover: BlockMover | None = None

@@ -165,7 +165,7 @@ class ServerMetrics:
         r.register(_InfoSeries(p + "cache_config_info", "Information of the LLMEngine CacheConfig",
                                self._values, cache_info or dict))
         r.register(_InfoSeries(p + "compute_info", "How the engine computes: dtype, GEMM paths "
-                               "(openinfer.layers.gemm), CPU capability, attention backend",
+                               "(openinfer.layers.gemm), CPU capability, attention backend, huge pages",
                                self._values, compute_info or dict, skip_empty=True))
         self._requests: dict[str, _Tracked] = {}
 

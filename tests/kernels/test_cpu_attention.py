@@ -126,6 +126,21 @@ def test_decode_batch(ext, dtype, head_dim, group):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [0, 3])
+def test_multi_token_decode_items_take_every_head(ext, dtype, splits):
+    # 1-4 new tokens per sequence (speculative verification) over 8 KV heads of group 2: each
+    # sequence is one item of all 8 heads (rows ordered head, token, member; causal within),
+    # whole or split along its blocks into partial results.
+    batch = make_batch([1, 2, 3, 4], [40, 77, 130, 260], heads=16, kv_heads=8, dtype=dtype)
+    items, _, partial = plan(ext, batch, kv_splits=splits)
+    if splits:
+        assert items == partial == 4 * splits
+    else:  # one item per sequence, the longest ones split to balance 2 threads (not per head: 32)
+        assert 4 <= items < 16
+    check(batch, lambda *args: ext.paged_attention(*args, kv_splits=splits))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [1, 2, 8])
 def test_prefill_without_cache(ext, dtype, group):
     lens = [1, 7, 16, 33, 100, 150]

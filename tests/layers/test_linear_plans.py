@@ -12,6 +12,7 @@ import openinfer.config
 from openinfer import LLM, SamplingParams
 from openinfer.config import _resolve_dtype
 from openinfer.cpu_features import auto_cpu_dtype, cpu_capability, has_native_bf16
+from openinfer.huge_pages import huge_pages_in_use
 from openinfer.layers import gemm
 from openinfer.layers.embedding import LMHead, VocabEmbedding
 from openinfer.layers.gemm import (
@@ -274,8 +275,9 @@ def test_the_engine_reports_how_it_computes(qwen3_checkpoint, monkeypatch):
     monkeypatch.setenv(gemm.ENV_VAR, "auto")
     llm = LLM(str(qwen3_checkpoint), progress=False, kv_cache_memory=1 << 24)
     info = llm.engine.core.compute_info
-    assert set(info) == {"dtype", "gemm", "cpu_capability", "attention"}
+    assert set(info) == {"dtype", "gemm", "cpu_capability", "attention", "huge_pages"}
     assert info["dtype"] == "float32" and info["cpu_capability"] == cpu_capability()
+    assert info["huge_pages"] == ("on" if huge_pages_in_use() else "off")
     assert set(info["gemm"].split("+")) <= set(PATHS)  # timed: MIN_TIMED_WEIGHT is 0 here
 
 
