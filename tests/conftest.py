@@ -43,8 +43,10 @@ def build_checkpoint(
     max_shard_size: str | None = None,
     seed: int = 0,
     vocab_size: int | None = None,
+    extra_config: dict | None = None,
 ) -> Path:
-    """A random-weight checkpoint (GQA, a few layers) plus tokenizer, saved to ``path``."""
+    """A random-weight checkpoint (GQA, a few layers) plus tokenizer, saved to ``path``;
+    ``extra_config``: more config fields (experts, MLA ranks, ...)."""
     config_cls, model_cls = _hf_classes(arch)
     vocab = vocab_size or -(-len(tokenizer) // 64) * 64
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -58,6 +60,7 @@ def build_checkpoint(
     )
     if rope_scaling is not None:
         kwargs["rope_scaling"] = dict(rope_scaling)
+    kwargs.update(extra_config or {})
     config = config_cls(**kwargs)
     config.architectures = [arch]
     torch.manual_seed(seed)

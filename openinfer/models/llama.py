@@ -9,6 +9,7 @@ same block, expressed as two flags rather than copies of this file.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,13 +64,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf: dict, variant: BlockVariant, rotary: RotaryEmbedding) -> None:
+    def __init__(self, hf: dict, variant: BlockVariant, rotary: RotaryEmbedding, mlp: nn.Module) -> None:
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
         self.self_attn = LlamaAttention(hf, variant, rotary)
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.mlp = GatedMLP(hf["hidden_size"], hf["intermediate_size"], bias=variant.mlp_bias)
+        self.mlp = mlp
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +84,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf: dict, variant: BlockVariant) -> None:
+    def __init__(self, hf: dict, variant: BlockVariant, make_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(hf["vocab_size"], hf["hidden_size"])
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
@@ -92,7 +93,7 @@ class LlamaModel(nn.Module):
         rotary = get_rope(head_dim, hf["max_position_embeddings"], rope_theta(hf), rope_scaling(hf),
                           hf.get("partial_rotary_factor", 1.0))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf, variant, rotary) for _ in range(hf["num_hidden_layers"])
+            LlamaDecoderLayer(hf, variant, rotary, make_mlp(i)) for i in range(hf["num_hidden_layers"])
         )
         self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
 
@@ -119,7 +120,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, hf: dict) -> None:
         super().__init__()
-        self.model = LlamaModel(hf, self.block_variant(hf))
+        self.model = LlamaModel(hf, self.block_variant(hf), lambda layer: self.make_mlp(hf, layer))
         tied = self.model.embed_tokens if hf.get("tie_word_embeddings", False) else None
         self.lm_head = LMHead(hf["vocab_size"], hf["hidden_size"], tied)
 
@@ -128,6 +129,12 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(hf.get("attention_bias", False))
         return BlockVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)),
                             qk_norm=False)
+
+    @classmethod
+    def make_mlp(cls, hf: dict, layer: int) -> nn.Module:
+        """Layer ``layer``'s feed-forward block (mixture-of-experts models override this)."""
+        require_silu(hf)
+        return GatedMLP(hf["hidden_size"], hf["intermediate_size"], bias=cls.block_variant(hf).mlp_bias)
 
     def kv_cache_specs(self, block_size: int, dtype: str) -> list[KVSpec | None]:
         """What each layer keeps per token: K and V of its KV heads, in every layer."""
@@ -143,6 +150,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+def require_silu(hf: dict) -> None:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (gated MLPs run silu)")
 
 
 def rope_theta(hf: dict) -> float:

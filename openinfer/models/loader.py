@@ -7,7 +7,9 @@ import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -45,10 +47,16 @@ def load_model(config: ModelConfig, device: str | torch.device = "cpu",
 def load_weights(model: nn.Module, path: Path, progress: bool = True) -> None:
     params = dict(model.named_parameters())  # shared (tied) weights appear once
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
+    names = CheckpointNames(packed, getattr(model, "checkpoint_renames", {}),
+                            getattr(model, "expert_weights", {}))
     loaded: set[str] = set()
     unexpected: list[str] = []
     if path.is_file():  # a checkpoint is a directory; a single file is a GGUF
         from openinfer.models import gguf
+
+        if names.expert_weights:
+            raise ValueError(f"{type(model).__name__}: GGUF checkpoints of mixture-of-experts "
+                             "models are not supported; use the Hugging Face checkpoint")
 
         tensors = gguf.iter_tensors(path, _checkpoint_names(model, packed), progress)
     else:
@@ -56,7 +64,7 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True) -> None:
     for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
-        target, shard = _map_name(name, packed)
+        target, shard = names.map(name)
         param = params.get(target)
         if param is None:
             unexpected.append(name)
@@ -77,13 +85,31 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True) -> None:
                        len(unexpected), unexpected[:4])
 
 
-def _map_name(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part in packed:
-            merged, shard = packed[part]
-            return ".".join([*parts[:i], merged, *parts[i + 1:]]), shard
-    return name, None
+@dataclass(frozen=True)
+class CheckpointNames:
+    """How a checkpoint's tensor names map onto the model's parameters, as the model class
+    declares it: ``packed`` (a projection loaded into a slice of a merged one: q_proj ->
+    (qkv_proj, 0)), ``renames`` (module names spelled differently: block_sparse_moe -> mlp) and
+    ``expert_weights`` (``experts.<e>.<proj>.weight`` -> a slice of a stacked expert tensor:
+    w1 -> (w13, 0) loads with shard (e, 0))."""
+
+    packed: dict[str, tuple[str, int]]
+    renames: dict[str, str]
+    expert_weights: dict[str, tuple[str, int]]
+
+    def map(self, name: str) -> tuple[str, Any]:
+        """(parameter name, shard or None) for a checkpoint tensor name."""
+        parts = [self.renames.get(p, p) for p in name.split(".")]
+        for i in range(len(parts) - 3):
+            if (parts[i] == "experts" and parts[i + 1].isdigit() and parts[i + 3] == "weight"
+                    and parts[i + 2] in self.expert_weights):
+                stacked, part = self.expert_weights[parts[i + 2]]
+                return ".".join([*parts[:i + 1], stacked]), (int(parts[i + 1]), part)
+        for i, part in enumerate(parts):
+            if part in self.packed:
+                merged, shard = self.packed[part]
+                return ".".join([*parts[:i], merged, *parts[i + 1:]]), shard
+        return ".".join(parts), None
 
 
 def _checkpoint_names(model: nn.Module, packed: dict[str, tuple[str, int]]) -> list[str]:

@@ -5,13 +5,17 @@ from __future__ import annotations
 from torch import nn
 
 from openinfer.models.llama import LlamaForCausalLM
+from openinfer.models.mixtral import MixtralForCausalLM
 from openinfer.models.qwen2 import Qwen2ForCausalLM
 from openinfer.models.qwen3 import Qwen3ForCausalLM
+from openinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -1,0 +1,181 @@
+"""Mixture-of-experts feed-forward: a router picks top-k experts per token; each expert is a
+gated MLP; the token's output is the routing-weighted sum of its experts' outputs (plus, in
+DeepSeekMoE, always-on shared experts).
+
+    x ─ router ─ (weights, expert ids) [T, k]
+    x ─ tokens sorted by expert ─ per active expert: down(silu(gate(x_e)) * up(x_e)) * w ─ Σ ─ out
+
+Routing follows the reference models operation by operation (fp32 logits, the same top-k
+calls), so ties resolve the same way. Expert weights are stacked at load into one
+``[E, 2I, H]`` gate/up and one ``[E, H, I]`` down tensor; execution groups the step's
+(token, expert) pairs by expert with one sort and runs one GEMM pair per expert that has
+tokens: no Python loop over tokens, no per-expert modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"
+    """``softmax`` over all experts, or ``sigmoid`` per expert (DeepSeek-V3)."""
+    method: str = "greedy"
+    """``greedy`` (top-k of the scores), ``group_limited_greedy`` (DeepSeek-V2: top-k within
+    the ``topk_groups`` groups with the highest best score) or ``noaux_tc`` (DeepSeek-V3:
+    groups ranked by their two best bias-corrected scores, experts chosen by the corrected
+    scores, weighted by the uncorrected ones)."""
+    num_groups: int = 1
+    topk_groups: int = 1
+    renormalize: bool = False
+    """Divide the chosen weights by their sum (``norm_topk_prob``)."""
+    scaling: float = 1.0
+    """``routed_scaling_factor``, applied to the final weights."""
+    fp32_logits: bool = False
+    """Router weight and logits in float32 whatever the compute dtype (DeepSeek keeps its
+    gate in fp32); otherwise the logits are computed in the compute dtype, as Mixtral and
+    Qwen-MoE do, and only the softmax runs in float32."""
+
+    def __post_init__(self) -> None:
+        if self.scoring not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func {self.scoring!r} is not supported; supported: "
+                             f"{', '.join(SCORING_FUNCS)}")
+        if self.method not in TOPK_METHODS:
+            raise ValueError(f"topk_method {self.method!r} is not supported; supported: "
+                             f"{', '.join(TOPK_METHODS)}")
+        if self.method != "greedy" and self.num_experts % self.num_groups:
+            raise ValueError(f"n_group {self.num_groups} does not divide n_routed_experts "
+                             f"{self.num_experts}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, {self.num_experts}]")
+
+
+class Router(nn.Module):
+    """Scores every expert for every token and picks ``top_k``: (weights fp32 [T, k], ids [T, k])."""
+
+    def __init__(self, hidden_size: int, config: RoutingConfig) -> None:
+        super().__init__()
+        self.config = config
+        dtype = torch.float32 if config.fp32_logits else None
+        self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+        if config.method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        logits = F.linear(x.to(self.weight.dtype), self.weight).float()
+        scores = logits.softmax(dim=-1) if c.scoring == "softmax" else logits.sigmoid()
+        if c.method == "greedy":
+            weights, ids = torch.topk(scores, k=c.top_k, dim=-1)
+        elif c.method == "group_limited_greedy":
+            group_scores = scores.view(-1, c.num_groups, c.num_experts // c.num_groups).amax(dim=-1)
+            masked = scores.masked_fill(~self._group_mask(group_scores), 0.0)
+            weights, ids = torch.topk(masked, k=c.top_k, dim=-1)
+        else:  # noaux_tc
+            corrected = scores + self.e_score_correction_bias
+            group_scores = (corrected.view(-1, c.num_groups, c.num_experts // c.num_groups)
+                            .topk(2, dim=-1)[0].sum(dim=-1))
+            corrected = corrected.masked_fill(~self._group_mask(group_scores), float("-inf"))
+            ids = torch.topk(corrected, k=c.top_k, dim=-1)[1]
+            weights = scores.gather(1, ids)
+        if c.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if c.scaling != 1.0:
+            weights = weights * c.scaling
+        return weights, ids
+
+    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
+        """[T, E] True for the experts of each token's ``topk_groups`` best groups."""
+        c = self.config
+        best = torch.topk(group_scores, k=c.topk_groups, dim=-1)[1]
+        groups = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return groups.repeat_interleave(c.num_experts // c.num_groups, dim=1)
+
+
+class FusedExperts(nn.Module):
+    """``num_experts`` gated MLPs stored as two stacked tensors."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+                                requires_grad=False)
+        """Each expert's gate rows then its up rows."""
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
+                               requires_grad=False)
+        self.w13.weight_loader = self._load_w13
+        self.w2.weight_loader = self._load_w2
+        self.token_counts: torch.Tensor | None = None
+        """Tokens routed to each expert since the last ``take_token_counts`` (int64 [E]);
+        None while counting is off (``count_tokens``)."""
+
+    def count_tokens(self, enabled: bool = True) -> None:
+        self.token_counts = torch.zeros(self.num_experts, dtype=torch.int64) if enabled else None
+
+    def take_token_counts(self) -> list[int]:
+        counts = self.token_counts.tolist() if self.token_counts is not None else []
+        if self.token_counts is not None:
+            self.token_counts.zero_()
+        return counts
+
+    def _load_w13(self, param: torch.Tensor, tensor: torch.Tensor, shard: tuple[int, int]) -> None:
+        expert, part = shard  # part 0: gate, 1: up
+        n = self.intermediate_size
+        param[expert, part * n:(part + 1) * n].copy_(tensor)
+
+    def _load_w2(self, param: torch.Tensor, tensor: torch.Tensor, shard: tuple[int, int]) -> None:
+        param[shard[0]].copy_(tensor)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; weights/ids [T, k] -> [T, H]."""
+        top_k = ids.shape[1]
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        if self.token_counts is not None:
+            self.token_counts += counts.cpu()
+        tokens = order // top_k
+        pair_weights = weights.flatten()[order].to(x.dtype)
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            rows = tokens[start:start + n]
+            h = F.linear(x[rows], self.w13[expert])
+            gate, up = h.chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            out.index_add_(0, rows, y * pair_weights[start:start + n, None])
+            start += n
+        return out
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts, a plain gated MLP every token goes through)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, routing: RoutingConfig,
+                 shared_experts: nn.Module | None = None) -> None:
+        super().__init__()
+        self.gate = Router(hidden_size, routing)
+        self.experts = FusedExperts(routing.num_experts, hidden_size, intermediate_size)
+        self.shared_experts = shared_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
