@@ -36,6 +36,13 @@ class AttentionBackend(ABC):
         """Write k/v ([T, Hkv, D]) into ``cache`` at ``meta.slot_mapping``, then return the
         attention of q ([T, Hq, D]) over each sequence's cached context, [T, Hq, D]."""
 
+    @abstractmethod
+    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """The attention of q ([T, Hq, D]) over each sequence's context, already in ``cache``
+        (any ``[2, num_blocks, block_size, Hkv, D]`` view: MLA passes its latent entries as
+        both K and V, one expanded view), [T, Hq, D]."""
+
     def forward_batch_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 cache: torch.Tensor, meta: AttentionMetadata,
                                 scale: float) -> torch.Tensor:

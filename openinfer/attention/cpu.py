@@ -18,6 +18,10 @@ class CPUAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(cache, k, v, meta.slot_mapping)
+        return self.attend(q, cache, meta, scale)
+
+    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
         q = q.to(cache.dtype).contiguous()
         out = torch.empty_like(q)
         paged_attention(out, q, cache[0], cache[1], meta.block_tables, meta.query_start_loc,

@@ -55,6 +55,23 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_list)
 
+    def decodes(self) -> AttentionMetadata:
+        """The metadata of this step's decodes alone (its first ``num_decodes`` sequences and
+        tokens), made once per step: for layers that attend to decodes another way than to
+        prefills (MLA: absorbed vs expanded)."""
+        nd = self.num_decodes
+        if nd == self.num_seqs:
+            return self
+        sub = self.derived.get("decodes")
+        if sub is None:
+            sub = self.derived["decodes"] = AttentionMetadata(
+                backend=self.backend, slot_mapping=self.slot_mapping[:nd],
+                query_start_loc=self.query_start_loc[:nd + 1], seq_lens=self.seq_lens[:nd],
+                block_tables=self.block_tables[:nd], num_decodes=nd, max_query_len=min(nd, 1),
+                max_seq_len=max(self.seq_lens_list[:nd], default=0), block_size=self.block_size,
+                query_lens_list=self.query_lens_list[:nd], seq_lens_list=self.seq_lens_list[:nd])
+        return sub
+
 
 def build_attention_metadata(
     backend: AttentionBackend,

@@ -26,7 +26,16 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
+        return self._attend(q, cache, meta, scale, (k, v))
+
+    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        return self._attend(q, cache, meta, scale, None)
+
+    def _attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                fresh: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """``fresh``: the step's own K/V, which a prefill with nothing cached attends to directly."""
+        out = q.new_empty(*q.shape[:-1], cache.shape[-1])
         nd = meta.num_decodes
         if nd:
             tables, mask = self._decode_inputs(meta)
@@ -34,9 +43,9 @@ class TorchAttentionBackend(AttentionBackend):
         starts = meta.derived.setdefault("query_starts", meta.query_start_loc.tolist())
         for i in range(nd, meta.num_seqs):
             s, n, seq_len = starts[i], meta.query_lens_list[i], meta.seq_lens_list[i]
-            if seq_len == n:
+            if seq_len == n and fresh is not None:
                 # Nothing cached before this chunk: attend to the fresh K/V directly.
-                k_ctx, v_ctx = k[s:s + n], v[s:s + n]
+                k_ctx, v_ctx = fresh[0][s:s + n], fresh[1][s:s + n]
             else:
                 k_ctx, v_ctx = gather_kv(cache, meta.block_tables[i].long(), seq_len)
             out[s:s + n] = prefill_attention(q[s:s + n], k_ctx, v_ctx, scale)

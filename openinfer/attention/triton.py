@@ -27,10 +27,15 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(cache, k, v, meta.slot_mapping)
+        return self.attend(q, cache, meta, scale)
+
+    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty_like(q)
-        plan = self._plan(meta, q.shape[1] // k.shape[1], k.shape[1])
+        num_kv_heads = cache.shape[3]
+        plan = self._plan(meta, q.shape[1] // num_kv_heads, num_kv_heads)
         paged_attention(out, q, cache[0], cache[1], meta.block_tables, meta.query_start_loc,
                         meta.seq_lens, scale, plan)
         return out

@@ -22,10 +22,13 @@ def allocate_group_cache(group: LayerGroup, num_blocks: int,
 
 
 def layer_views(group: LayerGroup, cache: torch.Tensor) -> list[torch.Tensor]:
-    """Each of the group's layers' cache as its attention takes it. Full attention:
-    ``[K|V, num_blocks, block_size, H, D]``, a strided view of the block-major tensor."""
+    """Each of the group's layers' cache as its attention takes it, a strided view of the
+    block-major tensor. Full attention: ``[K|V, num_blocks, block_size, H, D]``; MLA latent:
+    ``[num_blocks, block_size, latent + rope]``."""
     if group.spec.kind == "full_attention":
         return [cache[:, i].transpose(0, 1) for i in range(len(group.layers))]
+    if group.spec.kind == "mla_latent":
+        return [cache[:, i] for i in range(len(group.layers))]
     raise NotImplementedError(f"no cache view for {group.spec.kind} layers")
 
 

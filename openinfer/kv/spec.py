@@ -19,21 +19,15 @@ from typing import Any
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
-@dataclass(frozen=True)
-class FullAttentionSpec:
-    """Standard (MHA/GQA) attention: a K and a V vector per KV head per token."""
+class _PagedSpec:
+    """What every paged spec derives from its ``page_shape``, ``dtype`` and ``block_size``."""
 
     block_size: int
-    num_kv_heads: int
-    head_dim: int
     dtype: str
-
-    kind = "full_attention"
 
     @property
     def page_shape(self) -> tuple[int, ...]:
-        """One layer's share of one block: ``[K|V, token, head, dim]``."""
-        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+        raise NotImplementedError
 
     @property
     def bytes_per_block(self) -> int:
@@ -54,7 +48,48 @@ class FullAttentionSpec:
         return -(-num_tokens // self.block_size)
 
 
-KVSpec = FullAttentionSpec  # the union grows as layer kinds are added
+@dataclass(frozen=True)
+class FullAttentionSpec(_PagedSpec):
+    """Standard (MHA/GQA) attention: a K and a V vector per KV head per token."""
+
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    kind = "full_attention"
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """One layer's share of one block: ``[K|V, token, head, dim]``."""
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class MLALatentSpec(_PagedSpec):
+    """Multi-head latent attention (DeepSeek-V2/V3): per token one compressed KV vector of
+    ``latent_dim`` (kv_lora_rank) values, already normalised, followed by the ``rope_dim``
+    values of the shared, rotated key part. No heads: every query head reads the same entry
+    (the keys and values of all heads are linear maps of it)."""
+
+    block_size: int
+    latent_dim: int
+    rope_dim: int
+    dtype: str
+
+    kind = "mla_latent"
+
+    @property
+    def entry_dim(self) -> int:
+        return self.latent_dim + self.rope_dim
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """One layer's share of one block: ``[token, latent | rope]``."""
+        return (self.block_size, self.entry_dim)
+
+
+KVSpec = FullAttentionSpec | MLALatentSpec  # the union grows as layer kinds are added
 
 
 @dataclass(frozen=True)

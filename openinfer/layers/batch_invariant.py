@@ -131,11 +131,18 @@ class InvariantGemmPlan(GemmPlan):
 def make_batch_invariant(model: nn.Module) -> None:
     """Put a loaded CPU ``model`` in batch-invariant mode (see the module docstring)."""
     from openinfer.layers.attention import Attention
+    from openinfer.layers.mla import MLAAttention
     from openinfer.layers.mlp import GatedMLP
+    from openinfer.layers.moe import FusedExperts
 
     device = next(model.parameters()).device
     if device.type != "cpu":
         raise ValueError(f"batch_invariant: supported on CPU only, not on {device.type}")
+    for module in model.modules():
+        # Their expert GEMMs and latent attention have no invariant paths yet.
+        if isinstance(module, (MLAAttention, FusedExperts)):
+            raise ValueError(f"batch_invariant: not supported for {type(model).__name__} "
+                             f"({type(module).__name__} layers)")
     owners: dict[int, int] = {}
     for module in model.modules():  # a parameter held by two modules (tied embedding/LM head)
         for p in module.parameters(recurse=False):

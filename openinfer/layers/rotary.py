@@ -104,9 +104,13 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         inv_freq: torch.Tensor,
         attention_factor: float = 1.0,
+        interleaved: bool = False,
     ) -> None:
-        """Precompute cos/sin for ``max_position`` positions from ``inv_freq`` (rotary_dim / 2)."""
+        """Precompute cos/sin for ``max_position`` positions from ``inv_freq`` (rotary_dim / 2).
+        ``interleaved``: dims (2i, 2i + 1) form the rotated pairs (DeepSeek, GPT-J) rather than
+        (i, i + rotary_dim / 2)."""
         super().__init__()
+        self.interleaved = interleaved
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.max_position = max_position
@@ -129,8 +133,13 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """NeoX-style rotation: the first half of the rotary dims pairs with the second half."""
-        x1, x2 = x[..., : self.rotary_dim].float().chunk(2, dim=-1)
+        """NeoX-style rotation: the first half of the rotary dims pairs with the second half.
+        Interleaved pairs come out in that layout too (pair i at dims i and i + rotary_dim / 2):
+        a layout applied to q and k alike leaves every q.k, and so attention, unchanged."""
+        if self.interleaved:
+            x1, x2 = x[..., 0:self.rotary_dim:2].float(), x[..., 1:self.rotary_dim:2].float()
+        else:
+            x1, x2 = x[..., : self.rotary_dim].float().chunk(2, dim=-1)
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
         if self.rotary_dim == self.head_dim:
             return rotated
@@ -144,6 +153,7 @@ def get_rope(
     rope_theta: float,
     rope_scaling: dict | None,
     partial_rotary_factor: float = 1.0,
+    interleaved: bool = False,
 ) -> RotaryEmbedding:
     """Build the RotaryEmbedding described by a Hugging Face config.
 
@@ -154,6 +164,7 @@ def get_rope(
         rope_scaling: the config's ``rope_scaling`` / ``rope_parameters`` dict, or None. Its
             ``rope_type`` (or legacy ``type``) must be one of ``SUPPORTED_ROPE_TYPES``.
         partial_rotary_factor: fraction of head_dim that is rotated (the leading dims).
+        interleaved: rotate pairs of adjacent dims (see RotaryEmbedding).
     """
     scaling = rope_scaling or {}
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
@@ -180,4 +191,4 @@ def get_rope(
             f"Unsupported rope_type {rope_type!r}; supported types are: "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    return RotaryEmbedding(head_dim, rotary_dim, max_position, inv_freq, attention_factor)
+    return RotaryEmbedding(head_dim, rotary_dim, max_position, inv_freq, attention_factor, interleaved)

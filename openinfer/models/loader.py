@@ -20,6 +20,7 @@ from openinfer.config import ModelConfig
 from openinfer.layers.batch_invariant import make_batch_invariant
 from openinfer.layers.gemm import plan_gemms
 from openinfer.layers.linear import default_weight_loader
+from openinfer.models import fp8
 from openinfer.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ def load_model(config: ModelConfig, device: str | torch.device = "cpu",
     cls = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(config.dtype):
         model = cls(config.hf_config)
-    load_weights(model, Path(config.path), progress=progress)
+    load_weights(model, Path(config.path), progress=progress, hf_config=config.hf_config)
     if config.batch_invariant:
         make_batch_invariant(model)
     else:
@@ -44,11 +45,15 @@ def load_model(config: ModelConfig, device: str | torch.device = "cpu",
     return model.eval()
 
 
-def load_weights(model: nn.Module, path: Path, progress: bool = True) -> None:
+def load_weights(model: nn.Module, path: Path, progress: bool = True,
+                 hf_config: dict | None = None) -> None:
+    """Loads every parameter of ``model`` from the checkpoint at ``path``; ``hf_config`` (its
+    config.json) says whether the weights are quantized (openinfer.models.fp8)."""
     params = dict(model.named_parameters())  # shared (tied) weights appear once
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
     names = CheckpointNames(packed, getattr(model, "checkpoint_renames", {}),
-                            getattr(model, "expert_weights", {}))
+                            getattr(model, "expert_weights", {}),
+                            getattr(model, "checkpoint_prefixes", {}))
     loaded: set[str] = set()
     unexpected: list[str] = []
     if path.is_file():  # a checkpoint is a directory; a single file is a GGUF
@@ -61,6 +66,9 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True) -> None:
         tensors = gguf.iter_tensors(path, _checkpoint_names(model, packed), progress)
     else:
         tensors = _iter_checkpoint(path, progress)
+        fp8_block = fp8.block_size_of(hf_config or {})
+        if fp8_block is not None:
+            tensors = fp8.dequantizing(tensors, fp8_block)
     for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
@@ -77,6 +85,14 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True) -> None:
                 loader(param, tensor, shard)
         loaded.add(target)
     missing = sorted(set(params) - loaded)
+    for optional in getattr(model, "optional_modules", ()):
+        # A module the checkpoint may lack entirely (DeepSeek's MTP layers): dropped if so.
+        own = [n for n in params if n.startswith(optional + ".")]
+        if own and set(own) <= set(missing):
+            parent, _, child = optional.rpartition(".")
+            setattr(model.get_submodule(parent), child, nn.ModuleList())
+            missing = [n for n in missing if n not in own]
+            logger.info("%s: the checkpoint has no weights for %s; dropped", path, optional)
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks weights for: {', '.join(missing[:8])}"
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
@@ -91,14 +107,20 @@ class CheckpointNames:
     declares it: ``packed`` (a projection loaded into a slice of a merged one: q_proj ->
     (qkv_proj, 0)), ``renames`` (module names spelled differently: block_sparse_moe -> mlp) and
     ``expert_weights`` (``experts.<e>.<proj>.weight`` -> a slice of a stacked expert tensor:
-    w1 -> (w13, 0) loads with shard (e, 0))."""
+    w1 -> (w13, 0) loads with shard (e, 0)) and ``prefixes`` (whole name prefixes: DeepSeek's
+    MTP layer ``model.layers.<n>.`` -> ``mtp.0.``)."""
 
     packed: dict[str, tuple[str, int]]
     renames: dict[str, str]
     expert_weights: dict[str, tuple[str, int]]
+    prefixes: dict[str, str]
 
     def map(self, name: str) -> tuple[str, Any]:
         """(parameter name, shard or None) for a checkpoint tensor name."""
+        for old, new in self.prefixes.items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
         parts = [self.renames.get(p, p) for p in name.split(".")]
         for i in range(len(parts) - 3):
             if (parts[i] == "experts" and parts[i + 1].isdigit() and parts[i + 3] == "weight"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from openinfer.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from openinfer.models.llama import LlamaForCausalLM
 from openinfer.models.mixtral import MixtralForCausalLM
 from openinfer.models.qwen2 import Qwen2ForCausalLM
@@ -16,6 +17,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

@@ -129,3 +129,9 @@ def test_moe_greedy_generation_matches_transformers(arch, make_checkpoint, hf_mo
                           max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, len(prompt):]
         assert out.outputs[0].token_ids == ref.tolist()
     llm.engine.check_integrity()
+
+
+def test_batch_invariant_mode_refuses_moe_models(make_checkpoint):
+    path = make_checkpoint("MixtralForCausalLM", extra_config=MOE_CONFIGS["MixtralForCausalLM"])
+    with pytest.raises(ValueError, match="batch_invariant: not supported for MixtralForCausalLM"):
+        LLM(str(path), batch_invariant=True, progress=False)

@@ -1,0 +1,137 @@
+"""Multi-head latent attention (DeepSeek-V2/V3).
+
+Keys and values of all heads are linear maps of one small latent vector per token, so the
+cache keeps only that latent (``kv_lora_rank`` values, normalised) and the shared rotated
+key part (``qk_rope_head_dim``): one ``MLALatentSpec`` entry per token per layer.
+
+    q = W_q x (optionally through a low-rank q_a -> norm -> q_b)    [H, nope | rope]
+    c, k_pe = W_kv_a x;  c = norm(c);  k_pe = rope(k_pe)             cached: [c | k_pe]
+    k_h = [W_UK_h c | k_pe],  v_h = W_UV_h c                         (kv_b_proj = [W_UK; W_UV])
+
+Two equivalent ways to attend, each used where it is cheaper:
+
+* expanded (prefills): k_h, v_h are computed for the sequence's context and attention runs
+  with ``nope + rope``-wide heads; cost grows with the context times the heads.
+* absorbed (decodes): q_h . k_h = (W_UK_h^T q_nope_h) . c + q_pe_h . k_pe, so the query is
+  moved into latent space once and every head attends to the cached entries directly, like
+  multi-query attention with ``kv_lora_rank + rope`` wide keys; the values are the entries'
+  latent part, and W_UV_h maps each head's result back. Nothing per head is read from the
+  cache, which is what makes MLA decode cheap.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from openinfer.attention.metadata import AttentionMetadata
+from openinfer.kernels.paged_attention import prefill_attention
+from openinfer.layers.linear import Linear
+from openinfer.layers.norm import RMSNorm
+from openinfer.layers.rotary import RotaryEmbedding
+
+
+def yarn_softmax_scale(hf: dict, head_dim: int) -> float:
+    """head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when the config asks."""
+    scale = head_dim**-0.5
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    mscale_all_dim = scaling.get("mscale_all_dim") or 0
+    factor = scaling.get("factor", 1.0)
+    if rope_type != "default" and mscale_all_dim and factor > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, hf: dict, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hidden = hf["hidden_size"]
+        self.num_heads = hf["num_attention_heads"]
+        self.nope_dim = hf["qk_nope_head_dim"]
+        self.rope_dim = hf["qk_rope_head_dim"]
+        self.v_dim = hf["v_head_dim"]
+        self.latent_dim = hf["kv_lora_rank"]
+        self.q_lora_rank = hf.get("q_lora_rank")
+        bias = bool(hf.get("attention_bias", False))
+        qk_dim = self.nope_dim + self.rope_dim
+        if self.q_lora_rank:
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)  # the references' default eps
+            self.q_b_proj = Linear(self.q_lora_rank, self.num_heads * qk_dim)
+        else:
+            self.q_proj = Linear(hidden, self.num_heads * qk_dim)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.latent_dim + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.latent_dim, 1e-6)
+        self.kv_b_proj = Linear(self.latent_dim, self.num_heads * (self.nope_dim + self.v_dim))
+        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+        self.rotary = rotary
+        self.scale = yarn_softmax_scale(hf, qk_dim)
+        self._absorbed_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK as [H, nope, latent], W_UV^T as [H, latent, v]), split from kv_b_proj once."""
+        if self._absorbed_weights is None:
+            w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
+            self._absorbed_weights = (w[:, :self.nope_dim].contiguous(),
+                                      w[:, self.nope_dim:].transpose(1, 2).contiguous())
+        return self._absorbed_weights
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden]; cache: this layer's ``[num_blocks, block_size, latent + rope]``."""
+        T, H = x.shape[0], self.num_heads
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q_nope, q_pe = q.view(T, H, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], -1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], -1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
+        k_pe = k_pe.squeeze(1)
+        block_size = cache.shape[1]
+        slots = meta.slot_mapping
+        cache[slots // block_size, slots % block_size] = torch.cat([latent, k_pe], -1).to(cache.dtype)
+
+        out = x.new_empty(T, H, self.v_dim)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._absorbed(q_nope[:nd], q_pe[:nd], cache, meta.decodes())
+        if nd < meta.num_seqs:
+            self._expanded(q_nope, q_pe, latent, k_pe, cache, meta, out)
+        return self.o_proj(out.flatten(1))
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """Decodes: every head attends to the latent entries as one shared K/V head."""
+        w_uk, w_uv_t = self.absorbed_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, latent]
+        query = torch.cat([q_latent, q_pe.to(q_latent.dtype)], -1)
+        # The entries are both the keys and the values: one [2, blocks, bs, 1, latent + rope] view.
+        kv = cache.unsqueeze(2).unsqueeze(0).expand(2, *cache.shape[:2], 1, cache.shape[2])
+        o_latent = meta.backend.attend(query, kv, meta, self.scale)[..., :self.latent_dim]
+        return torch.bmm(o_latent.transpose(0, 1).to(w_uv_t.dtype), w_uv_t).transpose(0, 1)
+
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                  k_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                  out: torch.Tensor) -> None:
+        """Prefills, one sequence at a time: per-head keys and values of its whole context."""
+        H, block_size = self.num_heads, cache.shape[1]
+        starts = meta.derived.setdefault("query_starts", meta.query_start_loc.tolist())
+        for i in range(meta.num_decodes, meta.num_seqs):
+            s, n, length = starts[i], meta.query_lens_list[i], meta.seq_lens_list[i]
+            if length == n:  # nothing cached before this chunk
+                ctx_latent, ctx_pe = latent[s:s + n], k_pe[s:s + n]
+            else:
+                blocks = meta.block_tables[i, :-(-length // block_size)].long()
+                ctx = cache.index_select(0, blocks).flatten(0, 1)[:length]
+                ctx_latent, ctx_pe = ctx[:, :self.latent_dim], ctx[:, self.latent_dim:]
+            kv = self.kv_b_proj(ctx_latent.to(latent.dtype).contiguous()).view(length, H, -1)
+            k_nope, v = kv.split([self.nope_dim, self.v_dim], -1)
+            k = torch.cat([k_nope, ctx_pe.to(k_nope.dtype)[:, None, :].expand(length, H, self.rope_dim)], -1)
+            query = torch.cat([q_nope[s:s + n], q_pe[s:s + n]], -1)
+            out[s:s + n] = prefill_attention(query, k, v, self.scale)

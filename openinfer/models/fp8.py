@@ -1,0 +1,69 @@
+"""Block-quantized FP8 checkpoints (DeepSeek-V3/R1's format), dequantized at load.
+
+Such a checkpoint stores most linear weights as ``float8_e4m3fn`` and, beside each, a
+``<name>_scale_inv`` float32 tensor with one scale per ``weight_block_size`` (128 x 128) tile:
+``W[i, j] = fp8[i, j] * scale_inv[i // 128, j // 128]``. config.json says so:
+``"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], ...}``.
+openinfer computes in bf16/fp32, so each weight is multiplied out once while loading (the
+FP8 bytes are never used as values). Any other ``quant_method`` is refused by name: loading
+its packed integers as if they were weights would serve garbage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+SCALE_SUFFIX = "_scale_inv"
+
+
+def block_size_of(hf: dict) -> tuple[int, int] | None:
+    """The checkpoint's FP8 tile, or None when it is not quantized. Raises for a
+    quantization openinfer cannot load."""
+    quant = hf.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method != "fp8" or not quant.get("weight_block_size"):
+        raise ValueError(f"quantization_config: quant_method {method!r} "
+                         f"{'(without weight_block_size) ' if method == 'fp8' else ''}is not "
+                         "supported; block-quantized fp8 (DeepSeek-V3's format) is")
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config: fp8 format {fmt!r} is not supported (e4m3 is)")
+    rows, cols = quant["weight_block_size"]
+    return int(rows), int(cols)
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """fp8 [N, K] and its per-tile scales [ceil(N / bn), ceil(K / bk)] -> float32 [N, K]."""
+    rows, cols = block
+    n, k = weight.shape
+    scales = scale_inv.float().repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    return weight.float() * scales
+
+
+def dequantizing(tensors: Iterator[tuple[str, torch.Tensor]],
+                 block: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each fp8 weight multiplied out by its scales (which may
+    come before or after it, from any shard); the scale tensors themselves are consumed."""
+    weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        if name.endswith(SCALE_SUFFIX):
+            target = name.removesuffix(SCALE_SUFFIX)
+            if target in weights:
+                yield target, dequantize(weights.pop(target), tensor, block)
+            else:
+                scales[target] = tensor
+        elif tensor.dtype == torch.float8_e4m3fn:
+            if name in scales:
+                yield name, dequantize(tensor, scales.pop(name), block)
+            else:
+                weights[name] = tensor
+        else:
+            yield name, tensor
+    if weights or scales:
+        lonely = sorted(weights)[:3] + sorted(n + SCALE_SUFFIX for n in scales)[:3]
+        raise ValueError(f"fp8 checkpoint: weights and scales do not pair up, e.g. {lonely}")
