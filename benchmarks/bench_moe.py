@@ -70,7 +70,7 @@ def kv_figures(memory_gib: float = 4.0) -> list[str]:
     specs = {
         "MLA latent (kv_lora_rank 512 + rope 64)": MLALatentSpec(block, 512, 64, dtype),
         "GQA, 8 KV heads of 128": FullAttentionSpec(block, 8, 128, dtype),
-        "MHA as expanded MLA, 128 heads of 192": FullAttentionSpec(block, 128, 192, dtype),
+        "MHA, 128 KV heads of 192 (V padded to K's 192)": FullAttentionSpec(block, 128, 192, dtype),
     }
     rows = [f"| cache (bf16, {layers} layers) | bytes per token | tokens in {memory_gib:g} GiB | vs MLA |",
             "|---|---|---|---|"]
