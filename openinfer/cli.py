@@ -95,6 +95,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-invariant", action="store_true",
                    help="bitwise-identical logits for a request whatever else is in the batch "
                         "(CPU only; slower)")
+    g.add_argument("--moe-expert-stats", action="store_true",
+                   help="count the tokens routed to each expert of each MoE layer "
+                        "(metric moe_expert_tokens; MoE models only)")
 
 
 def resolve_model_arg(args: argparse.Namespace) -> None:
@@ -121,6 +124,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_load_failure_policy=args.kv_load_failure_policy,
         attention_backend=args.attention_backend,
         batch_invariant=args.batch_invariant,
+        moe_expert_stats=args.moe_expert_stats,
     )
 
 

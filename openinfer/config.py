@@ -207,6 +207,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     """torch (the reference), cpu (the C++ paged kernel) or auto (the fastest that runs here;
     see openinfer/attention/selector.py)."""
+    moe_expert_stats: bool = False
+    """Count the tokens routed to each expert of each MoE layer (the stats'
+    ``moe_expert_tokens`` and the ``moe_expert_tokens`` metric; off: no per-step cost)."""
 
     @staticmethod
     def create(
@@ -241,6 +244,7 @@ class EngineConfig:
         kv_load_failure_policy: str = "recompute",
         attention_backend: str = "auto",
         batch_invariant: bool = False,
+        moe_expert_stats: bool = False,
     ) -> EngineConfig:
         """Build the whole config from flat options (the offline API's and the CLI's)."""
         device = resolve_device(device)
@@ -268,6 +272,7 @@ class EngineConfig:
                 port=kv_transfer_port, timeout_s=kv_transfer_timeout, lease_s=kv_lease_s,
                 load_failure_policy=kv_load_failure_policy),
             attention_backend=attention_backend,
+            moe_expert_stats=moe_expert_stats,
         )
 
 

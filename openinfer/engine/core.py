@@ -204,6 +204,8 @@ class EngineCore:
                 stats["kv_remote_blocks_pulled"] = s.num_remote_blocks_pulled
         if self.has_tiers or self.kv_server_address is not None:
             stats.update(self.executor.call("kv_io_stats"))
+        if self.config.moe_expert_stats:
+            stats["moe_expert_tokens"] = self.executor.call("expert_token_counts")
         return stats
 
     def _finish_kv_reads(self, wait_s: float = 0.0) -> None:

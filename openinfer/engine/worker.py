@@ -30,6 +30,7 @@ from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.plan import BlockLoad
 from openinfer.kv.spec import BlockLayout, KVSpec, LayerGroup
 from openinfer.layers.gemm import describe_gemms
+from openinfer.layers.moe import FusedExperts
 from openinfer.layers.norm import use_cpu_kernels
 from openinfer.models.loader import load_model
 from openinfer.transfer.block_mover import BlockMover
@@ -59,6 +60,8 @@ class Worker:
                     self.attention.name, huge_pages, system_mode())
         if self.attention.name == "cpu":  # its extension also has the float32 RMSNorm
             use_cpu_kernels(self.model, load_cpu_attention())
+        self.counted_experts = self._count_expert_tokens() if config.moe_expert_stats else {}
+        """Model layer index -> its MoE experts, counting the tokens routed to them."""
         self.compute_info = {"dtype": self.dtype_name, "gemm": gemm.label,
                              "cpu_capability": cpu_capability(), "attention": self.attention.name,
                              "huge_pages": huge_pages}
@@ -72,6 +75,21 @@ class Worker:
 
     def compute_info_labels(self) -> dict[str, str]:
         return dict(self.compute_info)
+
+    def _count_expert_tokens(self) -> dict[str, FusedExperts]:
+        counted = {}
+        for name, module in self.model.named_modules():
+            parts = name.split(".")
+            if isinstance(module, FusedExperts) and "layers" in parts:  # not the unused MTP
+                module.count_tokens()
+                counted[parts[parts.index("layers") + 1]] = module
+        if not counted:
+            raise ValueError(f"moe_expert_stats: {self.config.model.architecture} has no MoE layers")
+        return counted
+
+    def expert_token_counts(self) -> dict[str, list[int]]:
+        """Tokens routed to each expert of each MoE layer so far (layer index -> counts)."""
+        return {layer: m.token_counts.tolist() for layer, m in self.counted_experts.items()}
 
     def kv_cache_specs(self) -> list[KVSpec | None]:
         """The model's declaration of what each layer keeps per token."""

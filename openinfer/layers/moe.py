@@ -119,17 +119,11 @@ class FusedExperts(nn.Module):
         self.w13.weight_loader = self._load_w13
         self.w2.weight_loader = self._load_w2
         self.token_counts: torch.Tensor | None = None
-        """Tokens routed to each expert since the last ``take_token_counts`` (int64 [E]);
-        None while counting is off (``count_tokens``)."""
+        """Tokens routed to each expert so far (int64 [E], a running total); None while
+        counting is off (``count_tokens``)."""
 
     def count_tokens(self, enabled: bool = True) -> None:
         self.token_counts = torch.zeros(self.num_experts, dtype=torch.int64) if enabled else None
-
-    def take_token_counts(self) -> list[int]:
-        counts = self.token_counts.tolist() if self.token_counts is not None else []
-        if self.token_counts is not None:
-            self.token_counts.zero_()
-        return counts
 
     def _load_w13(self, param: torch.Tensor, tensor: torch.Tensor, shard: tuple[int, int]) -> None:
         expert, part = shard  # part 0: gate, 1: up

@@ -323,6 +323,15 @@ class _EngineStats(Collector):
             for value_label, value in (stats.get(key) or {}).items():
                 family.add_metric([*self.values, value_label], float(value))
             yield family
+        experts = stats.get("moe_expert_tokens")
+        if experts:  # only with --moe-expert-stats
+            family = CounterMetricFamily(
+                self.prefix + "moe_expert_tokens", "Tokens routed to each expert of each MoE "
+                "layer (--moe-expert-stats)", labels=[*LABELS, "layer", "expert"])
+            for layer, counts in experts.items():
+                for expert, count in enumerate(counts):
+                    family.add_metric([*self.values, str(layer), str(expert)], float(count))
+            yield family
 
 
 class _InfoSeries(Collector):

@@ -17,6 +17,9 @@ MOE_CONFIGS = {
     "Qwen3MoeForCausalLM": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
                                 mlp_only_layers=[0], decoder_sparse_step=1, norm_topk_prob=True),
 }
+SPARSE_STEP_2 = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                     mlp_only_layers=[], decoder_sparse_step=2, norm_topk_prob=False)
+"""Qwen3-MoE without renormalisation, MoE on every second layer (layer 1 of 0..2)."""
 
 
 def _sorted_by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,15 +104,21 @@ def test_fused_experts_match_a_loop_over_tokens_and_count_them():
             gate, up = (experts.w13[ids[t, j]] @ x[t]).chunk(2)
             want[t] += weights[t, j] * (experts.w2[ids[t, j]] @ (torch.nn.functional.silu(gate) * up))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    counts = experts.take_token_counts()
+    counts = experts.token_counts.tolist()
     assert counts == torch.bincount(ids.flatten(), minlength=6).tolist() and counts[1] == 0
-    assert experts.take_token_counts() == [0] * 6
+    experts(x, weights, ids)  # a running total
+    assert experts.token_counts.tolist() == [2 * c for c in counts]
 
 
-@pytest.mark.parametrize("arch", list(MOE_CONFIGS))
-def test_moe_prompt_and_decode_logits_match_transformers(arch, make_checkpoint, hf_model_loader):
-    path = make_checkpoint(arch, extra_config=MOE_CONFIGS[arch])
+@pytest.mark.parametrize("arch,extra", [*MOE_CONFIGS.items(), ("Qwen3MoeForCausalLM", SPARSE_STEP_2)],
+                         ids=[*MOE_CONFIGS, "Qwen3Moe-sparse-step-2"])
+def test_moe_prompt_and_decode_logits_match_transformers(arch, extra, make_checkpoint, hf_model_loader):
+    path = make_checkpoint(arch, extra_config=extra, num_layers=3)
     ours, hf = PagedModel(path), hf_model_loader(path)
+    kinds = [type(layer.mlp).__name__ for layer in ours.model.model.layers]
+    want = ["GatedMLP", "MoE", "GatedMLP"] if extra is SPARSE_STEP_2 else \
+        ["GatedMLP" if i in extra.get("mlp_only_layers", []) else "MoE" for i in range(3)]
+    assert kinds == want
     a, b = _prompts(ours.config.vocab_size, [23, 11])
     first = ours.step([(0, a[:15], 0), (1, b, 0)])
     rest = [ours.step([(0, a[i:i + 1], i)]) for i in range(15, 23)]  # decodes
@@ -135,3 +144,25 @@ def test_batch_invariant_mode_refuses_moe_models(make_checkpoint):
     path = make_checkpoint("MixtralForCausalLM", extra_config=MOE_CONFIGS["MixtralForCausalLM"])
     with pytest.raises(ValueError, match="batch_invariant: not supported for MixtralForCausalLM"):
         LLM(str(path), batch_invariant=True, progress=False)
+
+
+def test_expert_token_counts_reach_the_stats_and_metrics(make_checkpoint):
+    from openinfer.server.metrics import ServerMetrics
+
+    path = make_checkpoint("Qwen3MoeForCausalLM", extra_config=MOE_CONFIGS["Qwen3MoeForCausalLM"])
+    plain = LLM(str(path), progress=False)
+    assert "moe_expert_tokens" not in plain.engine.core.stats()  # off unless asked
+    llm = LLM(str(path), moe_expert_stats=True, progress=False)
+    prompts = _prompts(llm.engine.inputs.vocab_size, [9, 14], seed=3)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    stats = llm.engine.core.stats()
+    counts = stats["moe_expert_tokens"]
+    # Layer 0 is dense (mlp_only_layers); layer 1 routes each of the 23 prompt tokens and the
+    # 2 x 4 decoded ones to 3 experts.
+    assert list(counts) == ["1"] and len(counts["1"]) == 8
+    assert sum(counts["1"]) == (9 + 14 + 2 * 4) * 3
+    text = ServerMetrics(lambda: stats, model_name="tiny").render().decode()
+    assert 'moe_expert_tokens_total{engine="0",expert="0",layer="1",model_name="tiny"}' in text
+    dense = make_checkpoint("Qwen3ForCausalLM")
+    with pytest.raises(ValueError, match="moe_expert_stats: Qwen3ForCausalLM has no MoE layers"):
+        LLM(str(dense), moe_expert_stats=True, progress=False)
