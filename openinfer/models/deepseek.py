@@ -23,31 +23,11 @@ from openinfer.layers.mla import MLAAttention
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.moe import MoE, RoutingConfig
 from openinfer.layers.norm import RMSNorm
-from openinfer.layers.rotary import get_rope
-from openinfer.models.llama import require_silu, rope_scaling, rope_theta
+from openinfer.layers.rotary import RotaryEmbedding, get_rope
+from openinfer.models.llama import DecoderLayer, DecoderStack, require_silu, rope_scaling, rope_theta
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, hf: dict, attn: MLAAttention, mlp: nn.Module) -> None:
-        super().__init__()
-        eps = hf.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.self_attn = attn
-        self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.mlp = mlp
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
-class DeepseekModel(nn.Module):
+class DeepseekModel(DecoderStack):
     def __init__(self, hf: dict, routing: RoutingConfig | None, interleaved_rope: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(hf["vocab_size"], hf["hidden_size"])
@@ -55,21 +35,13 @@ class DeepseekModel(nn.Module):
         rotary = get_rope(rope_dim, hf["max_position_embeddings"], rope_theta(hf), rope_scaling(hf),
                           interleaved=interleaved_rope)
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(hf, MLAAttention(hf, rotary), _mlp(hf, i, routing))
+            DecoderLayer(hf, MLAAttention(hf, rotary), _mlp(hf, i, routing))
             for i in range(hf["num_hidden_layers"])
         )
         self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
         n = hf["num_hidden_layers"]
         self.mtp = nn.ModuleList(DeepseekMTPLayer(hf, n + k, routing, rotary)
                                  for k in range(hf.get("num_nextn_predict_layers") or 0))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer, cache, meta in zip(self.layers, kv_caches, metas):
-            x, residual = layer(positions, x, residual, cache, meta)
-        x, _ = self.norm(x, residual)
-        return x
 
 
 class DeepseekMTPLayer(nn.Module):
@@ -81,14 +53,15 @@ class DeepseekMTPLayer(nn.Module):
         h' = eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)]) -> decoder block -> norm -> head
     """
 
-    def __init__(self, hf: dict, layer: int, routing: RoutingConfig | None, rotary) -> None:
+    def __init__(self, hf: dict, layer: int, routing: RoutingConfig | None,
+                 rotary: RotaryEmbedding) -> None:
         super().__init__()
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
         self.embed_tokens = VocabEmbedding(hf["vocab_size"], hidden)
         self.enorm = RMSNorm(hidden, eps)
         self.hnorm = RMSNorm(hidden, eps)
         self.eh_proj = Linear(2 * hidden, hidden)
-        self.block = DeepseekDecoderLayer(hf, MLAAttention(hf, rotary), _mlp(hf, layer, routing))
+        self.block = DecoderLayer(hf, MLAAttention(hf, rotary), _mlp(hf, layer, routing))
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(hidden, eps)
         self.shared_head.head = LMHead(hf["vocab_size"], hidden, None)

@@ -63,12 +63,16 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf: dict, variant: BlockVariant, rotary: RotaryEmbedding, mlp: nn.Module) -> None:
+class DecoderLayer(nn.Module):
+    """The pre-norm block every model here is made of: x + attn(norm(x)), then + mlp(norm(x)),
+    with the residual add fused into the next norm. The attention (GQA, MLA) and the MLP
+    (dense, MoE) are the model's."""
+
+    def __init__(self, hf: dict, attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.self_attn = LlamaAttention(hf, variant, rotary)
+        self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
         self.mlp = mlp
 
@@ -83,7 +87,24 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaModel(nn.Module):
+class DecoderStack(nn.Module):
+    """embed -> decoder layers -> final norm; subclasses build ``embed_tokens``, ``layers`` and
+    ``norm``."""
+
+    embed_tokens: VocabEmbedding
+    layers: nn.ModuleList
+    norm: RMSNorm
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, cache, meta in zip(self.layers, kv_caches, metas):
+            x, residual = layer(positions, x, residual, cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaModel(DecoderStack):
     def __init__(self, hf: dict, variant: BlockVariant, make_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(hf["vocab_size"], hf["hidden_size"])
@@ -93,17 +114,10 @@ class LlamaModel(nn.Module):
         rotary = get_rope(head_dim, hf["max_position_embeddings"], rope_theta(hf), rope_scaling(hf),
                           hf.get("partial_rotary_factor", 1.0))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf, variant, rotary, make_mlp(i)) for i in range(hf["num_hidden_layers"])
+            DecoderLayer(hf, LlamaAttention(hf, variant, rotary), make_mlp(i))
+            for i in range(hf["num_hidden_layers"])
         )
         self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer, cache, meta in zip(self.layers, kv_caches, metas):
-            x, residual = layer(positions, x, residual, cache, meta)
-        x, _ = self.norm(x, residual)
-        return x
 
 
 class LlamaForCausalLM(nn.Module):

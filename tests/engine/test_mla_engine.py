@@ -4,11 +4,11 @@ with the latent blocks moved through the BlockLayout like any other spec."""
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
 from conftest import build_checkpoint
+from test_kv_tiers import _prompts, _tokens
 
 from openinfer import LLM, SamplingParams
 from openinfer.kv.spec import MLALatentSpec
@@ -20,15 +20,6 @@ V3 = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=
           first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
           routed_scaling_factor=2.5)
 BLOCK_BYTES = 16 * (32 + 16) * 4 * 2  # tokens x entry x fp32 x layers
-
-
-def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(n)]
-
-
-def _tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.fixture(scope="module")
