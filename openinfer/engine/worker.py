@@ -30,7 +30,7 @@ from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.plan import BlockLoad
 from openinfer.kv.spec import BlockLayout, KVSpec, LayerGroup
 from openinfer.layers.gemm import describe_gemms
-from openinfer.layers.moe import FusedExperts
+from openinfer.layers.moe import FusedExperts, use_cpu_expert_kernels
 from openinfer.layers.norm import use_cpu_kernels
 from openinfer.models.loader import load_model
 from openinfer.transfer.block_mover import BlockMover
@@ -58,8 +58,9 @@ class Worker:
         huge_pages = "on" if huge_pages_in_use() else "off"
         logger.info("attention backend: %s; huge pages for tensors: %s (kernel THP mode %s)",
                     self.attention.name, huge_pages, system_mode())
-        if self.attention.name == "cpu":  # its extension also has the float32 RMSNorm
+        if self.attention.name == "cpu":  # its extension also has the float32 RMSNorm and GEMM
             use_cpu_kernels(self.model, load_cpu_attention())
+            use_cpu_expert_kernels(self.model, load_cpu_attention())
         self.counted_experts = self._count_expert_tokens() if config.moe_expert_stats else {}
         """Model layer index -> its MoE experts, counting the tokens routed to them."""
         self.compute_info = {"dtype": self.dtype_name, "gemm": gemm.label,

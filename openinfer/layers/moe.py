@@ -15,6 +15,7 @@ tokens: no Python loop over tokens, no per-expert modules.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -104,8 +105,17 @@ class Router(nn.Module):
         return groups.repeat_interleave(c.num_experts // c.num_groups, dim=1)
 
 
+SMALL_GEMM_ROWS = 16
+"""Experts given at most this many rows in a step (decode batches spread over many experts)
+run through the CPU extension's few-row float32 GEMM, which streams each expert's weights
+about twice as fast as F.linear at 3 rows (benchmarks/bench_moe.py)."""
+
+
 class FusedExperts(nn.Module):
     """``num_experts`` gated MLPs stored as two stacked tensors."""
+
+    cpu_kernels: ModuleType | None = None
+    """The CPU kernel extension (``use_cpu_expert_kernels``), for experts with few rows."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -149,12 +159,27 @@ class FusedExperts(nn.Module):
             if n == 0:
                 continue
             rows = tokens[start:start + n]
-            h = F.linear(x[rows], self.w13[expert])
-            gate, up = h.chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            gate, up = self._gemm(x[rows], self.w13[expert]).chunk(2, dim=-1)
+            y = self._gemm(F.silu(gate) * up, self.w2[expert])
             out.index_add_(0, rows, y * pair_weights[start:start + n, None])
             start += n
         return out
+
+    def _gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels is not None and x.dtype == torch.float32 and x.shape[0] <= SMALL_GEMM_ROWS:
+            out = x.new_empty(x.shape[0], weight.shape[0])
+            self.cpu_kernels.small_gemm(out, x.contiguous(), weight, None)
+            return out
+        return F.linear(x, weight)
+
+
+def use_cpu_expert_kernels(model: nn.Module, kernels: ModuleType) -> int:
+    """Route the model's few-row float32 expert GEMMs through the CPU extension; returns how
+    many expert layers."""
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    for m in experts:
+        m.cpu_kernels = kernels
+    return len(experts)
 
 
 class MoE(nn.Module):

@@ -85,9 +85,16 @@ def test_unsupported_routing_options_are_named():
         RoutingConfig(num_experts=8, top_k=2, method="noaux_tc", num_groups=3)
 
 
-def test_fused_experts_match_a_loop_over_tokens_and_count_them():
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpu-small-gemm"])
+def test_fused_experts_match_a_loop_over_tokens_and_count_them(kernels):
     torch.manual_seed(0)
     experts = FusedExperts(6, 16, 24)
+    if kernels:
+        from openinfer.kernels.cpu_attention import load_cpu_attention
+
+        if load_cpu_attention() is None:
+            pytest.skip("the CPU kernel extension cannot be built here")
+        experts.cpu_kernels = load_cpu_attention()
     with torch.no_grad():
         experts.w13.normal_(std=0.3)
         experts.w2.normal_(std=0.3)
