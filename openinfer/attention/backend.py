@@ -32,9 +32,15 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write k/v ([T, Hkv, D]) into ``cache`` at ``meta.slot_mapping``, then return the
-        attention of q ([T, Hq, D]) over each sequence's cached context, [T, Hq, D]."""
+        attention of q ([T, Hq, D]) over each sequence's cached context, [T, Hq, D].
+
+        A layer's variants: ``window`` > 0, query ``p`` sees keys ``p - window + 1 .. p``
+        only (and never reads table entries before that: they may be released); ``softcap``
+        > 0, scaled scores ``s`` become ``softcap * tanh(s / softcap)``; ``sinks`` [Hq], one
+        logit per query head in the softmax denominator, with no value."""
 
     @abstractmethod
     def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,

@@ -16,16 +16,19 @@ class CPUAttentionBackend(AttentionBackend):
     name = "cpu"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(cache, k, v, meta.slot_mapping)
-        return self.attend(q, cache, meta, scale)
+        return self.attend(q, cache, meta, scale, window, softcap, sinks)
 
     def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int = 0, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         q = q.to(cache.dtype).contiguous()
         out = torch.empty_like(q)
         paged_attention(out, q, cache[0], cache[1], meta.block_tables, meta.query_start_loc,
-                        meta.seq_lens, scale, meta.max_query_len)
+                        meta.seq_lens, scale, meta.max_query_len, window=window, softcap=softcap,
+                        sinks=sinks)
         return out
 
     def forward_batch_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -39,7 +39,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     """[B] int32: cached + this step's tokens of each sequence."""
     block_tables: torch.Tensor
-    """[B, max_blocks] int32, padded with 0 (never read past a sequence's seq_len)."""
+    """[B, max_blocks] int32, padded with 0 (never read past a sequence's seq_len); entries
+    released behind a sliding window (kv.spec.SKIPPED) read 0 too, and are never read."""
     num_decodes: int
     """The first ``num_decodes`` sequences (and tokens) are single-token queries."""
     max_query_len: int
@@ -100,6 +101,9 @@ def build_attention_metadata(
     positions = (np.arange(int(starts[-1])) - starts[:-1][seq_of_token]
                  + (s_lens - q_lens)[seq_of_token])
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    if tables.min() < 0:  # entries released behind a sliding window: never read
+        assert slots.min() >= 0, "a token's KV slot lies in a released block"
+        np.maximum(tables, 0, out=tables)
     num_decodes = 0
     while num_decodes < num_seqs and query_lens[num_decodes] == 1:
         num_decodes += 1

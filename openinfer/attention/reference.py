@@ -11,6 +11,7 @@ import torch
 
 from openinfer.attention.backend import AttentionBackend
 from openinfer.attention.metadata import AttentionMetadata
+from openinfer.kernels.cpu_attention import masked_attention
 from openinfer.kernels.paged_attention import (
     batch_invariant_attention,
     decode_attention,
@@ -24,9 +25,30 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(cache, k, v, meta.slot_mapping)
+        if window or softcap or sinks is not None:
+            return self._attend_variant(q, cache, meta, scale, window, softcap, sinks)
         return self._attend(q, cache, meta, scale, (k, v))
+
+    @staticmethod
+    def _attend_variant(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float, window: int, softcap: float,
+                        sinks: torch.Tensor | None) -> torch.Tensor:
+        """Windowed, soft-capped or sinked attention: each sequence alone, explicit scores over
+        the blocks from its first query's window on."""
+        out = torch.empty_like(q)
+        starts = meta.derived.setdefault("query_starts", meta.query_start_loc.tolist())
+        bs = meta.block_size
+        for i in range(meta.num_seqs):
+            s, n, seq_len = starts[i], meta.query_lens_list[i], meta.seq_lens_list[i]
+            first = max(0, seq_len - n - window + 1) // bs if window else 0
+            table = meta.block_tables[i, first:].long()
+            k_ctx, v_ctx = gather_kv(cache, table, seq_len - first * bs)
+            out[s:s + n] = masked_attention(q[s:s + n], k_ctx, v_ctx, scale, window, softcap,
+                                            sinks, first * bs).to(q.dtype)
+        return out
 
     def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:

@@ -25,19 +25,21 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_kv_splits = num_kv_splits
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(cache, k, v, meta.slot_mapping)
-        return self.attend(q, cache, meta, scale)
+        return self.attend(q, cache, meta, scale, window, softcap, sinks)
 
     def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int = 0, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty_like(q)
         num_kv_heads = cache.shape[3]
         plan = self._plan(meta, q.shape[1] // num_kv_heads, num_kv_heads)
         paged_attention(out, q, cache[0], cache[1], meta.block_tables, meta.query_start_loc,
-                        meta.seq_lens, scale, plan)
+                        meta.seq_lens, scale, plan, window, softcap, sinks)
         return out
 
     def _plan(self, meta: AttentionMetadata, group: int, num_kv_heads: int) -> AttentionPlan:

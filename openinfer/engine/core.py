@@ -21,7 +21,7 @@ from openinfer.engine.scheduler import Scheduler
 from openinfer.kv.events import KVEventPublisher, to_wire
 from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.kv_manager import KVCacheManager, KVEvent
-from openinfer.kv.spec import BlockLayout, LayerGroup, group_layers
+from openinfer.kv.spec import BlockLayout, LayerGroup, blocks_per_group, group_layers
 from openinfer.sampling_params import SamplingParams
 from openinfer.transfer.file_store import model_fingerprint
 
@@ -36,17 +36,25 @@ class EngineCore:
         self.compute_info: dict = self.executor.call("compute_info_labels")
         """How this engine computes (the labels of the compute_info metric)."""
         groups = group_layers(self.executor.call("kv_cache_specs"))
-        num_blocks = min(self.executor.collective_rpc("kv_cache_memory")) // sum(
-            g.bytes_per_block for g in groups)
+        sc = config.scheduler
+        pool_sizes = blocks_per_group(groups, min(self.executor.collective_rpc("kv_cache_memory")),
+                                      sc.max_num_seqs, sc.max_num_batched_tokens)
+        self.kv = KVCacheManager(groups, pool_sizes, cache.enable_prefix_caching)
+        num_blocks = self.kv.num_blocks
         capacity = num_blocks * cache.block_size
         if capacity < mc.max_model_len:
             raise ValueError(
                 f"kv_cache_memory holds {capacity} tokens, fewer than max_model_len "
                 f"({mc.max_model_len}): raise kv_cache_memory or lower max_model_len")
-        self.kv = KVCacheManager(groups, num_blocks, cache.enable_prefix_caching)
+        if self.kv.windows and (cache.kv_host_memory is not None or cache.kv_store_dir is not None
+                                or config.kv_transfer.role != "both"
+                                or config.kv_transfer.port is not None):
+            raise ValueError(
+                "this model has sliding-window layers: the host/file KV tiers and "
+                "disaggregated prefill do not carry their window KV yet (SWA snapshots)")
         self.scheduler = Scheduler(config.scheduler, self.kv,
                                    config.kv_transfer.load_failure_policy)
-        self.executor.collective_rpc("initialize_kv_cache", groups, num_blocks)
+        self.executor.collective_rpc("initialize_kv_cache", groups, pool_sizes)
         self._layout: BlockLayout | None = None
         self.has_tiers = self._attach_kv_tiers(groups)
         self.kv_server_address = self._attach_kv_transfer(groups)
@@ -60,8 +68,10 @@ class EngineCore:
             medium = "GPU" if config.device.startswith("cuda") else "CPU"
             self.event_sink = lambda events: self.publisher.publish(
                 to_wire(events, cache.block_size, medium))
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens) in %d layer group(s)",
-                    num_blocks, cache.block_size, capacity, len(groups))
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens) in %d layer group(s)%s",
+                    num_blocks, cache.block_size, capacity, len(groups),
+                    f", window groups {[pool_sizes[g] for g, _ in self.kv.windows]} blocks"
+                    if self.kv.windows else "")
 
     def _block_layout(self, groups: list[LayerGroup]) -> BlockLayout:
         """What a cached block's bytes mean: instances and files that share blocks must

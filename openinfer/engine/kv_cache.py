@@ -23,9 +23,9 @@ def allocate_group_cache(group: LayerGroup, num_blocks: int,
 
 def layer_views(group: LayerGroup, cache: torch.Tensor) -> list[torch.Tensor]:
     """Each of the group's layers' cache as its attention takes it, a strided view of the
-    block-major tensor. Full attention: ``[K|V, num_blocks, block_size, H, D]``; MLA latent:
-    ``[num_blocks, block_size, latent + rope]``."""
-    if group.spec.kind == "full_attention":
+    block-major tensor. Full and sliding-window attention: ``[K|V, num_blocks, block_size, H, D]``;
+    MLA latent: ``[num_blocks, block_size, latent + rope]``."""
+    if group.spec.kind in ("full_attention", "sliding_window"):
         return [cache[:, i].transpose(0, 1) for i in range(len(group.layers))]
     if group.spec.kind == "mla_latent":
         return [cache[:, i] for i in range(len(group.layers))]

@@ -122,7 +122,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
+            new_blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n,
+                                                num_computed_tokens=req.num_computed_tokens)
             while new_blocks is None:
                 # The newest request yields its blocks; it may be this one.
                 victim = self.running.pop()
@@ -130,7 +131,9 @@ class Scheduler:
                 preempted = True
                 if victim is req:
                     break
-                new_blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
+                new_blocks = self.kv.allocate_slots(
+                    req.request_id, req.num_computed_tokens + n,
+                    num_computed_tokens=req.num_computed_tokens)
             if new_blocks is None:
                 break  # req itself was preempted; it was the last running request
             self._emit(req, n, new_blocks, out)

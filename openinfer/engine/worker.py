@@ -106,10 +106,11 @@ class Worker:
             return int(free * CUDA_MEMORY_UTILIZATION)
         return DEFAULT_CPU_KV_CACHE_MEMORY
 
-    def initialize_kv_cache(self, groups: list[LayerGroup], num_blocks: int) -> None:
-        """One tensor per layer group, and the runner over them."""
+    def initialize_kv_cache(self, groups: list[LayerGroup], num_blocks: list[int]) -> None:
+        """One tensor per layer group (of its pool's ``num_blocks``), and the runner over them."""
         self.groups = groups
-        self.kv_caches = [allocate_group_cache(g, num_blocks, self.config.device) for g in groups]
+        self.kv_caches = [allocate_group_cache(g, n, self.config.device)
+                          for g, n in zip(groups, num_blocks)]
         self.runner = ModelRunner(self.model, groups, self.kv_caches,
                                   self.config.model.num_layers, self.config.device,
                                   self.attention, seed=self.config.seed)

@@ -112,7 +112,8 @@ def load_cpu_attention() -> ModuleType | None:
 def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    max_query_len: int, invariant: bool = False) -> None:
+                    max_query_len: int, invariant: bool = False, window: int = 0,
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
     """out[T, Hq, D] = attention of q[T, Hq, D] over each sequence's paged K/V.
 
     key_cache / value_cache: [num_blocks, block_size, Hkv, D] — strided views: dim 0 has an
@@ -129,6 +130,10 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
     ``invariant``: batch-invariant mode, each row's result bitwise independent of the other
     sequences and of how its own prompt was chunked (no split-KV, no shared-prefix items, one
     score path; slower for decode batches).
+    Variants: ``window`` > 0, query ``p`` attends keys ``p - window + 1 .. p`` only (table entries
+    before its window are never read); ``softcap`` > 0, each scaled score ``s`` becomes
+    ``softcap * tanh(s / softcap)``; ``sinks`` [Hq], one logit per query head added to the
+    softmax's denominator (a key with no value).
 
     Raises RuntimeError if the extension could not be built (check ``load_cpu_attention()``
     first) and on malformed inputs (shapes, strides, block ids out of range).
@@ -137,17 +142,18 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
     if module is None:
         raise RuntimeError("the CPU paged attention extension could not be built (see the log)")
     module.paged_attention(out, q, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                           float(scale), int(max_query_len), invariant=invariant)
+                           float(scale), int(max_query_len), invariant=invariant, window=int(window),
+                           softcap=float(softcap), sinks=sinks)
 
 
 def paged_attention_reference(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
                               value_cache: torch.Tensor, block_tables: torch.Tensor,
                               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                              max_query_len: int) -> None:
+                              max_query_len: int, window: int = 0, softcap: float = 0.0,
+                              sinks: torch.Tensor | None = None) -> None:
     """The oracle for ``paged_attention`` (same contract): plain fp32 torch, one sequence at a
-    time, an explicit causal mask with offset and an explicit softmax."""
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = q.shape[1] // num_kv_heads
+    time, an explicit causal (and window) mask with offset and an explicit softmax."""
+    block_size = key_cache.shape[1]
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for b, seq_len in enumerate(lens):
         start, end = starts[b], starts[b + 1]
@@ -155,13 +161,37 @@ def paged_attention_reference(out: torch.Tensor, q: torch.Tensor, key_cache: tor
         assert 0 <= q_len <= max_query_len and seq_len >= q_len
         if q_len == 0:
             continue
-        blocks = block_tables[b, :-(-seq_len // block_size)].long()
-        k = key_cache[blocks].flatten(0, 1)[:seq_len].float()  # [L, Hkv, D]
-        v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        qh = q[start:end].float().transpose(0, 1)  # [Hq, n, D]
-        scores = qh @ k.transpose(1, 2) * scale  # [Hq, n, L]
-        positions = torch.arange(seq_len - q_len, seq_len)[:, None]
-        scores.masked_fill_(torch.arange(seq_len)[None, :] > positions, float("-inf"))
-        out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1).to(out.dtype)
+        # Blocks wholly before the first query's window are never read (they may be released).
+        first = max(0, seq_len - q_len - window + 1) // block_size if window else 0
+        blocks = block_tables[b, first:-(-seq_len // block_size)].long()
+        k = key_cache[blocks].flatten(0, 1)[:seq_len - first * block_size]  # [L, Hkv, D]
+        v = value_cache[blocks].flatten(0, 1)[:seq_len - first * block_size]
+        out[start:end] = masked_attention(q[start:end], k, v, scale, window, softcap, sinks,
+                                          first * block_size).to(out.dtype)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                     key_offset: int = 0) -> torch.Tensor:
+    """Plain fp32 attention of the last ``n`` positions of a sequence (q [n, Hq, D]) over its
+    keys from position ``key_offset`` on (k, v [L, Hkv, D]): causal, with the optional window,
+    soft cap and sinks of ``paged_attention``. Returns [n, Hq, D] in fp32."""
+    n, num_heads = q.shape[0], q.shape[1]
+    length, group = k.shape[0], num_heads // k.shape[1]
+    kh = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+    vh = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.float().transpose(0, 1) @ kh.transpose(1, 2) * scale  # [Hq, n, L]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    positions = torch.arange(length - n, length, device=q.device)[:, None]
+    keys = torch.arange(length, device=q.device)[None, :]
+    hidden = keys > positions
+    if window:
+        hidden |= keys <= positions - window
+    scores.masked_fill_(hidden, float("-inf"))
+    if sinks is not None:  # a logit in the denominator with no value
+        sink = sinks.float().view(num_heads, 1, 1).expand(num_heads, n, 1)
+        probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return (probs @ vh).transpose(0, 1)

@@ -17,7 +17,7 @@ It walks the keys ``0 .. min(seq_len, last position of the tile) - 1`` in tiles 
 keys. Each key finds its page through the block table (one int32 load per key per tile), so
 any page size works and a tile may straddle pages. Per key tile: ``S = Q K^T`` (fp32
 accumulate), the causal mask ``key <= position(row)``, then the online softmax (running row
-max ``m`` and sum ``l`` in fp32, base 2 with ``log2(e)`` folded into the scale) rescales the
+max ``m`` and sum ``l`` in fp32, base 2: scores times ``log2(e)``) rescales the
 fp32 accumulator and adds ``P V`` (``P`` cast to the cache dtype for the tensor cores, as
 FlashAttention does). Head dims that are not a power of two (80, 96) are padded to ``BLOCK_D``
 with masked loads.
@@ -29,6 +29,11 @@ the longest programs start first. Decodes use ``BLOCK_M = max(16, GROUP_PAD)`` (
 smallest ``tl.dot``) with one program per (sequence, KV head); where that is too few programs
 to fill the GPU, the context is split over a third grid axis (split-KV): each split writes
 its unnormalised accumulator and ``(m, l)`` in fp32 and a second kernel merges them.
+
+Variants (per layer, the CPU kernel's): a sliding window (rows read keys ``position - window + 1
+.. position``; a tile's loop starts at its first row's window), tanh soft-capping of the scores,
+and per-head attention sinks (a logit in each row's softmax denominator, added where the row is
+normalised: at the end of a program, or in the split merge).
 
 Under ``TRITON_INTERPRET=1`` (set before triton is first imported) the same kernels run on CPU
 tensors through Triton's interpreter: that is how the tests check them without a GPU. Two
@@ -46,7 +51,6 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
 PREFILL_BLOCK_M = 64  # query rows (tokens x heads of a group) per prefill program
 DECODE_BLOCK_N = 64  # keys per tile of a decode program: long, bandwidth-bound loops
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs its parallelism
@@ -94,11 +98,23 @@ def _dot(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
+def _normaliser(m, total, sinks_ptr, head, HAS_SINKS: tl.constexpr):
+    """What a row's accumulator (running max m and sum ``total``, base 2) is multiplied by:
+    1 / total, or with a sink logit s, 2^(m - M) / (total 2^(m - M) + 2^(s - M)), M = max(m, s)."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(m, sink)
+        a = tl.exp2(m - top)
+        return a / (total * a + tl.exp2(sink - top))
+    return 1.0 / tl.where(total > 0, total, 1.0)
+
+
+@triton.jit
 def _attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_start_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr,
-    scale_log2e,
+    part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr,
+    scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -107,7 +123,7 @@ def _attention_kernel(
     num_q_heads,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Grid (query tiles, KV heads, KV splits). See the module docstring for the tiling."""
     tile = tl.program_id(0)
@@ -140,6 +156,8 @@ def _attention_kernel(
     if SPLIT:
         kv_start = split * keys_per_split
         kv_stop = tl.minimum(kv_stop, kv_start + keys_per_split)
+    if WINDOWED:  # nothing before the tile's first row's window (those blocks may be released)
+        kv_start = tl.maximum(kv_start, context + q_tile_start - window + 1)
 
     # A finite floor for the running max: a row with no visible key yet keeps alpha = 1 and
     # p = exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.
@@ -155,8 +173,13 @@ def _attention_kernel(
         k_addr = page * stride_kb + slot * stride_ks + kv_head * stride_kh
         k_t = tl.load(k_cache_ptr + k_addr[None, :] + dims[:, None] * stride_kd,
                       mask=key_valid[None, :] & dim_valid[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]: K^T
-        s = _dot(q, k_t, DOT_FP32) * scale_log2e
+        s = _dot(q, k_t, DOT_FP32) * scale
+        if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (e^2x + 1)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        s = s * 1.4426950408889634
         visible = (keys[None, :] <= position[:, None]) & key_valid[None, :]
+        if WINDOWED:
+            visible = visible & (keys[None, :] > position[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -175,7 +198,7 @@ def _attention_kernel(
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
     else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = acc * _normaliser(m_i, l_i, sinks_ptr, head, HAS_SINKS)[:, None]
         o_rows = (q_begin + token).to(tl.int64) * stride_ot + head * stride_oh
         tl.store(out_ptr + o_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_dim_valid)
@@ -183,9 +206,9 @@ def _attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr, sinks_ptr,
     stride_ot, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Grid (decodes, query heads): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
     An empty split (m = -1e30, l = 0, acc = 0) weighs nothing."""
@@ -199,8 +222,10 @@ def _merge_splits_kernel(
     l_s = tl.load(part_l_ptr + part, mask=split_valid, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
                   mask=split_valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
-    weight = tl.exp2(m_s - tl.max(m_s, 0))
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l_s * weight, 0)
+    top = tl.max(m_s, 0)
+    weight = tl.exp2(m_s - top)
+    out = tl.sum(acc * weight[:, None], 0) * _normaliser(top, tl.sum(l_s * weight, 0), sinks_ptr,
+                                                         head, HAS_SINKS)
     row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
@@ -312,13 +337,15 @@ def plan_attention(query_lens: list[int], seq_lens: list[int], num_decodes: int,
 def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    plan: AttentionPlan) -> None:
+                    plan: AttentionPlan, window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> None:
     """out[T, Hq, D] = attention of q[T, Hq, D] over each sequence's paged K/V (the contract of
     ``openinfer.kernels.cpu_attention.paged_attention``; the step's own K/V already written).
 
     key_cache / value_cache: [num_blocks, page, Hkv, D], any strides. q and out: any token and
     head strides, unit stride over D. dtypes: the cache's fp32/fp16/bf16; q and out may differ
-    (q is cast to the cache dtype, out written in its own). Accumulation in fp32.
+    (q is cast to the cache dtype, out written in its own). Accumulation in fp32. ``window``,
+    ``softcap`` and ``sinks`` [Hq]: the CPU kernel's variants.
     """
     _, page, num_kv_heads, head_dim = key_cache.shape
     num_q_heads = q.shape[1]
@@ -329,26 +356,27 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
                   BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=page,
                   # CPU tensors mean the interpreter: compiled Triton never runs on them.
                   DOT_FP32=key_cache.dtype == torch.float32
-                  or (key_cache.dtype == torch.bfloat16 and key_cache.device.type == "cpu"))
+                  or (key_cache.dtype == torch.bfloat16 and key_cache.device.type == "cpu"),
+                  WINDOWED=window > 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None)
+    sinks = sinks.float().contiguous() if sinks is not None else out
     args = [block_tables, query_start_loc, seq_lens]
     strides = [*q.stride()[:2], *out.stride()[:2], *key_cache.stride(), *value_cache.stride(),
                block_tables.stride(0)]
-    scale_log2e = scale * LOG2E
+    variant = (sinks, scale, window, softcap)
     nd = plan.num_decodes
     if plan.prefill_tiles.shape[1]:
         grid = (plan.prefill_tiles.shape[1], num_kv_heads, 1)
         _attention_kernel[grid](
             out, q, key_cache, value_cache, *args, plan.prefill_tiles[0], plan.prefill_tiles[1],
-            out, out, out, scale_log2e, *strides, 0, num_q_heads,
+            out, out, out, *variant, *strides, 0, num_q_heads,
             BLOCK_M=plan.prefill_block_q * pad, BLOCK_N=64 if head_dim <= 64 else 32, SPLIT=False,
             num_warps=4, num_stages=2, **common)
     if nd:
-        _decode(out, q, key_cache, value_cache, args, strides, scale_log2e, plan, num_q_heads,
-                common)
+        _decode(out, q, key_cache, value_cache, args, strides, variant, plan, num_q_heads, common)
 
 
 def _decode(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            args: list[torch.Tensor], strides: list[int], scale_log2e: float, plan: AttentionPlan,
+            args: list[torch.Tensor], strides: list[int], variant: tuple, plan: AttentionPlan,
             num_q_heads: int, common: dict) -> None:
     """The decode launch: one query token per program, split-KV (plus the merge) if planned."""
     nd, splits = plan.num_decodes, plan.decode_splits
@@ -358,16 +386,16 @@ def _decode(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor, value_c
     launch = dict(BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N, num_warps=4, num_stages=2, **common)
     if splits == 1:
         _attention_kernel[grid](out, q, key_cache, value_cache, *args, *tiles, out, out, out,
-                                scale_log2e, *strides, 0, num_q_heads, SPLIT=False, **launch)
+                                *variant, *strides, 0, num_q_heads, SPLIT=False, **launch)
         return
     head_dim = common["HEAD_DIM"]
     part_acc = torch.empty(nd, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_m = torch.empty(nd, num_q_heads, splits, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     _attention_kernel[grid](out, q, key_cache, value_cache, *args, *tiles, part_acc, part_m, part_l,
-                            scale_log2e, *strides, plan.keys_per_split, num_q_heads, SPLIT=True,
+                            *variant, *strides, plan.keys_per_split, num_q_heads, SPLIT=True,
                             **launch)
     _merge_splits_kernel[(nd, num_q_heads)](
-        out, part_acc, part_m, part_l, args[1], *out.stride()[:2], splits,
+        out, part_acc, part_m, part_l, args[1], variant[0], *out.stride()[:2], splits,
         HEAD_DIM=head_dim, BLOCK_D=common["BLOCK_D"], BLOCK_S=triton.next_power_of_2(splits),
-        num_warps=4)
+        HAS_SINKS=common["HAS_SINKS"], num_warps=4)

@@ -11,6 +11,17 @@ its tokens are scheduled:
 
 Once a block is full and computed it is *cached* under its chained content hash
 (block_hash.py), so any later request with the same prefix takes it by reference.
+
+Sliding-window groups hold only the blocks their next queries can still read: entries
+that fall behind the window are released as the request advances and read ``SKIPPED``
+(their pages stay in the pool's prefix cache until evicted). A prefix hit must then find,
+for every window group, the pages of the window behind the hit point:
+
+    full group:    [ b0 ][ b1 ][ b2 ][ b3 ][ b4 ]        hit of 5 blocks
+    window group:  [ -- ][ -- ][ -- ][ w3 ][ w4 ]        window pages of blocks 3-4 cached
+
+The *anchor* groups (those that keep every block: full attention, MLA; all groups of a
+model with window layers only) define what is "in the cache" for events and counters.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.block_pool import BlockPool
 from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.plan import BlockCopy, BlockLoad, KVPlan
-from openinfer.kv.spec import LayerGroup
+from openinfer.kv.spec import SKIPPED, LayerGroup, SlidingWindowSpec
 from openinfer.transfer.params import KVTransferParams
 
 TIERS = ("L1", "L2", "L3")
@@ -69,8 +80,9 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    def __init__(self, groups: list[LayerGroup], num_blocks: int,
+    def __init__(self, groups: list[LayerGroup], num_blocks: int | list[int],
                  enable_caching: bool = True) -> None:
+        """``num_blocks``: every group's pool size, or one per group (blocks_per_group)."""
         if not groups:
             raise ValueError("the model has no KV cache layers")
         sizes = {g.spec.block_size for g in groups}
@@ -78,16 +90,26 @@ class KVCacheManager:
             raise ValueError(f"all layer groups must share one block size, got {sorted(sizes)}")
         self.groups = groups
         self.block_size = sizes.pop()
-        self.num_blocks = num_blocks
+        counts = [num_blocks] * len(groups) if isinstance(num_blocks, int) else list(num_blocks)
         self.enable_caching = enable_caching
-        self.pools = [BlockPool(num_blocks, enable_caching) for _ in groups]
+        self.pools = [BlockPool(n, enable_caching) for n in counts]
+        self.windows: list[tuple[int, SlidingWindowSpec]] = [
+            (g, group.spec) for g, group in enumerate(groups)
+            if isinstance(group.spec, SlidingWindowSpec)]
+        windowed = {g for g, _ in self.windows}
+        self.anchors = [g for g in range(len(groups)) if g not in windowed] or list(range(len(groups)))
+        """Groups that keep every block of a request: what is "cached" means theirs."""
+        self.num_blocks = counts[self.anchors[0]]
+        """Blocks of an anchor group: the tokens the cache can hold, per block size."""
         self._tables: dict[str, list[list[int]]] = {}
+        self._first_live: dict[str, list[int]] = {}
+        """Per request, per window group (in ``windows`` order): entries before it are released."""
         self._num_cached_blocks: dict[str, int] = {}
         """Per request: how many of its leading blocks are already in the cache index."""
         self.events: list[KVEvent] = []
         """What entered and left the cache since the caller last drained this list."""
-        for pool in self.pools:
-            pool.on_evict = self._on_device_evict
+        for g in self.anchors:
+            self.pools[g].on_evict = self._on_device_evict
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.hit_tokens_by_tier = dict.fromkeys(TIERS, 0)
@@ -104,6 +126,8 @@ class KVCacheManager:
 
     def attach_tiers(self, host: HostCacheIndex | None,
                      store_contains: Callable[[BlockHash], bool] | None) -> None:
+        if self.windows:
+            raise ValueError("the host and file tiers do not hold sliding-window layers' KV")
         self.host = host
         self.store_contains = store_contains
         if host is not None:
@@ -115,16 +139,16 @@ class KVCacheManager:
         return plan
 
     def _on_device_evict(self, block_hash: BlockHash) -> None:
-        # A block is in L1 while every group holds it: it leaves when the first group
+        # A block is in L1 while every anchor group holds it: it leaves when the first one
         # evicts its page (one event, however many groups follow). The evicting pool has
         # already dropped it.
-        if sum(block_hash in pool for pool in self.pools) == len(self.pools) - 1:
+        if sum(block_hash in self.pools[g] for g in self.anchors) == len(self.anchors) - 1:
             self.events.append(BlockRemoved(block_hash))
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks every layer group holds in its prefix cache (device tier)."""
-        return min(pool.num_cached for pool in self.pools)
+        """Blocks every anchor group holds in its prefix cache (device tier)."""
+        return min(self.pools[g].num_cached for g in self.anchors)
 
     @property
     def usage(self) -> float:
@@ -146,13 +170,15 @@ class KVCacheManager:
             return hit
         limit = block_hashes[:(num_tokens - 1) // self.block_size]
         i = 0
-        for block_hash in limit:
-            found = [pool.lookup(block_hash) for pool in self.pools]
-            if any(b is None for b in found):
-                break
-            for table, b in zip(hit.blocks, found):
-                table.append(b)
+        anchors = [self.pools[g] for g in self.anchors]
+        while i < len(limit) and all(limit[i] in pool for pool in anchors):
             i += 1
+        if self.windows:
+            i = self._window_hit(limit, i)
+        for g, (table, pool) in enumerate(zip(hit.blocks, self.pools)):
+            first = 0 if g in self.anchors else self._spec(g).first_needed_block(i * self.block_size)
+            table.extend([SKIPPED] * first)
+            table.extend(pool.lookup(h) for h in limit[first:i])
         if self.host is not None:
             for block_hash in limit[i:]:
                 slot = self.host.lookup(block_hash)
@@ -166,6 +192,20 @@ class KVCacheManager:
                     break
                 hit.store_hashes.append(block_hash)
         return hit
+
+    def _spec(self, group: int) -> SlidingWindowSpec:
+        return self.groups[group].spec  # type: ignore[return-value]
+
+    def _window_hit(self, hashes: list[BlockHash], limit: int) -> int:
+        """The longest hit of at most ``limit`` blocks after which every window group has
+        the pages its next query reads (the blocks of the window behind the hit point)."""
+        valid = [True] * (limit + 1)  # valid[m]: a hit of m blocks may resume
+        for g, spec in self.windows:
+            pool, run = self.pools[g], 0  # run: cached pages ending at block m - 1
+            for m in range(1, limit + 1):
+                run = run + 1 if hashes[m - 1] in pool else 0
+                valid[m] = valid[m] and m - spec.first_needed_block(m * self.block_size) <= run
+        return max(m for m in range(limit + 1) if valid[m])
 
     def start_load(self, request_id: str, block_hashes: list[BlockHash],
                    source: KVTransferParams | None = None) -> bool:
@@ -210,29 +250,37 @@ class KVCacheManager:
 
     # ---- allocation ------------------------------------------------------------------
 
-    def allocate_slots(self, request_id: str, num_tokens: int,
-                       hit: PrefixHit | None = None) -> list[list[int]] | None:
+    def allocate_slots(self, request_id: str, num_tokens: int, hit: PrefixHit | None = None,
+                       num_computed_tokens: int | None = None) -> list[list[int]] | None:
         """Grow the request's tables to cover ``num_tokens`` tokens, starting with a new
         request's cached prefix when given: its device blocks by reference, then fresh
-        blocks that its host-tier blocks are copied into before the step runs.
+        blocks that its host-tier blocks are copied into before the step runs. A running
+        request passes ``num_computed_tokens``: window groups first release the blocks no
+        query from there on reads.
 
         Returns the block ids added per group (hit blocks first), or None (changing
-        nothing) when some group's pool lacks room.
+        nothing but the release) when some group's pool lacks room.
         """
+        if num_computed_tokens is not None:
+            self._release_out_of_window(request_id, num_computed_tokens)
         tables = self.block_table(request_id)
         cached = hit.blocks if hit is not None else [[] for _ in self.groups]
         wanted = [max(0, g.spec.blocks_for(num_tokens) - len(t) - len(c))
                   for g, t, c in zip(self.groups, tables, cached)]
         for n, hits, pool in zip(wanted, cached, self.pools):
-            reviving = sum(1 for b in hits if pool.ref_count(b) == 0)
+            reviving = sum(1 for b in hits if b != SKIPPED and pool.ref_count(b) == 0)
             if n + reviving > pool.num_free:
                 return None
         added = []
         for table, hits, n, pool in zip(tables, cached, wanted, self.pools):
-            pool.touch(hits)
+            pool.touch([b for b in hits if b != SKIPPED])
             blocks = hits + pool.allocate(n)
             table.extend(blocks)
             added.append(blocks)
+        if request_id not in self._tables and self.windows:
+            self._first_live[request_id] = [
+                next((i for i, b in enumerate(tables[g]) if b != SKIPPED), len(tables[g]))
+                for g, _ in self.windows]
         self._tables[request_id] = tables
         if hit is not None and (hit.blocks[0] or hit.host_slots):
             first = len(hit.blocks[0])
@@ -243,6 +291,21 @@ class KVCacheManager:
                 self.plan.loads.append(BlockCopy(block_hash, blocks, slot))
             self._num_cached_blocks[request_id] = first + len(hit.host_slots)
         return added
+
+    def _release_out_of_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the window groups' blocks that lie wholly before every remaining query's
+        window (oldest first, so their cached pages are evicted before newer ones)."""
+        tables = self._tables.get(request_id)
+        if tables is None or not self.windows:
+            return
+        live = self._first_live[request_id]
+        for w, (g, spec) in enumerate(self.windows):
+            table = tables[g]
+            end = min(spec.first_needed_block(num_computed_tokens), len(table))
+            if end > live[w]:
+                self.pools[g].free(table[live[w]:end])
+                table[live[w]:end] = [SKIPPED] * (end - live[w])
+                live[w] = end
 
     def cache_blocks(self, request_id: str, block_hashes: list[BlockHash],
                      token_ids: list[int], num_computed_tokens: int) -> list[BlockHash]:
@@ -255,8 +318,9 @@ class KVCacheManager:
         stored = []
         tables = self._tables[request_id]
         for i in range(done, full):
-            new = [pool.cache(table[i], block_hashes[i]) for pool, table in zip(self.pools, tables)]
-            if not all(new):
+            new = [table[i] != SKIPPED and pool.cache(table[i], block_hashes[i])
+                   for pool, table in zip(self.pools, tables)]
+            if not all(new[g] for g in self.anchors):
                 continue
             stored.append(block_hashes[i])
             bs = self.block_size
@@ -278,10 +342,11 @@ class KVCacheManager:
         """Release all of the request's blocks, tail first (so the tail is evicted first)."""
         tables = self._tables.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
+        self._first_live.pop(request_id, None)
         if tables is None:
             return
         for pool, table in zip(self.pools, tables):
-            pool.free(table[::-1])
+            pool.free([b for b in reversed(table) if b != SKIPPED])
 
     def hold(self, request_id: str, block_hashes: list[BlockHash],
              num_tokens: int) -> dict[BlockHash, tuple[int, ...]]:
@@ -289,6 +354,8 @@ class KVCacheManager:
         ``num_tokens`` tokens referenced (for a decode instance to pull) and free the
         rest; returns hash -> device block per group of what is held. ``release`` frees
         them."""
+        if self.windows:
+            raise ValueError("sliding-window layers' KV is not lent to decode instances")
         tables = self._tables.pop(request_id, None)
         num_cached = self._num_cached_blocks.pop(request_id, 0)
         if tables is None:
@@ -323,7 +390,8 @@ class KVCacheManager:
             held: dict[int, int] = {}
             for tables in [*self._tables.values(), *self._held.values()]:
                 for b in tables[g]:
-                    held[b] = held.get(b, 0) + 1
+                    if b != SKIPPED:
+                        held[b] = held.get(b, 0) + 1
             pool.check_integrity(held)
         if self.host is not None:
             self.host.check_integrity()

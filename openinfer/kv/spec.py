@@ -89,7 +89,46 @@ class MLALatentSpec(_PagedSpec):
         return (self.block_size, self.entry_dim)
 
 
-KVSpec = FullAttentionSpec | MLALatentSpec  # the union grows as layer kinds are added
+@dataclass(frozen=True)
+class SlidingWindowSpec(_PagedSpec):
+    """Sliding-window attention: K and V like full attention, but query ``p`` reads only keys
+    ``p - window + 1 .. p``. A request holds only the blocks its next queries can still see;
+    older table entries are released (``SKIPPED``) as it advances, so the layer's KV is
+    O(window) per request, not O(length)."""
+
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    window: int
+
+    kind = "sliding_window"
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def cacheable(self) -> bool:
+        # Window pages stay in the device prefix cache only: the tiers and KV transfer carry
+        # the full-attention pages of a block (window state moves as snapshots, issue 15).
+        return False
+
+    def first_needed_block(self, position: int) -> int:
+        """The first block a query at ``position`` (or any later one) reads."""
+        return max(0, position - self.window + 1) // self.block_size
+
+    def max_live_blocks(self, num_new_tokens: int) -> int:
+        """Blocks a request holds in this group at most while ``num_new_tokens`` of its tokens
+        are computed in one step: the window behind the first of them, plus theirs."""
+        return -(-(self.window - 1) // self.block_size) + 1 + -(-num_new_tokens // self.block_size)
+
+
+SKIPPED = -1
+"""A block-table entry released because no later query reads it (sliding windows). The
+runner's tables never read it; the attention metadata maps it to block 0."""
+
+KVSpec = FullAttentionSpec | MLALatentSpec | SlidingWindowSpec
 
 
 @dataclass(frozen=True)
@@ -158,3 +197,27 @@ class BlockLayout:
                        for g in self.groups],
             "order": "group-major[group][layer][page]",
         }
+
+
+def blocks_per_group(groups: list[LayerGroup], memory_bytes: int, max_num_seqs: int,
+                     max_num_batched_tokens: int) -> list[int]:
+    """Each group's pool size from the KV memory budget.
+
+    A request holds as many blocks in every full-attention (or MLA) group, so those get
+    equal counts. A sliding-window group needs at most ``max_live_blocks`` per running
+    request, whatever its length: it gets twice what all running requests can hold at once
+    (the rest keeps recent window pages for prefix hits), and the full groups the remaining
+    memory. A model of window layers only (or one where the window bound is no saving) splits
+    the memory evenly."""
+    equal = memory_bytes // sum(g.bytes_per_block for g in groups)
+    windows = [g for g in groups if isinstance(g.spec, SlidingWindowSpec)]
+    if not windows or len(windows) == len(groups):
+        return [equal] * len(groups)
+    bound = {g: 2 * (max_num_seqs * (g.spec.max_live_blocks(0) + 1)  # type: ignore[union-attr]
+                     + -(-max_num_batched_tokens // g.spec.block_size))
+             for g in windows}
+    rest = memory_bytes - sum(n * g.bytes_per_block for g, n in bound.items())
+    full = rest // sum(g.bytes_per_block for g in groups if g not in bound) if rest > 0 else 0
+    if full <= max(bound.values()):
+        return [equal] * len(groups)
+    return [bound.get(g, full) for g in groups]

@@ -19,16 +19,32 @@ class Attention(nn.Module):
     """Set on a model loaded with ``--batch-invariant`` (openinfer.layers.batch_invariant): the
     backend's batch-invariant mode, whose rows never depend on the rest of the step."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None,
+                 sinks: bool = False) -> None:
+        """``sliding_window``: query p sees keys p - window + 1 .. p (transformers' meaning);
+        ``logit_softcap``: scores pass through softcap * tanh(s / softcap) (Gemma 2);
+        ``sinks``: a learned logit per head in the softmax denominator (gpt-oss)."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window or 0
+        self.logit_softcap = logit_softcap or 0.0
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
+
+    @property
+    def is_variant(self) -> bool:
+        """Whether this layer needs more than plain causal attention."""
+        return bool(self.sliding_window or self.logit_softcap or self.sinks is not None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, H, D]; cache: this layer's [2, num_blocks, bs, H, D]."""
         if self.batch_invariant:
             return meta.backend.forward_batch_invariant(q, k, v, cache, meta, self.scale)
+        if self.is_variant:
+            return meta.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window,
+                                        self.logit_softcap, self.sinks)
         return meta.backend.forward(q, k, v, cache, meta, self.scale)

@@ -143,6 +143,9 @@ def make_batch_invariant(model: nn.Module) -> None:
         if isinstance(module, (MLAAttention, FusedExperts)):
             raise ValueError(f"batch_invariant: not supported for {type(model).__name__} "
                              f"({type(module).__name__} layers)")
+        if isinstance(module, Attention) and module.is_variant:
+            raise ValueError(f"batch_invariant: not supported for {type(model).__name__} "
+                             "(sliding-window, soft-capped or sinked attention)")
     owners: dict[int, int] = {}
     for module in model.modules():  # a parameter held by two modules (tied embedding/LM head)
         for p in module.parameters(recurse=False):

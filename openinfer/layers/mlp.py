@@ -1,4 +1,5 @@
-"""The gated feed-forward block of Llama-family models: down(silu(gate(x)) * up(x))."""
+"""The gated feed-forward block of Llama-family models: down(act(gate(x)) * up(x)), act = silu
+(or Gemma's tanh-approximated gelu)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,27 @@ class GatedMLP(nn.Module):
     """Set in batch-invariant mode: the activation runs in row tiles that never split across
     threads (openinfer.layers.batch_invariant)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {activation!r} is not supported; supported: "
+                             f"{', '.join(ACTIVATIONS)}")
+        self.activation = activation
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        if self.activation != "silu":
+            return self.down_proj(ACTIVATIONS[self.activation](gate) * up)
         if self.batch_invariant:
             return self.down_proj(invariant_silu_and_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+"""Gate activations by their config.json names (``hidden_act`` / ``hidden_activation``)."""

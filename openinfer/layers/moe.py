@@ -14,6 +14,7 @@ tokens: no Python loop over tokens, no per-expert modules.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SCORING_FUNCS = ("softmax", "sigmoid")
+SCORING_FUNCS = ("softmax", "sigmoid", "topk_softmax")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -30,7 +31,8 @@ class RoutingConfig:
     num_experts: int
     top_k: int
     scoring: str = "softmax"
-    """``softmax`` over all experts, or ``sigmoid`` per expert (DeepSeek-V3)."""
+    """``softmax`` over all experts, ``sigmoid`` per expert (DeepSeek-V3), or
+    ``topk_softmax``: the top-k logits, softmax over those k (gpt-oss)."""
     method: str = "greedy"
     """``greedy`` (top-k of the scores), ``group_limited_greedy`` (DeepSeek-V2: top-k within
     the ``topk_groups`` groups with the highest best score) or ``noaux_tc`` (DeepSeek-V3:
@@ -46,6 +48,8 @@ class RoutingConfig:
     """Router weight and logits in float32 whatever the compute dtype (DeepSeek keeps its
     gate in fp32); otherwise the logits are computed in the compute dtype, as Mixtral and
     Qwen-MoE do, and only the softmax runs in float32."""
+    bias: bool = False
+    """The router's linear layer has a bias (gpt-oss)."""
 
     def __post_init__(self) -> None:
         if self.scoring not in SCORING_FUNCS:
@@ -57,6 +61,8 @@ class RoutingConfig:
         if self.method != "greedy" and self.num_experts % self.num_groups:
             raise ValueError(f"n_group {self.num_groups} does not divide n_routed_experts "
                              f"{self.num_experts}")
+        if self.scoring == "topk_softmax" and self.method != "greedy":
+            raise ValueError("topk_softmax scoring picks experts greedily")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, {self.num_experts}]")
 
@@ -70,13 +76,19 @@ class Router(nn.Module):
         dtype = torch.float32 if config.fp32_logits else None
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size, dtype=dtype),
                                    requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(config.num_experts, dtype=dtype), requires_grad=False)
+                     if config.bias else None)
         if config.method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        logits = F.linear(x.to(self.weight.dtype), self.weight).float()
+        logits = F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        if c.scoring == "topk_softmax":  # in the logits' dtype, as gpt-oss does
+            values, ids = torch.topk(logits, k=c.top_k, dim=-1)
+            return values.softmax(dim=-1).float(), ids
+        logits = logits.float()
         scores = logits.softmax(dim=-1) if c.scoring == "softmax" else logits.sigmoid()
         if c.method == "greedy":
             weights, ids = torch.topk(scores, k=c.top_k, dim=-1)
@@ -111,16 +123,38 @@ run through the CPU extension's few-row float32 GEMM, which streams each expert'
 about twice as fast as F.linear at 3 rows (benchmarks/bench_moe.py)."""
 
 
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``
+    with ``g = min(gate, limit)``."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
 class FusedExperts(nn.Module):
-    """``num_experts`` gated MLPs stored as two stacked tensors."""
+    """``num_experts`` gated MLPs stored as two stacked tensors (and, with ``bias``, two
+    stacked biases)."""
 
     cpu_kernels: ModuleType | None = None
     """The CPU kernel extension (``use_cpu_expert_kernels``), for experts with few rows."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 bias: bool = False,
+                 activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = silu_and_mul,
+                 ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
+        self.activation = activation
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
                                 requires_grad=False)
         """Each expert's gate rows then its up rows."""
@@ -128,6 +162,10 @@ class FusedExperts(nn.Module):
                                requires_grad=False)
         self.w13.weight_loader = self._load_w13
         self.w2.weight_loader = self._load_w2
+        self.b13 = self.b2 = None
+        if bias:
+            self.b13 = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size), requires_grad=False)
+            self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
         self.token_counts: torch.Tensor | None = None
         """Tokens routed to each expert so far (int64 [E], a running total); None while
         counting is off (``count_tokens``)."""
@@ -159,18 +197,20 @@ class FusedExperts(nn.Module):
             if n == 0:
                 continue
             rows = tokens[start:start + n]
-            gate, up = self._gemm(x[rows], self.w13[expert]).chunk(2, dim=-1)
-            y = self._gemm(F.silu(gate) * up, self.w2[expert])
+            b13, b2 = (None, None) if self.b13 is None else (self.b13[expert], self.b2[expert])
+            gate, up = self._gemm(x[rows], self.w13[expert], b13).chunk(2, dim=-1)
+            y = self._gemm(self.activation(gate, up), self.w2[expert], b2)
             out.index_add_(0, rows, y * pair_weights[start:start + n, None])
             start += n
         return out
 
-    def _gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _gemm(self, x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.cpu_kernels is not None and x.dtype == torch.float32 and x.shape[0] <= SMALL_GEMM_ROWS:
             out = x.new_empty(x.shape[0], weight.shape[0])
-            self.cpu_kernels.small_gemm(out, x.contiguous(), weight, None)
+            self.cpu_kernels.small_gemm(out, x.contiguous(), weight, bias)
             return out
-        return F.linear(x, weight)
+        return F.linear(x, weight, bias)
 
 
 def use_cpu_expert_kernels(model: nn.Module, kernels: ModuleType) -> int:

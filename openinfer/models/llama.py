@@ -1,7 +1,8 @@
 """Llama: a pre-norm decoder of (GQA attention with RoPE) + (gated SiLU MLP) blocks.
 
 Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each head's q and k) are variants of the
-same block, expressed as two flags rather than copies of this file.
+same block, expressed as two flags rather than copies of this file. Mistral is Llama with a
+sliding window on every layer; Qwen2/3 may put one on some layers (``layer_types``).
 
     x ─ embed ─┬─ RMSNorm ─ Attention ─(+)─┬─ RMSNorm ─ MLP ─(+)─ ... ─ RMSNorm ─ LM head
                └────────────────────────────┘└──────────────────┘
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from openinfer.attention.metadata import AttentionMetadata
-from openinfer.kv.spec import FullAttentionSpec, KVSpec
+from openinfer.kv.spec import FullAttentionSpec, KVSpec, SlidingWindowSpec
 from openinfer.layers.attention import Attention
 from openinfer.layers.embedding import LMHead, VocabEmbedding
 from openinfer.layers.linear import Linear, MergedLinear
@@ -31,10 +32,13 @@ class BlockVariant:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    attention_sinks: bool = False
+    """A learned logit per head in the softmax denominator (gpt-oss)."""
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf: dict, variant: BlockVariant, rotary: RotaryEmbedding) -> None:
+    def __init__(self, hf: dict, variant: BlockVariant, rotary: RotaryEmbedding,
+                 window: int | None = None) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
         self.num_heads = hf["num_attention_heads"]
@@ -48,7 +52,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, hf.get("rms_norm_eps", 1e-6))
         self.qk_norm = variant.qk_norm
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+                              sliding_window=window, sinks=variant.attention_sinks)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -114,7 +119,7 @@ class LlamaModel(DecoderStack):
         rotary = get_rope(head_dim, hf["max_position_embeddings"], rope_theta(hf), rope_scaling(hf),
                           hf.get("partial_rotary_factor", 1.0))
         self.layers = nn.ModuleList(
-            DecoderLayer(hf, LlamaAttention(hf, variant, rotary), make_mlp(i))
+            DecoderLayer(hf, LlamaAttention(hf, variant, rotary, sliding_window(hf, i)), make_mlp(i))
             for i in range(hf["num_hidden_layers"])
         )
         self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
@@ -151,10 +156,9 @@ class LlamaForCausalLM(nn.Module):
         return GatedMLP(hf["hidden_size"], hf["intermediate_size"], bias=cls.block_variant(hf).mlp_bias)
 
     def kv_cache_specs(self, block_size: int, dtype: str) -> list[KVSpec | None]:
-        """What each layer keeps per token: K and V of its KV heads, in every layer."""
-        return [FullAttentionSpec(block_size, layer.self_attn.num_kv_heads,
-                                  layer.self_attn.head_dim, dtype)
-                for layer in self.model.layers]
+        """What each layer keeps per token: K and V of its KV heads, in every layer (of its
+        window's last tokens only, in sliding-window layers)."""
+        return [attention_spec(layer.self_attn.attn, block_size, dtype) for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
@@ -164,6 +168,28 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+def sliding_window(hf: dict, layer: int) -> int | None:
+    """Layer ``layer``'s window from config.json: every layer's (Mistral, Mixtral), those that
+    ``layer_types`` names ``sliding_attention``, or none (Qwen2/3 unless ``use_sliding_window``)."""
+    window = hf.get("sliding_window")
+    if not window or hf.get("use_sliding_window") is False:
+        return None
+    types = hf.get("layer_types")
+    if types is not None:
+        return window if types[layer] == "sliding_attention" else None
+    if "max_window_layers" in hf:  # Qwen configs written before layer_types existed
+        return window if layer >= hf["max_window_layers"] else None
+    return window
+
+
+def attention_spec(attn: Attention, block_size: int, dtype: str) -> KVSpec:
+    """The KV spec of a (GQA) attention layer: full, or its sliding window."""
+    if attn.sliding_window:
+        return SlidingWindowSpec(block_size, attn.num_kv_heads, attn.head_dim, dtype,
+                                 attn.sliding_window)
+    return FullAttentionSpec(block_size, attn.num_kv_heads, attn.head_dim, dtype)
 
 
 def require_silu(hf: dict) -> None:

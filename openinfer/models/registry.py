@@ -5,6 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from openinfer.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from openinfer.models.gemma2 import Gemma2ForCausalLM
+from openinfer.models.gpt_oss import GptOssForCausalLM
 from openinfer.models.llama import LlamaForCausalLM
 from openinfer.models.mixtral import MixtralForCausalLM
 from openinfer.models.qwen2 import Qwen2ForCausalLM
@@ -13,12 +15,15 @@ from openinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,  # Llama with a sliding window on every layer
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
 }
 
 

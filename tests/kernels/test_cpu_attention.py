@@ -295,3 +295,42 @@ def test_failed_build_warns_once_and_is_not_retried(monkeypatch, caplog):
         "CPU paged attention kernel unavailable: Ninja is required to load C++ extensions"]
     with pytest.raises(RuntimeError, match="could not be built"):
         paged_attention(*make_batch([1], [5]).args(torch.empty(1, 4, 64)))
+
+
+def poison_before_windows(batch: Batch, window: int) -> None:
+    """NaN in every block wholly before the window of a sequence's first query: the kernel
+    must never read them (the KV manager releases them)."""
+    block_size = batch.key_cache.shape[1]
+    lens = (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).tolist()
+    for b, (q_len, seq_len) in enumerate(zip(lens, batch.seq_lens.tolist())):
+        first = max(0, seq_len - q_len - window + 1) // block_size
+        for block in batch.block_tables[b, :first].tolist():
+            batch.key_cache[block] = float("nan")
+            batch.value_cache[block] = float("nan")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [1, 5, 16, 40, 1000])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_sliding_window_softcap_and_sinks(ext, dtype, window, softcap, sinks):
+    # Decodes, a fresh prompt longer than the window, a continuation; blocks before each
+    # sequence's windows are NaN. Forced splits put rows whose window misses a whole split.
+    batch = make_batch([1, 1, 1, 70, 12, 30], [50, 260, 3, 70, 140, 99], heads=8, kv_heads=2,
+                       dtype=dtype, scale=0.5)
+    poison_before_windows(batch, window)
+    sink = torch.randn(8) * 2 if sinks else None
+    extra = dict(window=window, softcap=softcap, sinks=sink)
+    ref = torch.full_like(batch.q, float("nan"))
+    paged_attention_reference(*batch.args(ref), **extra)
+    assert not ref.isnan().any()
+    for splits in (0, 3):
+        out = torch.full_like(batch.q, float("nan"))
+        ext.paged_attention(*batch.args(out), kv_splits=splits, **extra)
+        assert not out.isnan().any()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    if window >= 1000 and not softcap and not sinks:  # the plain kernel's answer
+        plain = torch.empty_like(batch.q)
+        paged_attention(*batch.args(plain))
+        torch.testing.assert_close(plain.float(), ref.float(), atol=tol, rtol=tol)

@@ -272,3 +272,27 @@ def test_kernels_compile_for_hopper():
     compiled = result.stdout.splitlines()
     assert sum("_attention_kernel" in line for line in compiled) == 4, compiled
     assert any("SPLIT': True" in line for line in compiled) and len(compiled) == 7, compiled
+
+
+@pytest.mark.parametrize("window,softcap,sinks", [(1, 0.0, False), (20, 0.0, False), (20, 5.0, True),
+                                                  (0, 3.0, False), (0, 0.0, True)])
+def test_window_softcap_and_sinks(window, softcap, sinks):
+    # Decodes, a fresh prompt longer than the window and a continuation, with and without
+    # split-KV; every slot before a sequence's window is NaN in the kernel's cache.
+    gen = torch.Generator().manual_seed(3)
+    sink = (torch.randn(8, generator=gen) * 2).to(DEVICE) if sinks else None
+    for backend in (TritonAttentionBackend(), TritonAttentionBackend(num_kv_splits=3)):
+        case = make_case([1, 1, 40, 12], [150, 9, 40, 80], heads=8, kv_heads=2)
+        reference = TorchAttentionBackend()
+        metas = [b.build_metadata(case.query_lens, case.seq_lens, case.tables, case.block_size,
+                                  DEVICE) for b in (reference, backend)]
+        bs = case.block_size
+        for table, q_len, seq_len in zip(case.tables, case.query_lens, case.seq_lens):
+            first = max(0, seq_len - q_len - window + 1) if window else 0
+            for pos in range(first // bs * bs):  # whole blocks before the window
+                case.poisoned[:, table[pos // bs], pos % bs] = float("nan")
+        extra = dict(window=window, softcap=softcap, sinks=sink)
+        expected = reference.forward(case.q, case.k, case.v, case.clean, metas[0], case.scale, **extra)
+        out = backend.forward(case.q, case.k, case.v, case.poisoned, metas[1], case.scale, **extra)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-5, rtol=2e-5)

@@ -11,7 +11,7 @@ from attention_support import ATTENTION_BACKENDS, attention_backend
 import openinfer.config
 from openinfer import LLM, SamplingParams
 from openinfer.config import ModelConfig
-from openinfer.engine.kv_cache import allocate_group_cache, layer_views
+from openinfer.engine.kv_cache import allocate_group_cache, per_layer_views
 from openinfer.kv.spec import group_layers
 from openinfer.models.loader import load_model
 
@@ -33,8 +33,10 @@ class PagedModel:
         self.config = ModelConfig.from_pretrained(path, max_model_len=max_model_len, dtype=dtype)
         self.model = load_model(self.config, progress=False)
         specs = self.model.kv_cache_specs(BLOCK, str(self.config.dtype).removeprefix("torch."))
-        (group,) = group_layers(specs)
-        self.caches = layer_views(group, allocate_group_cache(group, num_blocks, "cpu"))
+        # Every layer group gets its own cache; all share the block tables (nothing released).
+        groups = group_layers(specs)
+        self.caches = per_layer_views(groups, [allocate_group_cache(g, num_blocks, "cpu")
+                                               for g in groups], len(specs))
         self.tables: dict[int, list[int]] = {}
         self.next_block = 0
 

@@ -36,6 +36,11 @@
 //   and no row is merged from partial results. Slower for decode (no split across threads, K
 //   transposed for a few rows); see openinfer/layers/batch_invariant.py.
 //
+// Variants (per layer): a sliding window (query p reads keys p - window + 1 .. p: items start at
+//   their first row's window, no shared-prefix items, keys before a row's window get p = 0), tanh
+//   soft-capping of the scores (Gemma 2), and per-head attention sinks (gpt-oss: a logit in every
+//   row's softmax denominator with no value, added where a row's result is normalised).
+//
 // SIMD: GCC/Clang vector extensions of W lanes (W = 16 with AVX-512, else 8, or -DOI_VEC_WIDTH).
 // The same source is correct for any W; the compiler picks the instructions (-march=native),
 // so an AVX2 machine can test the 16-lane code (its vectors are split in two).
@@ -54,6 +59,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -484,6 +490,9 @@ struct Params {
   int64_t k_s0, v_s0, kv_row;  // block stride (any), row stride within a block (= Hkv * D)
   int tile_rows;               // rows of the largest item (scratch sizing)
   bool invariant;              // batch-invariant mode: one score path for every item
+  int window;                  // sliding window (0: none)
+  float softcap;               // scores -> softcap * tanh(scores / softcap) (0: none)
+  const float* sinks;          // [Hq] attention sink logits (nullptr: none)
   int chunk_blocks;            // blocks per softmax step
   const int32_t* row_tokens;
   float* part_o;  // [part_rows][D] unnormalised outputs of partial items
@@ -492,6 +501,15 @@ struct Params {
 };
 
 constexpr int NO_MASK = std::numeric_limits<int>::max() / 2;  // position of shared-prefix rows
+
+// The factor that turns a row's unnormalised output (running max m, running sum l) into its
+// result: 1 / l, or with an attention sink s (a logit in the denominator with no value)
+// e^(m - M) / (l e^(m - M) + e^(s - M)), M = max(m, s).
+inline float normaliser(float m, float l, const float* sinks, int64_t head) {
+  if (sinks == nullptr) return 1.f / l;
+  const float s = sinks[head], mm = std::max(m, s), a = std::exp(m - mm);
+  return a / (l * a + std::exp(s - mm));
+}
 
 template <typename T>
 void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T* vc, T* out) {
@@ -596,14 +614,25 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
         const int row = hi * MH + r;
         const int pos = pos0 + r / G;
         float* srow = s + size_t(row) * SW;
+        const int lo = P.window > 0 ? pos - P.window + 1 : std::numeric_limits<int>::min() / 2;
         for (int c = 0; c < nb; ++c) {
-          const int lim = std::max(0, std::min(nvalid[c], pos - (c0 + c * BS) + 1));
-          std::fill(srow + c * BSP + lim, srow + (c + 1) * BSP, NEG_INF);
+          const int key0 = c0 + c * BS;
+          const int lim = std::max(0, std::min(nvalid[c], pos - key0 + 1));
+          const int first = std::clamp(lo - key0, 0, lim);
+          float* sc = srow + c * BSP;
+          if (P.softcap > 0.f)
+            for (int k = first; k < lim; ++k) sc[k] = P.softcap * std::tanh(sc[k] / P.softcap);
+          std::fill(sc, sc + first, NEG_INF);
+          std::fill(sc + lim, sc + BSP, NEG_INF);
         }
         vf mx = loadu(srow);
         for (int k = W; k < width; k += W) mx = vmax(mx, loadu(srow + k));
         const float m_old = m[row];
-        const float m_new = std::max(m_old, hmax(mx));  // finite: key c0 <= pos is visible
+        const float m_new = std::max(m_old, hmax(mx));
+        if (m_new == NEG_INF) {  // no key of the chunk (or before it) in this row's window
+          std::fill(srow, srow + width, 0.f);
+          continue;
+        }
         const vf mv = splat(m_new);
         vf sum = splat(0.f);
         for (int k = 0; k < width; k += W) {
@@ -643,8 +672,9 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
   if (it.part_row < 0) {
     for (int r = 0; r < M; ++r) {
       const int hi = r / MH, i = (r % MH) / G, g = r % G;
-      T* dst = out + int64_t(tokens[i]) * P.o_s0 + int64_t((it.h + hi) * G + g) * P.o_s1;
-      store_from_float(dst, o + size_t(r) * D, D, 1.f / l[r]);
+      const int64_t head = (it.h + hi) * G + g;
+      T* dst = out + int64_t(tokens[i]) * P.o_s0 + head * P.o_s1;
+      store_from_float(dst, o + size_t(r) * D, D, normaliser(m[r], l[r], P.sinks, head));
     }
   } else {
     std::copy(o, o + size_t(M) * D, P.part_o + it.part_row * D);
@@ -674,7 +704,7 @@ void merge_rows(const Params& P, const std::pair<int64_t, int64_t>* merges, int 
       for (int d = 0; d < D; d += W) storeu(acc + d, loadu(acc + d) + loadu(po + d) * w);
     }
     T* dst = out + token * P.o_s0 + (h * G + g) * P.o_s1;
-    store_from_float(dst, acc, D, 1.f / total);
+    store_from_float(dst, acc, D, normaliser(mmax, total, P.sinks, h * G + g));
   }
 }
 
@@ -697,7 +727,7 @@ void check_cache(const at::Tensor& c, const char* name, int64_t H, int64_t D) {
 // Items whose rows get contributions from several items write partial results, merged at the end.
 // `invariant` (batch-invariant mode): step 2 only, so that no row's result depends on the others.
 Plan make_plan(int64_t B, const int32_t* qsl, const int32_t* sl, const int32_t* tables, int64_t table_stride,
-               int Hkv, int G, int BS, int threads, int64_t kv_splits, bool invariant) {
+               int Hkv, int G, int BS, int threads, int64_t kv_splits, bool invariant, int window) {
   Plan plan;
   const int tile_tokens = std::max(1, TILE_ROWS / G);
   // Per head: a block's rows, + its K/V loads.
@@ -705,7 +735,7 @@ Plan make_plan(int64_t B, const int32_t* qsl, const int32_t* sl, const int32_t* 
 
   // 1. Shared prefixes: group by first block, then keep the blocks all members agree on.
   std::vector<int> shared(B, 0);  // shared blocks of each sequence (0: none)
-  if (!invariant) {
+  if (!invariant && window == 0) {  // a window moves with each row: no prefix is seen by all
     std::vector<std::pair<int32_t, int32_t>> by_first;  // (first block, sequence)
     for (int32_t b = 0; b < B; ++b) {
       const int q_len = qsl[b + 1] - qsl[b];
@@ -763,9 +793,11 @@ Plan make_plan(int64_t B, const int32_t* qsl, const int32_t* sl, const int32_t* 
       // order, which the hardware prefetcher streams; a head's own slice of each row is too
       // short and scattered for it.
       const int heads = !invariant && (q1 - q0) * G <= ROWDOT_ROWS ? Hkv : 1;
+      // The first block the tile's first row reads (its window's start).
+      const int blk0 = window > 0 ? std::max(0, ctx + q0 - window + 1) / BS : shared[b];
       for (int h = 0; h < Hkv; h += heads)
-        plan.items.push_back({b, b, h, heads, first + q0, q1 - q0, shared[b], blk1, shared[b] > 0 ? 0 : -1,
-                              cost(heads, (q1 - q0) * G, blk1 - shared[b])});
+        plan.items.push_back({b, b, h, heads, first + q0, q1 - q0, blk0, blk1, shared[b] > 0 ? 0 : -1,
+                              cost(heads, (q1 - q0) * G, blk1 - blk0)});
     }
   }
 
@@ -812,7 +844,8 @@ Plan make_plan(int64_t B, const int32_t* qsl, const int32_t* sl, const int32_t* 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                     int64_t max_query_len, int64_t kv_splits, bool invariant) {
+                     int64_t max_query_len, int64_t kv_splits, bool invariant, int64_t window, double softcap,
+                     const std::optional<at::Tensor>& sinks) {
   for (const at::Tensor* t : {&static_cast<const at::Tensor&>(out), &q, &key_cache, &value_cache, &block_tables,
                               &query_start_loc, &seq_lens})
     TORCH_CHECK(t->device().is_cpu(), "paged_attention: CPU tensors only");
@@ -858,11 +891,18 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
     for (int64_t j = 0; j < nblk; ++j)
       TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "sequence ", b, ": block id ", row[j], " out of range");
   }
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
+  at::Tensor sinks_f;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == Hq, "sinks must be [num_query_heads]");
+    sinks_f = sinks->to(at::kFloat).contiguous();
+  }
   if (T == 0) return;
 
   const int threads = std::max(1, at::get_num_threads());
   const int G = int(Hq / Hkv);
-  Plan plan = make_plan(B, qsl, sl, tables, table_stride, int(Hkv), G, int(BS), threads, kv_splits, invariant);
+  Plan plan = make_plan(B, qsl, sl, tables, table_stride, int(Hkv), G, int(BS), threads, kv_splits, invariant,
+                        int(window));
 
   Params P;
   P.Hq = int(Hq);
@@ -885,6 +925,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
   P.kv_row = Hkv * D;
   P.tile_rows = plan.tile_rows;
   P.invariant = invariant;
+  P.window = int(window);
+  P.softcap = float(softcap);
+  P.sinks = sinks.has_value() ? sinks_f.data_ptr<float>() : nullptr;
   P.chunk_blocks = int(std::clamp<int64_t>(CHUNK_KEYS / BS, 1, MAX_CHUNK_BLOCKS));
   P.row_tokens = plan.row_tokens.data();
   std::unique_ptr<float[]> parts(new float[size_t(plan.part_rows) * (D + 2)]);
@@ -967,7 +1010,7 @@ std::tuple<int64_t, int64_t, int64_t> plan_stats(const at::Tensor& block_tables,
   const auto qsl = query_start_loc.contiguous(), sl = seq_lens.contiguous();
   Plan plan = make_plan(seq_lens.size(0), qsl.data_ptr<int32_t>(), sl.data_ptr<int32_t>(),
                         block_tables.data_ptr<int32_t>(), block_tables.stride(0), int(num_kv_heads), int(group),
-                        int(block_size), int(threads), kv_splits, invariant);
+                        int(block_size), int(threads), kv_splits, invariant, 0);
   int64_t shared = 0, partial = 0;
   for (const Item& it : plan.items) {
     shared += it.b < 0;
@@ -985,7 +1028,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged varlen attention (see openinfer/kernels/cpu_attention.py)",
         py::arg("out"), py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("max_query_len"),
-        py::arg("kv_splits") = 0, py::arg("invariant") = false, py::call_guard<py::gil_scoped_release>());
+        py::arg("kv_splits") = 0, py::arg("invariant") = false, py::arg("window") = 0, py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("plan_stats", &plan_stats, "(items, shared-prefix items, partial items) of a call's plan",
         py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("num_kv_heads"),
         py::arg("group"), py::arg("block_size"), py::arg("threads"), py::arg("kv_splits") = 0,

@@ -1,0 +1,144 @@
+"""Hybrid KV layout figures (issue 15): what sliding-window layer groups save.
+
+The real KV manager (openinfer.kv.kv_manager) and pool sizing (openinfer.kv.spec.
+blocks_per_group) on the layer specs of published models, each beside the same model with every
+layer's KV kept in full (what an engine without window groups holds):
+
+1. KV bytes one 32k-token request holds at its end (a 2048-token chunked prefill of 30k tokens,
+   then decodes), and at its peak.
+2. How many concurrent 8k-token requests (8192 tokens of context each) one fixed
+   --kv-cache-memory admits: requests are added until the manager refuses one.
+
+No timing: block counts times bytes per block, so the figures do not depend on the machine.
+
+    .venv/bin/python benchmarks/bench_hybrid_kv.py [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from doc_sections import write_section
+
+from openinfer.kv.kv_manager import KVCacheManager
+from openinfer.kv.spec import (
+    SKIPPED,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    blocks_per_group,
+    group_layers,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK, CHUNK, MAX_SEQS = 16, 2048, 256
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    window: int
+    windowed: str  # "all" or "alternate" (even layers windowed)
+
+    def specs(self, hybrid: bool) -> list:
+        full = FullAttentionSpec(BLOCK, self.kv_heads, self.head_dim, "bfloat16")
+        window = SlidingWindowSpec(BLOCK, self.kv_heads, self.head_dim, "bfloat16", self.window)
+        return [window if hybrid and (self.windowed == "all" or i % 2 == 0) else full
+                for i in range(self.layers)]
+
+
+MODELS = [
+    ModelShape("gpt-oss-20b", 24, 8, 64, 128, "alternate"),
+    ModelShape("Gemma-2-9B", 42, 8, 256, 4096, "alternate"),
+    ModelShape("Mistral-7B-v0.1", 32, 8, 128, 4096, "all"),
+]
+
+
+def held_bytes(kv: KVCacheManager, request_id: str) -> int:
+    return sum(sum(b != SKIPPED for b in table) * group.bytes_per_block
+               for table, group in zip(kv.block_table(request_id), kv.groups))
+
+
+def one_long_request(model: ModelShape, hybrid: bool, length: int = 32768,
+                     prompt: int = 30720) -> tuple[int, int]:
+    """(bytes held at the end, peak bytes) of one request, prefilled in chunks then decoded."""
+    groups = group_layers(model.specs(hybrid))
+    kv = KVCacheManager(groups, [4 * length // BLOCK] * len(groups), enable_caching=False)
+    computed, peak = 0, 0
+    while computed < length:
+        step = min(CHUNK, prompt - computed) if computed < prompt else 1
+        assert kv.allocate_slots("r", computed + step, num_computed_tokens=computed) is not None
+        computed += step
+        peak = max(peak, held_bytes(kv, "r"))
+    # The next step's allocation releases what the last token's window left behind.
+    kv.allocate_slots("r", computed, num_computed_tokens=computed)
+    return held_bytes(kv, "r"), peak
+
+
+def concurrent_requests(model: ModelShape, hybrid: bool, memory: int, context: int = 8192) -> int:
+    groups = group_layers(model.specs(hybrid))
+    kv = KVCacheManager(groups, blocks_per_group(groups, memory, MAX_SEQS, CHUNK),
+                        enable_caching=False)
+    n = 0
+    while n < 10_000:
+        rid, computed = f"r{n}", 0
+        while computed < context:  # chunked prefill, releasing behind the window as it goes
+            step = min(CHUNK, context - computed)
+            if kv.allocate_slots(rid, computed + step, num_computed_tokens=computed) is None:
+                kv.free(rid)
+                return n
+            computed += step
+        kv.allocate_slots(rid, computed, num_computed_tokens=computed)
+        n += 1
+    return n
+
+
+def figures() -> str:
+    rows = ["| model (bf16, block 16) | window | 32k request held: hybrid | all layers full | saved | "
+            "peak hybrid (2048-token chunks) | 8k requests in 8 GiB: hybrid | all full | ratio |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for model in MODELS:
+        end_h, peak_h = one_long_request(model, hybrid=True)
+        end_f, _ = one_long_request(model, hybrid=False)
+        conc_h = concurrent_requests(model, True, 8 * GiB)
+        conc_f = concurrent_requests(model, False, 8 * GiB)
+        kind = f"{model.window} ({'every layer' if model.windowed == 'all' else 'every 2nd layer'})"
+        rows.append(f"| {model.name} ({model.layers} layers, {model.kv_heads}x{model.head_dim}) | {kind} | "
+                    f"{end_h / 2**20:.0f} MiB | {end_f / 2**20:.0f} MiB | {1 - end_h / end_f:.0%} | "
+                    f"{peak_h / 2**20:.0f} MiB | {conc_h} | {conc_f} | {conc_h / conc_f:.2f}x |")
+        print(rows[-1], flush=True)
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args()
+    table = figures()
+    body = f"""## Hybrid KV layout: sliding-window groups (benchmarks/bench_hybrid_kv.py)
+
+The real KV manager and pool sizing on the layer shapes of published models, each beside the
+same model with every layer's KV kept in full. A window group holds only the blocks its next
+queries read (entries behind the window are released during long prefills and decodes), and
+its pool is sized to what the running requests can hold at once (`blocks_per_group`,
+max_num_seqs {MAX_SEQS}, {CHUNK}-token chunks); the full-attention groups get the rest of the
+memory. Block counts times bytes per block: no timing, no machine dependence.
+
+{table}
+
+The 32k-token request's window layers hold O(window + chunk) tokens whatever its length; its
+full layers hold all 32k. Mistral (every layer windowed) holds one window per layer, and its
+whole budget serves window pools, so many more 8k requests fit.
+"""
+    print(body)
+    if not args.no_write:
+        write_section(REPO / "docs" / "benchmarks.md", "bench_hybrid_kv", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Sliding-window models match transformers (prompt, chunked and decode logits; greedy tokens
+through the engine), and the engine holds O(window) KV for their window layers while prefix
+hits stay exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_support import ATTENTION_BACKENDS
+from test_hf_parity import PagedModel, _hf_logits, _prompts
+
+from openinfer import LLM, SamplingParams
+from openinfer.kv.spec import SKIPPED
+
+WINDOW = 8
+WINDOW_MODELS = {
+    # Every layer windowed.
+    "MistralForCausalLM": ("MistralForCausalLM", dict(sliding_window=WINDOW)),
+    # Layer 0 full attention, layers 1-2 windowed: two layer groups.
+    "Qwen3-layer-types": ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=WINDOW,
+                                                   max_window_layers=1)),
+    # Sliding / full / sliding, attention sinks, biased top-k experts with a clamped SwiGLU
+    # (a small limit, so the clamps bite), YaRN RoPE.
+    "GptOssForCausalLM": ("GptOssForCausalLM", dict(
+        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        num_local_experts=8, num_experts_per_tok=2, swiglu_limit=0.5)),
+    # Sliding / full / sliding, soft-capped scores (a small cap, so it bites) and logits,
+    # sandwich norms, gelu MLP, scale from query_pre_attn_scalar.
+    "Gemma2ForCausalLM": ("Gemma2ForCausalLM", dict(
+        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, query_pre_attn_scalar=24)),
+}
+EXPECTED_WINDOWS = {"MistralForCausalLM": [WINDOW] * 3, "Qwen3-layer-types": [0, WINDOW, WINDOW],
+                    "GptOssForCausalLM": [WINDOW, 0, WINDOW], "Gemma2ForCausalLM": [WINDOW, 0, WINDOW]}
+
+
+def _checkpoint(make_checkpoint, name: str, **kwargs):
+    arch, extra = WINDOW_MODELS[name]
+    path = make_checkpoint(arch, extra_config=extra, num_layers=3, **kwargs)
+    if arch == "GptOssForCausalLM":
+        _perturb(path, ("sinks", "gate_up_proj_bias", "down_proj_bias"))
+    return path
+
+
+def _perturb(path, suffixes: tuple[str, ...]) -> None:
+    """Random values, large enough to matter, for tensors transformers initialises to zero
+    or near it (attention sinks, expert biases)."""
+    from safetensors.torch import load_file, save_file
+
+    (file,) = path.glob("*.safetensors")
+    tensors = load_file(file)
+    g = torch.Generator().manual_seed(4)
+    for name, t in tensors.items():
+        if name.endswith(suffixes):
+            tensors[name] = torch.randn(t.shape, generator=g)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("attention", ATTENTION_BACKENDS)
+@pytest.mark.parametrize("name", list(WINDOW_MODELS))
+def test_prefill_chunks_and_decodes_match_transformers(name, attention, make_checkpoint,
+                                                       hf_model_loader):
+    path = _checkpoint(make_checkpoint, name)
+    ours, hf = PagedModel(path, attention=attention), hf_model_loader(path)
+    windows = [layer.self_attn.attn.sliding_window for layer in ours.model.model.layers]
+    assert windows == EXPECTED_WINDOWS[name]
+    a, b = _prompts(ours.config.vocab_size, [30, 21])
+    # a: a 13-token chunk, a 9-token continuation, then decodes; b: one prompt, longer than
+    # the window, in the same first step.
+    first = ours.step([(0, a[:13], 0), (1, b, 0)])
+    second = ours.step([(0, a[13:22], 13)])
+    rest = [ours.step([(0, a[i:i + 1], i)]) for i in range(22, 30)]
+    torch.testing.assert_close(torch.cat([first[:13], second, *rest]), _hf_logits(hf, a),
+                               atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(first[13:], _hf_logits(hf, b), atol=2e-5, rtol=1e-4)
+
+
+def _teacher_forced_argmax(hf, tokens: list[int], num_prompt: int) -> list[int]:
+    """transformers' greedy choice after each prefix of ``tokens`` (one no-cache forward)."""
+    return _hf_logits(hf, tokens)[num_prompt - 1:-1].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("name", list(WINDOW_MODELS))
+def test_engine_holds_the_window_only_and_caching_changes_no_token(name, make_checkpoint,
+                                                                    hf_model_loader):
+    path = _checkpoint(make_checkpoint, name)
+    hf = hf_model_loader(path)
+    llm = LLM(str(path), block_size=4, max_num_batched_tokens=16, progress=False)
+    kv = llm.engine.core.kv
+    assert [spec.window for _, spec in kv.windows] == [WINDOW]
+    prompts = _prompts(llm.engine.inputs.vocab_size, [45, 3, 30], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(f"r{i}", prompt, params)
+    (g, spec), live = kv.windows[0], []
+    outputs = {}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        for rid in list(kv._tables):
+            table = kv.block_table(rid)[g]
+            live.append(sum(b != SKIPPED for b in table))
+            assert len(table) == len(kv.block_table(rid)[0])
+        llm.engine.check_integrity()
+    assert max(live) <= spec.max_live_blocks(16)  # O(window + chunk), whatever the length
+    for i, prompt in enumerate(prompts):
+        tokens = outputs[f"r{i}"]
+        assert tokens == _teacher_forced_argmax(hf, prompt + tokens, len(prompt))
+
+    # The same prompts again: prefix hits (window pages included) give the same tokens.
+    again = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in again] == [outputs[f"r{i}"] for i in range(3)]
+    assert again[0].num_cached_tokens > 0
+    uncached = LLM(str(path), block_size=4, max_num_batched_tokens=16, progress=False,
+                   enable_prefix_caching=False)
+    plain = uncached.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in plain] == [outputs[f"r{i}"] for i in range(3)]
+
+
+def test_tiers_and_disaggregation_are_refused_for_window_models(make_checkpoint, tmp_path):
+    path = _checkpoint(make_checkpoint, "Qwen3-layer-types")
+    with pytest.raises(ValueError, match="sliding-window"):
+        LLM(str(path), kv_store_dir=str(tmp_path / "store"), progress=False)
+    with pytest.raises(ValueError, match="sliding-window"):
+        LLM(str(path), kv_host_memory=1 << 20, progress=False)
