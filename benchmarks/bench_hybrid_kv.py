@@ -1,8 +1,8 @@
 """Hybrid KV layout figures (issue 15): what sliding-window layer groups save.
 
-The real KV manager (openinfer.kv.kv_manager) and pool sizing (openinfer.kv.spec.
-blocks_per_group) on the layer specs of published models, each beside the same model with every
-layer's KV kept in full (what an engine without window groups holds):
+The real KV manager (openinfer.kv.kv_manager: one pool of pages shared by every layer group) on
+the layer specs of published models, each beside the same model with every layer's KV kept in
+full (what an engine without window groups holds):
 
 1. KV bytes one 32k-token request holds at its end (a 2048-token chunked prefill of 30k tokens,
    then decodes), and at its peak.
@@ -27,12 +27,12 @@ from openinfer.kv.spec import (
     SKIPPED,
     FullAttentionSpec,
     SlidingWindowSpec,
-    blocks_per_group,
     group_layers,
+    page_bytes,
 )
 
 REPO = Path(__file__).resolve().parent.parent
-BLOCK, CHUNK, MAX_SEQS = 16, 2048, 256
+BLOCK, CHUNK = 16, 2048
 GiB = 1024**3
 
 
@@ -68,7 +68,7 @@ def one_long_request(model: ModelShape, hybrid: bool, length: int = 32768,
                      prompt: int = 30720) -> tuple[int, int]:
     """(bytes held at the end, peak bytes) of one request, prefilled in chunks then decoded."""
     groups = group_layers(model.specs(hybrid))
-    kv = KVCacheManager(groups, [4 * length // BLOCK] * len(groups), enable_caching=False)
+    kv = KVCacheManager(groups, 4 * len(groups) * length // BLOCK, enable_caching=False)
     computed, peak = 0, 0
     while computed < length:
         step = min(CHUNK, prompt - computed) if computed < prompt else 1
@@ -82,8 +82,7 @@ def one_long_request(model: ModelShape, hybrid: bool, length: int = 32768,
 
 def concurrent_requests(model: ModelShape, hybrid: bool, memory: int, context: int = 8192) -> int:
     groups = group_layers(model.specs(hybrid))
-    kv = KVCacheManager(groups, blocks_per_group(groups, memory, MAX_SEQS, CHUNK),
-                        enable_caching=False)
+    kv = KVCacheManager(groups, memory // page_bytes(groups), enable_caching=False)
     n = 0
     while n < 10_000:
         rid, computed = f"r{n}", 0
@@ -100,13 +99,13 @@ def concurrent_requests(model: ModelShape, hybrid: bool, memory: int, context: i
 
 def figures() -> str:
     rows = ["| model (bf16, block 16) | window | 32k request held: hybrid | all layers full | saved | "
-            "peak hybrid (2048-token chunks) | 8k requests in 8 GiB: hybrid | all full | ratio |",
+            "peak hybrid (2048-token chunks) | 8k requests in 16 GiB: hybrid | all full | ratio |",
             "|---|---|---|---|---|---|---|---|---|"]
     for model in MODELS:
         end_h, peak_h = one_long_request(model, hybrid=True)
         end_f, _ = one_long_request(model, hybrid=False)
-        conc_h = concurrent_requests(model, True, 8 * GiB)
-        conc_f = concurrent_requests(model, False, 8 * GiB)
+        conc_h = concurrent_requests(model, True, 16 * GiB)
+        conc_f = concurrent_requests(model, False, 16 * GiB)
         kind = f"{model.window} ({'every layer' if model.windowed == 'all' else 'every 2nd layer'})"
         rows.append(f"| {model.name} ({model.layers} layers, {model.kv_heads}x{model.head_dim}) | {kind} | "
                     f"{end_h / 2**20:.0f} MiB | {end_f / 2**20:.0f} MiB | {1 - end_h / end_f:.0%} | "
@@ -124,16 +123,17 @@ def main() -> None:
 
 The real KV manager and pool sizing on the layer shapes of published models, each beside the
 same model with every layer's KV kept in full. A window group holds only the blocks its next
-queries read (entries behind the window are released during long prefills and decodes), and
-its pool is sized to what the running requests can hold at once (`blocks_per_group`,
-max_num_seqs {MAX_SEQS}, {CHUNK}-token chunks); the full-attention groups get the rest of the
-memory. Block counts times bytes per block: no timing, no machine dependence.
+queries read (entries behind the window are released during long prefills and decodes,
+{CHUNK}-token chunks); all groups draw pages from one pool, so what the window layers do not
+hold serves more requests. Block counts times bytes per block: no timing, no machine
+dependence.
 
 {table}
 
 The 32k-token request's window layers hold O(window + chunk) tokens whatever its length; its
-full layers hold all 32k. Mistral (every layer windowed) holds one window per layer, and its
-whole budget serves window pools, so many more 8k requests fit.
+full layers hold all 32k. An 8k request still holds its whole context in the full layers and
+about window + chunk tokens in the window layers, so the gain at 8k is largest for short
+windows (gpt-oss) and for models windowed everywhere (Mistral).
 """
     print(body)
     if not args.no_write:

@@ -67,6 +67,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER address for replaying "
                                                        "missed KV event batches")
     g.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events")
+    g.add_argument("--swa-bounded-replay", action=argparse.BooleanOptionalAction, default=True,
+                   help="sliding-window layers cache their pages only at window snapshots; a "
+                        "prefix hit recomputes at most one snapshot interval "
+                        "(--no-swa-bounded-replay: cache every window page)")
+    g.add_argument("--swa-snapshot-interval", type=int, default=512,
+                   help="tokens between sliding-window snapshots (a multiple of --block-size)")
     d = parser.add_argument_group("disaggregation")
     d.add_argument("--role", dest="kv_role", choices=("both", "prefill", "decode"), default="both",
                    help="prefill: hold prompts' KV for decode instances to pull; decode: pull "
@@ -115,7 +121,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_host_memory=args.kv_host_memory, kv_store_dir=args.kv_store_dir,
         kv_store_bytes=args.kv_store_bytes, kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-        kv_events_topic=args.kv_events_topic,
+        kv_events_topic=args.kv_events_topic, swa_bounded_replay=args.swa_bounded_replay,
+        swa_snapshot_interval=args.swa_snapshot_interval,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy, seed=args.seed,
         kv_role=args.kv_role, kv_connector=args.kv_connector,

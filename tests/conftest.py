@@ -121,5 +121,5 @@ def check_block_pools_after_test(monkeypatch):
         core = llm.engine.core
         core.check_integrity()
         assert not core.has_unfinished_requests(), "a request was left in the engine"
-        assert all(p.num_free == p.num_blocks for p in core.kv.pools), "KV blocks leaked"
+        assert core.kv.pool.num_free == core.kv.pool.num_blocks, "KV blocks leaked"
         assert not core.executor.worker.runner.requests, "the runner kept a finished request"

@@ -21,7 +21,7 @@ from openinfer.engine.scheduler import Scheduler
 from openinfer.kv.events import KVEventPublisher, to_wire
 from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.kv_manager import KVCacheManager, KVEvent
-from openinfer.kv.spec import BlockLayout, LayerGroup, blocks_per_group, group_layers
+from openinfer.kv.spec import BlockLayout, LayerGroup, SlidingWindowSpec, group_layers, page_bytes
 from openinfer.sampling_params import SamplingParams
 from openinfer.transfer.file_store import model_fingerprint
 
@@ -36,16 +36,20 @@ class EngineCore:
         self.compute_info: dict = self.executor.call("compute_info_labels")
         """How this engine computes (the labels of the compute_info metric)."""
         groups = group_layers(self.executor.call("kv_cache_specs"))
-        sc = config.scheduler
-        pool_sizes = blocks_per_group(groups, min(self.executor.collective_rpc("kv_cache_memory")),
-                                      sc.max_num_seqs, sc.max_num_batched_tokens)
-        self.kv = KVCacheManager(groups, pool_sizes, cache.enable_prefix_caching)
-        num_blocks = self.kv.num_blocks
-        capacity = num_blocks * cache.block_size
-        if capacity < mc.max_model_len:
+        num_blocks = min(self.executor.collective_rpc("kv_cache_memory")) // page_bytes(groups)
+        self.kv = KVCacheManager(groups, num_blocks, cache.enable_prefix_caching,
+                                 cache.swa_snapshot_interval if cache.swa_bounded_replay else None)
+        # One request of max_model_len tokens must fit: every block in the full groups, the
+        # window and a prefill chunk in the window groups.
+        chunk = config.scheduler.max_num_batched_tokens
+        needed = sum(g.spec.max_live_blocks(chunk) if isinstance(g.spec, SlidingWindowSpec)
+                     else g.spec.blocks_for(mc.max_model_len) for g in groups)
+        if needed > num_blocks:
             raise ValueError(
-                f"kv_cache_memory holds {capacity} tokens, fewer than max_model_len "
-                f"({mc.max_model_len}): raise kv_cache_memory or lower max_model_len")
+                f"kv_cache_memory holds {num_blocks} blocks, fewer than one request of "
+                f"max_model_len ({mc.max_model_len}) needs ({needed}): raise kv_cache_memory "
+                "or lower max_model_len")
+        capacity = num_blocks * cache.block_size // len(self.kv.anchors)
         if self.kv.windows and (cache.kv_host_memory is not None or cache.kv_store_dir is not None
                                 or config.kv_transfer.role != "both"
                                 or config.kv_transfer.port is not None):
@@ -54,7 +58,7 @@ class EngineCore:
                 "disaggregated prefill do not carry their window KV yet (SWA snapshots)")
         self.scheduler = Scheduler(config.scheduler, self.kv,
                                    config.kv_transfer.load_failure_policy)
-        self.executor.collective_rpc("initialize_kv_cache", groups, pool_sizes)
+        self.executor.collective_rpc("initialize_kv_cache", groups, num_blocks)
         self._layout: BlockLayout | None = None
         self.has_tiers = self._attach_kv_tiers(groups)
         self.kv_server_address = self._attach_kv_transfer(groups)
@@ -68,10 +72,9 @@ class EngineCore:
             medium = "GPU" if config.device.startswith("cuda") else "CPU"
             self.event_sink = lambda events: self.publisher.publish(
                 to_wire(events, cache.block_size, medium))
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens) in %d layer group(s)%s",
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens) shared by %d layer group(s)%s",
                     num_blocks, cache.block_size, capacity, len(groups),
-                    f", window groups {[pool_sizes[g] for g, _ in self.kv.windows]} blocks"
-                    if self.kv.windows else "")
+                    f", {len(self.kv.windows)} of them sliding-window" if self.kv.windows else "")
 
     def _block_layout(self, groups: list[LayerGroup]) -> BlockLayout:
         """What a cached block's bytes mean: instances and files that share blocks must
@@ -206,6 +209,9 @@ class EngineCore:
             "prefix_cache_blocks": kv.num_cached_blocks,
             "prompt_tokens_computed": s.num_prompt_tokens_computed,
         }
+        if kv.windows:
+            stats["swa_replayed_tokens"] = kv.num_replayed_tokens
+            stats["window_pages_cached"] = sum(kv.pools[g].num_cached for g, _ in kv.windows)
         if self.has_tiers:
             stats["kv_host_blocks_used"] = kv.host.num_used
             stats["kv_host_blocks_total"] = kv.host.num_slots

@@ -2,14 +2,35 @@
 
 A group's tensor is block-major, ``[num_blocks, layers, *page_shape]``: one block of every
 layer of the group is one contiguous chunk, so moving a block to the host, a file or
-another instance is one copy per group, not one per layer.
+another instance is one copy per group, not one per layer. All groups' tensors are views of
+one buffer of ``num_blocks`` pages (the KV manager's one pool: a page serves whichever group
+holds its block id)::
+
+    buffer  [ page 0 | page 1 | page 2 | ... ]      page = the largest group's block bytes
+    group 0   [0, layers, 2, bs, H, D] ...           (a view; row stride = page)
+    group 1   [0, layers, 2, bs, H, D] ...
 """
 
 from __future__ import annotations
 
 import torch
 
-from openinfer.kv.spec import LayerGroup
+from openinfer.kv.spec import LayerGroup, page_bytes
+
+
+def allocate_caches(groups: list[LayerGroup], num_blocks: int,
+                    device: torch.device | str) -> list[torch.Tensor]:
+    """Every group's cache, views of one zero-filled buffer of ``num_blocks`` pages."""
+    if len(groups) == 1:
+        return [allocate_group_cache(groups[0], num_blocks, device)]
+    page = page_bytes(groups)
+    buffer = torch.zeros(num_blocks, page, dtype=torch.uint8, device=device)
+    caches = []
+    for group in groups:
+        dtype = getattr(torch, group.spec.dtype)
+        part = buffer[:, :group.bytes_per_block].view(dtype)
+        caches.append(part.view(num_blocks, len(group.layers), *group.spec.page_shape))
+    return caches
 
 
 def allocate_group_cache(group: LayerGroup, num_blocks: int,

@@ -169,7 +169,8 @@ class Scheduler:
             if remaining > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(remaining, budget)
-            new_blocks = self.kv.allocate_slots(req.request_id, num_hit + n, hit)
+            new_blocks = self.kv.allocate_slots(req.request_id, num_hit + n, hit,
+                                                num_prompt_tokens=req.num_prompt_tokens)
             if new_blocks is None:
                 break  # head-of-line waits: later requests must not overtake it
             heapq.heappop(self._waiting)

@@ -21,7 +21,7 @@ import torch
 from openinfer.attention import select_attention_backend
 from openinfer.config import CUDA_MEMORY_UTILIZATION, DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from openinfer.cpu_features import cpu_capability
-from openinfer.engine.kv_cache import allocate_group_cache
+from openinfer.engine.kv_cache import allocate_caches
 from openinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from openinfer.engine.runner import ModelRunner
 from openinfer.huge_pages import huge_pages_in_use, system_mode
@@ -106,11 +106,11 @@ class Worker:
             return int(free * CUDA_MEMORY_UTILIZATION)
         return DEFAULT_CPU_KV_CACHE_MEMORY
 
-    def initialize_kv_cache(self, groups: list[LayerGroup], num_blocks: list[int]) -> None:
-        """One tensor per layer group (of its pool's ``num_blocks``), and the runner over them."""
+    def initialize_kv_cache(self, groups: list[LayerGroup], num_blocks: int) -> None:
+        """One tensor per layer group, views of one buffer of ``num_blocks`` pages, and the
+        runner over them."""
         self.groups = groups
-        self.kv_caches = [allocate_group_cache(g, n, self.config.device)
-                          for g, n in zip(groups, num_blocks)]
+        self.kv_caches = allocate_caches(groups, num_blocks, self.config.device)
         self.runner = ModelRunner(self.model, groups, self.kv_caches,
                                   self.config.model.num_layers, self.config.device,
                                   self.attention, seed=self.config.seed)

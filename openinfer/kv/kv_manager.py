@@ -1,8 +1,10 @@
-"""Per-request block tables over per-layer-group block pools, with prefix caching.
+"""Per-request block tables, one per layer group, over one shared block pool, with prefix caching.
 Pure Python: no tensors.
 
-Every layer group has its own pool of ``num_blocks`` blocks (its own cache tensor on
-the device); a request holds one block table per group. A request's tables grow as
+All layer groups share one pool of ``num_blocks`` blocks (each group's cache tensor on
+the device is a view of one buffer of pages, so a page serves whichever group takes it);
+a request holds one block table per group, and admission counts every group's need
+against the one pool. A request's tables grow as
 its tokens are scheduled:
 
     tokens:  | cached prefix | computed   | scheduled this step | not yet scheduled |
@@ -30,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from openinfer.kv.block_hash import BlockHash
-from openinfer.kv.block_pool import BlockPool
+from openinfer.kv.block_pool import BlockPool, GroupPool
 from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.plan import BlockCopy, BlockLoad, KVPlan
 from openinfer.kv.spec import SKIPPED, LayerGroup, SlidingWindowSpec
@@ -72,6 +74,8 @@ class PrefixHit:
     store_hashes: list[BlockHash] = field(default_factory=list)
     """L3: blocks in the file store, to read into L2 before the request can start."""
     block_size: int = 16
+    num_replayed_tokens: int = 0
+    """Tokens the full groups hold beyond the hit, recomputed for the window state."""
 
     @property
     def num_tokens(self) -> int:
@@ -80,9 +84,10 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    def __init__(self, groups: list[LayerGroup], num_blocks: int | list[int],
-                 enable_caching: bool = True) -> None:
-        """``num_blocks``: every group's pool size, or one per group (blocks_per_group)."""
+    def __init__(self, groups: list[LayerGroup], num_blocks: int, enable_caching: bool = True,
+                 snapshot_interval: int | None = None) -> None:
+        """``snapshot_interval``: window groups keep pages cached only at window snapshots
+        every that many tokens (and at a request's last full block); None: every page."""
         if not groups:
             raise ValueError("the model has no KV cache layers")
         sizes = {g.spec.block_size for g in groups}
@@ -90,26 +95,32 @@ class KVCacheManager:
             raise ValueError(f"all layer groups must share one block size, got {sorted(sizes)}")
         self.groups = groups
         self.block_size = sizes.pop()
-        counts = [num_blocks] * len(groups) if isinstance(num_blocks, int) else list(num_blocks)
+        self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.pools = [BlockPool(n, enable_caching) for n in counts]
+        self.pool = BlockPool(num_blocks, enable_caching, len(groups))
+        self.pools = [GroupPool(self.pool, g) for g in range(len(groups))]
+        """Each group's face of the shared pool (its own prefix-cache index)."""
         self.windows: list[tuple[int, SlidingWindowSpec]] = [
             (g, group.spec) for g, group in enumerate(groups)
             if isinstance(group.spec, SlidingWindowSpec)]
         windowed = {g for g, _ in self.windows}
         self.anchors = [g for g in range(len(groups)) if g not in windowed] or list(range(len(groups)))
         """Groups that keep every block of a request: what is "cached" means theirs."""
-        self.num_blocks = counts[self.anchors[0]]
-        """Blocks of an anchor group: the tokens the cache can hold, per block size."""
         self._tables: dict[str, list[list[int]]] = {}
+        self.snapshot_interval = snapshot_interval
+        self.num_replayed_tokens = 0
+        """Tokens of full-group prefix hits recomputed because the window state at their end
+        was not cached (a hit resumes at the latest snapshot behind it)."""
         self._first_live: dict[str, list[int]] = {}
+        self._prompt_point: dict[str, int] = {}
+        """Per request: the furthest block-aligned hit point of its prompt (a snapshot)."""
         """Per request, per window group (in ``windows`` order): entries before it are released."""
         self._num_cached_blocks: dict[str, int] = {}
         """Per request: how many of its leading blocks are already in the cache index."""
         self.events: list[KVEvent] = []
         """What entered and left the cache since the caller last drained this list."""
-        for g in self.anchors:
-            self.pools[g].on_evict = self._on_device_evict
+        anchors = set(self.anchors)
+        self.pool.on_evict = lambda group, h: group in anchors and self._on_device_evict(h)
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.hit_tokens_by_tier = dict.fromkeys(TIERS, 0)
@@ -152,7 +163,7 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return max(pool.usage for pool in self.pools)
+        return self.pool.usage
 
     def block_table(self, request_id: str) -> list[list[int]]:
         """The request's block ids, one list per layer group."""
@@ -170,13 +181,15 @@ class KVCacheManager:
             return hit
         limit = block_hashes[:(num_tokens - 1) // self.block_size]
         i = 0
-        anchors = [self.pools[g] for g in self.anchors]
-        while i < len(limit) and all(limit[i] in pool for pool in anchors):
+        windowed = {g for g, _ in self.windows}
+        full = [pool for g, pool in enumerate(self.pools) if g not in windowed]
+        while i < len(limit) and all(limit[i] in pool for pool in full):
             i += 1
         if self.windows:
-            i = self._window_hit(limit, i)
+            anchored, i = i, self._window_hit(limit, i)
+            hit.num_replayed_tokens = (anchored - i) * self.block_size
         for g, (table, pool) in enumerate(zip(hit.blocks, self.pools)):
-            first = 0 if g in self.anchors else self._spec(g).first_needed_block(i * self.block_size)
+            first = self._spec(g).first_needed_block(i * self.block_size) if g in windowed else 0
             table.extend([SKIPPED] * first)
             table.extend(pool.lookup(h) for h in limit[first:i])
         if self.host is not None:
@@ -247,19 +260,23 @@ class KVCacheManager:
         self.hit_tokens_by_tier["L1"] += len(hit.blocks[0]) * self.block_size
         self.hit_tokens_by_tier["L2"] += l2 * self.block_size
         self.hit_tokens_by_tier["L3"] += num_from_store * self.block_size
+        self.num_replayed_tokens += hit.num_replayed_tokens
 
     # ---- allocation ------------------------------------------------------------------
 
     def allocate_slots(self, request_id: str, num_tokens: int, hit: PrefixHit | None = None,
-                       num_computed_tokens: int | None = None) -> list[list[int]] | None:
+                       num_computed_tokens: int | None = None,
+                       num_prompt_tokens: int | None = None) -> list[list[int]] | None:
         """Grow the request's tables to cover ``num_tokens`` tokens, starting with a new
         request's cached prefix when given: its device blocks by reference, then fresh
         blocks that its host-tier blocks are copied into before the step runs. A running
         request passes ``num_computed_tokens``: window groups first release the blocks no
-        query from there on reads.
+        query from there on reads. A new request may pass ``num_prompt_tokens``: the window
+        behind the furthest hit point of its prompt is a snapshot too (the same prompt sent
+        again replays nothing).
 
         Returns the block ids added per group (hit blocks first), or None (changing
-        nothing but the release) when some group's pool lacks room.
+        nothing but the release) when the pool lacks room.
         """
         if num_computed_tokens is not None:
             self._release_out_of_window(request_id, num_computed_tokens)
@@ -267,10 +284,10 @@ class KVCacheManager:
         cached = hit.blocks if hit is not None else [[] for _ in self.groups]
         wanted = [max(0, g.spec.blocks_for(num_tokens) - len(t) - len(c))
                   for g, t, c in zip(self.groups, tables, cached)]
-        for n, hits, pool in zip(wanted, cached, self.pools):
-            reviving = sum(1 for b in hits if b != SKIPPED and pool.ref_count(b) == 0)
-            if n + reviving > pool.num_free:
-                return None
+        reviving = sum(1 for hits in cached for b in hits
+                       if b != SKIPPED and self.pool.ref_count(b) == 0)
+        if sum(wanted) + reviving > self.pool.num_free:
+            return None
         added = []
         for table, hits, n, pool in zip(tables, cached, wanted, self.pools):
             pool.touch([b for b in hits if b != SKIPPED])
@@ -281,6 +298,8 @@ class KVCacheManager:
             self._first_live[request_id] = [
                 next((i for i, b in enumerate(tables[g]) if b != SKIPPED), len(tables[g]))
                 for g, _ in self.windows]
+            if num_prompt_tokens:
+                self._prompt_point[request_id] = (num_prompt_tokens - 1) // self.block_size
         self._tables[request_id] = tables
         if hit is not None and (hit.blocks[0] or hit.host_slots):
             first = len(hit.blocks[0])
@@ -293,16 +312,25 @@ class KVCacheManager:
         return added
 
     def _release_out_of_window(self, request_id: str, num_computed_tokens: int) -> None:
-        """Free the window groups' blocks that lie wholly before every remaining query's
-        window (oldest first, so their cached pages are evicted before newer ones)."""
+        """Free the window groups' blocks that lie wholly before the window behind the
+        request's last full block (so that window, a snapshot, is held to the end), oldest
+        first so their cached pages are evicted before newer ones. With bounded replay,
+        pages outside every snapshot leave the prefix cache as they are freed."""
         tables = self._tables.get(request_id)
         if tables is None or not self.windows:
             return
         live = self._first_live[request_id]
+        last_full = num_computed_tokens // self.block_size * self.block_size
         for w, (g, spec) in enumerate(self.windows):
             table = tables[g]
-            end = min(spec.first_needed_block(num_computed_tokens), len(table))
+            end = min(spec.first_needed_block(last_full), len(table))
             if end > live[w]:
+                if self.snapshot_interval is not None:
+                    point = self._prompt_point.get(request_id, 0)
+                    prompt = range(spec.first_needed_block(point * self.block_size), point)
+                    for i in range(live[w], end):
+                        if i not in prompt and not spec.in_snapshot(i, self.snapshot_interval):
+                            self.pool.uncache(table[i])
                 self.pools[g].free(table[live[w]:end])
                 table[live[w]:end] = [SKIPPED] * (end - live[w])
                 live[w] = end
@@ -343,6 +371,7 @@ class KVCacheManager:
         tables = self._tables.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
         self._first_live.pop(request_id, None)
+        self._prompt_point.pop(request_id, None)
         if tables is None:
             return
         for pool, table in zip(self.pools, tables):
@@ -377,8 +406,7 @@ class KVCacheManager:
     def reset_cache(self) -> int:
         """Forget every cached prefix (admin reset); returns how many blocks were cached."""
         count = self.num_cached_blocks
-        for pool in self.pools:
-            pool.reset_cache()
+        self.pool.reset_cache()
         if self.host is not None:
             self.host.clear()
         self.events.append(AllBlocksCleared())
@@ -386,13 +414,13 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Assert every block's refcount equals the number of tables that hold it."""
-        for g, pool in enumerate(self.pools):
-            held: dict[int, int] = {}
-            for tables in [*self._tables.values(), *self._held.values()]:
-                for b in tables[g]:
+        held: dict[int, int] = {}
+        for tables in [*self._tables.values(), *self._held.values()]:
+            for table in tables:
+                for b in table:
                     if b != SKIPPED:
                         held[b] = held.get(b, 0) + 1
-            pool.check_integrity(held)
+        self.pool.check_integrity(held)
         if self.host is not None:
             self.host.check_integrity()
 

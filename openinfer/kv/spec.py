@@ -120,8 +120,16 @@ class SlidingWindowSpec(_PagedSpec):
 
     def max_live_blocks(self, num_new_tokens: int) -> int:
         """Blocks a request holds in this group at most while ``num_new_tokens`` of its tokens
-        are computed in one step: the window behind the first of them, plus theirs."""
-        return -(-(self.window - 1) // self.block_size) + 1 + -(-num_new_tokens // self.block_size)
+        are computed in one step: the window behind its last full block (a snapshot point),
+        plus the partial block and the new tokens' blocks."""
+        return -(-(self.window - 1) // self.block_size) + 2 + -(-num_new_tokens // self.block_size)
+
+    def in_snapshot(self, block: int, interval: int) -> bool:
+        """Whether block ``block`` holds part of the window behind a snapshot point (a
+        multiple of ``interval`` tokens): the first such point after it is the only one
+        whose window can reach back to it."""
+        point = -(-(block + 1) * self.block_size // interval) * interval
+        return self.first_needed_block(point) <= block
 
 
 SKIPPED = -1
@@ -144,12 +152,25 @@ class LayerGroup:
 
 def group_layers(specs: list[KVSpec | None]) -> list[LayerGroup]:
     """Group layers with identical specs, in order of first appearance (a layer without a
-    KV cache has spec None and joins no group)."""
-    groups: dict[KVSpec, list[int]] = {}
+    KV cache has spec None and joins no group).
+
+    All groups share one pool of pages, a page being one block of every layer of a group, so
+    groups are cut to one size: the smallest spec's layer count (gpt-oss: 12 window + 12 full
+    layers, two groups of 12; Gemma 3's 5:1 pattern, one full group and five window groups of
+    the same size). Then every group's page has the same bytes when the specs' per-layer bytes
+    agree, and no page is partly wasted."""
+    by_spec: dict[KVSpec, list[int]] = {}
     for layer, spec in enumerate(specs):
         if spec is not None:
-            groups.setdefault(spec, []).append(layer)
-    return [LayerGroup(spec, tuple(layers)) for spec, layers in groups.items()]
+            by_spec.setdefault(spec, []).append(layer)
+    size = min((len(layers) for layers in by_spec.values()), default=0)
+    return [LayerGroup(spec, tuple(layers[i:i + size]))
+            for spec, layers in by_spec.items() for i in range(0, len(layers), size)]
+
+
+def page_bytes(groups: list[LayerGroup]) -> int:
+    """Bytes of one page of the shared pool: the largest group's block."""
+    return max(g.bytes_per_block for g in groups)
 
 
 @dataclass(frozen=True)
@@ -198,26 +219,3 @@ class BlockLayout:
             "order": "group-major[group][layer][page]",
         }
 
-
-def blocks_per_group(groups: list[LayerGroup], memory_bytes: int, max_num_seqs: int,
-                     max_num_batched_tokens: int) -> list[int]:
-    """Each group's pool size from the KV memory budget.
-
-    A request holds as many blocks in every full-attention (or MLA) group, so those get
-    equal counts. A sliding-window group needs at most ``max_live_blocks`` per running
-    request, whatever its length: it gets twice what all running requests can hold at once
-    (the rest keeps recent window pages for prefix hits), and the full groups the remaining
-    memory. A model of window layers only (or one where the window bound is no saving) splits
-    the memory evenly."""
-    equal = memory_bytes // sum(g.bytes_per_block for g in groups)
-    windows = [g for g in groups if isinstance(g.spec, SlidingWindowSpec)]
-    if not windows or len(windows) == len(groups):
-        return [equal] * len(groups)
-    bound = {g: 2 * (max_num_seqs * (g.spec.max_live_blocks(0) + 1)  # type: ignore[union-attr]
-                     + -(-max_num_batched_tokens // g.spec.block_size))
-             for g in windows}
-    rest = memory_bytes - sum(n * g.bytes_per_block for g, n in bound.items())
-    full = rest // sum(g.bytes_per_block for g in groups if g not in bound) if rest > 0 else 0
-    if full <= max(bound.values()):
-        return [equal] * len(groups)
-    return [bound.get(g, full) for g in groups]

@@ -1,8 +1,8 @@
 """Gemma 2: sliding-window and full attention layers alternating (``layer_types``), with
 soft-capped attention scores and logits, and a norm before *and after* each sublayer.
 
-    x ─ embed·√H ─┬─ norm ─ Attention ─ norm ─(+)─┬─ norm ─ MLP(gelu) ─ norm ─(+)─ ... ─ norm ─ LM head ─ cap·tanh(·/cap)
-                  └───────────────────────────────┘└──────────────────────────────┘
+    x ─ embed·√H ─┬─ norm ─ Attention ─ norm ─(+)─┬─ norm ─ MLP(gelu) ─ norm ─(+)─ ... ─ norm ─ LM head
+                  └───────────────────────────────┘└──────────────────────────────┘      cap·tanh(·/cap)
 
 Attention scores are ``cap·tanh(s/cap)`` (``attn_logit_softcapping``) with the scale
 ``query_pre_attn_scalar^-1/2``; the logits get the same with ``final_logit_softcapping``.

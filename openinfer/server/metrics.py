@@ -294,6 +294,9 @@ class _EngineStats(Collector):
         ("kv_remote_pull_failures", "kv_remote_pull_failures",
          "Pulls from prefill instances that failed (the rest was recomputed or failed)"),
         ("kv_bytes_served", "kv_bytes_served", "Bytes a prefill instance sent to decode instances"),
+        ("swa_replayed_tokens", "swa_replayed_tokens",
+         "Prefix-hit tokens recomputed because no window snapshot was cached at their end "
+         "(sliding-window models)"),
     )
     # (name, stats key holding {label value: total}, label, help)
     LABELLED_COUNTERS = (

@@ -32,7 +32,7 @@ def assert_idle(llm: LLM) -> None:
     llm.engine.check_integrity()
     core = llm.engine.core
     assert not core.has_unfinished_requests()
-    assert all(pool.num_free == pool.num_blocks for pool in core.kv.pools)
+    assert core.kv.pool.num_free == core.kv.pool.num_blocks
     assert not core.executor.worker.runner.requests
 
 

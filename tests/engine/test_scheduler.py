@@ -123,7 +123,7 @@ def test_preemption_frees_newest_and_everyone_finishes():
     assert s.num_preemptions > 0
     assert finished_order[0] == "r0"  # the oldest is never the victim
     assert sorted(finished_order) == ["r0", "r1", "r2"]
-    assert s.kv.pools[0].num_free == 6
+    assert s.kv.pool.num_free == 6
 
 
 def test_preempted_request_resumes_with_its_outputs():

@@ -55,7 +55,7 @@ def test_allocate_slots_grows_tables_block_by_block():
     kv.free("a")
     kv.free("b")
     kv.check_integrity()
-    assert kv.pools[0].num_free == 5 and kv.num_requests == 0
+    assert kv.pool.num_free == 5 and kv.num_requests == 0
 
 
 def test_free_is_idempotent_for_unknown_requests():

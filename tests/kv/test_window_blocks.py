@@ -13,8 +13,8 @@ from openinfer.kv.spec import (
     SKIPPED,
     FullAttentionSpec,
     SlidingWindowSpec,
-    blocks_per_group,
     group_layers,
+    page_bytes,
 )
 
 BLOCK = 4
@@ -27,7 +27,7 @@ def _specs(window_only: bool = False) -> list:
     return [window, window] if window_only else [full, window, full, window]
 
 
-def _manager(num_blocks: int | list[int], window_only: bool = False) -> KVCacheManager:
+def _manager(num_blocks: int, window_only: bool = False) -> KVCacheManager:
     return KVCacheManager(group_layers(_specs(window_only)), num_blocks)
 
 
@@ -59,7 +59,7 @@ def _run(kv: KVCacheManager, rid: str, tokens: list[int], prompt_len: int,
 
 
 def test_window_groups_hold_only_the_blocks_their_window_reads():
-    kv = _manager(64)
+    kv = _manager(128)
     tokens = list(range(100))
     live = _run(kv, "a", tokens, prompt_len=40, chunk=16)
     spec = kv.groups[1].spec
@@ -68,10 +68,11 @@ def test_window_groups_hold_only_the_blocks_their_window_reads():
     table_full, table_window = kv.block_table("a")
     assert len(table_full) == len(table_window) == 25  # positions stay aligned
     assert SKIPPED not in table_full                    # full attention keeps everything
-    # The window group kept exactly the blocks that the next query (position 100) reads.
-    first = spec.first_needed_block(100)
+    # The window group kept exactly the window behind the last full block (96) when the
+    # last token (99) was scheduled: a snapshot point, and all that query 99 reads.
+    first = spec.first_needed_block(96)
     assert table_window[:first] == [SKIPPED] * first and SKIPPED not in table_window[first:]
-    assert kv.pools[0].num_free == 64 - 25 and kv.pools[1].num_free == 64 - (25 - first)
+    assert kv.pool.num_free == 128 - 25 - (25 - first)  # one full, one window group
     kv.free("a")
     kv.check_integrity()
     assert kv.usage == 0
@@ -91,8 +92,7 @@ def test_a_hit_resumes_where_every_window_group_has_its_pages():
     assert all(b != SKIPPED for b in hit.blocks[1][first:]) and len(hit.blocks[1]) == 10
     # Evict the window page of block 8 only: no hit point from 9 blocks on has its window,
     # and a hit at 8 blocks needs pages 6-7, which are still cached.
-    window_pool = kv.pools[1]
-    window_pool._evict(window_pool.lookup(_hashes(tokens)[8]))
+    kv.pool._evict(kv.pools[1].lookup(_hashes(tokens)[8]))
     hit = kv.find_cached_prefix(_hashes(tokens), len(tokens))
     assert hit.num_tokens == 32
     assert kv.allocate_slots("b", 41, hit) is not None
@@ -109,9 +109,9 @@ def test_events_follow_the_full_groups_and_window_only_models_cache_too():
     assert len(stored) == 8 and kv.num_cached_blocks == 8
     kv.events.clear()
     # Evicting a window page is not a removal from the cache; evicting a full page is.
-    kv.pools[1]._evict(kv.pools[1].lookup(_hashes(tokens)[0]))
+    kv.pool._evict(kv.pools[1].lookup(_hashes(tokens)[0]))
     assert kv.events == []
-    kv.pools[0]._evict(kv.pools[0].lookup(_hashes(tokens)[0]))
+    kv.pool._evict(kv.pools[0].lookup(_hashes(tokens)[0]))
     assert [type(e) for e in kv.events] == [BlockRemoved]
     kv.free("a")
 
@@ -121,16 +121,25 @@ def test_events_follow_the_full_groups_and_window_only_models_cache_too():
     assert only.anchors == [0] and only.find_cached_prefix(_hashes(tokens), 33).num_tokens == 32
 
 
-def test_pool_sizes_give_window_groups_their_bound_and_full_groups_the_rest():
-    groups = group_layers(_specs())
-    full, window = groups[0].bytes_per_block, groups[1].bytes_per_block
-    sizes = blocks_per_group(groups, 1000 * (full + window), max_num_seqs=4,
-                             max_num_batched_tokens=32)
-    bound = 2 * (4 * (groups[1].spec.max_live_blocks(0) + 1) + 32 // BLOCK)
-    assert sizes == [(1000 * (full + window) - bound * window) // full, bound]
-    # Too little memory for the bound to save anything: an even split.
-    assert blocks_per_group(groups, 20 * (full + window), 4, 32) == [20, 20]
-    assert blocks_per_group(group_layers(_specs(window_only=True)), 50 * full, 4, 32) == [50]
+def test_groups_share_one_pool_of_equal_pages():
+    # 1 full layer and 3 window layers: groups of one layer each, so every page has one size.
+    full = FullAttentionSpec(BLOCK, 2, 8, "float32")
+    window = SlidingWindowSpec(BLOCK, 2, 8, "float32", WINDOW)
+    groups = group_layers([window, full, window, window])
+    assert [(g.spec.kind, g.layers) for g in groups] == [
+        ("sliding_window", (0,)), ("sliding_window", (2,)), ("sliding_window", (3,)),
+        ("full_attention", (1,))]
+    assert page_bytes(groups) == groups[0].bytes_per_block == groups[3].bytes_per_block
+    # Admission counts every group's blocks against the one pool.
+    kv = KVCacheManager(groups, 13)
+    assert kv.allocate_slots("a", 12) is not None  # 3 blocks in each of 4 groups
+    assert kv.pool.num_free == 1
+    assert kv.allocate_slots("b", 1) is None        # needs 4, one per group
+    kv.check_integrity()
+    kv.free("a")
+    assert kv.allocate_slots("b", 12) is not None
+    kv.free("b")
+    kv.check_integrity()
 
 
 @settings(max_examples=120, deadline=None)
@@ -139,7 +148,7 @@ def test_pool_sizes_give_window_groups_their_bound_and_full_groups_the_rest():
 def test_random_prefill_decode_hit_free_sequences_keep_every_pool_consistent(ops):
     """Requests over a 2-letter alphabet share prefixes; pools are tight (window groups
     smaller); every step releases what fell behind the window."""
-    kv = _manager([24, 12])
+    kv = _manager(30)
     live: dict[str, tuple[list[int], int]] = {}  # tokens, computed
     for step, (op, who, n) in enumerate(ops):
         rid = f"r{who}"
@@ -168,3 +177,31 @@ def test_random_prefill_decode_hit_free_sequences_keep_every_pool_consistent(ops
         kv.free(rid)
     kv.check_integrity()
     assert kv.usage == 0
+
+
+def test_bounded_replay_keeps_window_pages_only_at_snapshots():
+    # Snapshots every 16 tokens (4 blocks): the windows behind 16 and 32 are blocks 2-3 and
+    # 6-7; the request ends at 41 tokens, so the window behind its last full block (40),
+    # blocks 8-9, stays too. Every other window page leaves the cache as it is released.
+    bounded = KVCacheManager(group_layers(_specs()), 128, snapshot_interval=16)
+    per_block = KVCacheManager(group_layers(_specs()), 128)
+    tokens = list(range(41))
+    for kv in (bounded, per_block):
+        _run(kv, "a", tokens, prompt_len=20, chunk=8)
+        kv.free("a")
+        kv.check_integrity()
+    hashes = _hashes(tokens)
+    cached = [i for i, h in enumerate(hashes) if h in bounded.pools[1]]
+    assert cached == [2, 3, 6, 7, 8, 9]
+    assert all(h in per_block.pools[1] for h in hashes)
+    # The same 41 tokens: the last full block's snapshot serves the whole hit.
+    assert bounded.find_cached_prefix(hashes, 41).num_tokens == 40
+    # A prompt that leaves them after 30 tokens: the full groups hold 7 blocks (28 tokens),
+    # the latest snapshot behind them is at 16, so 12 tokens are replayed.
+    other = tokens[:30] + [99] * 15
+    hit = bounded.find_cached_prefix(_hashes(other), len(other))
+    assert (hit.num_tokens, hit.num_replayed_tokens) == (16, 12)
+    hit = per_block.find_cached_prefix(_hashes(other), len(other))
+    assert (hit.num_tokens, hit.num_replayed_tokens) == (28, 0)
+    bounded.record_prefix_query(len(other), bounded.find_cached_prefix(_hashes(other), 45), 0)
+    assert bounded.num_replayed_tokens == 12

@@ -87,21 +87,22 @@ def test_engine_holds_the_window_only_and_caching_changes_no_token(name, make_ch
     hf = hf_model_loader(path)
     llm = LLM(str(path), block_size=4, max_num_batched_tokens=16, progress=False)
     kv = llm.engine.core.kv
-    assert [spec.window for _, spec in kv.windows] == [WINDOW]
+    assert {spec.window for _, spec in kv.windows} == {WINDOW}
     prompts = _prompts(llm.engine.inputs.vocab_size, [45, 3, 30], seed=5)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         llm.engine.add_request(f"r{i}", prompt, params)
-    (g, spec), live = kv.windows[0], []
+    spec, live = kv.windows[0][1], []
     outputs = {}
     while llm.engine.has_unfinished_requests():
         for out in llm.engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
         for rid in list(kv._tables):
-            table = kv.block_table(rid)[g]
-            live.append(sum(b != SKIPPED for b in table))
-            assert len(table) == len(kv.block_table(rid)[0])
+            for g, _ in kv.windows:
+                table = kv.block_table(rid)[g]
+                live.append(sum(b != SKIPPED for b in table))
+                assert len(table) == len(kv.block_table(rid)[0])
         llm.engine.check_integrity()
     assert max(live) <= spec.max_live_blocks(16)  # O(window + chunk), whatever the length
     for i, prompt in enumerate(prompts):
@@ -124,3 +125,26 @@ def test_tiers_and_disaggregation_are_refused_for_window_models(make_checkpoint,
         LLM(str(path), kv_store_dir=str(tmp_path / "store"), progress=False)
     with pytest.raises(ValueError, match="sliding-window"):
         LLM(str(path), kv_host_memory=1 << 20, progress=False)
+
+
+@pytest.mark.parametrize("bounded", [True, False], ids=["bounded-replay", "per-block-pages"])
+def test_hits_across_a_snapshot_interval_give_the_recomputed_tokens(bounded, make_checkpoint):
+    """Prompts that share 17..47 tokens with a cached one hit at every offset of a 16-token
+    snapshot interval: with bounded replay they resume at the latest snapshot and recompute
+    the rest, with per-block window pages at the full hit; both give the uncached tokens."""
+    path = _checkpoint(make_checkpoint, "GptOssForCausalLM")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    options = dict(block_size=4, max_num_batched_tokens=16, progress=False)
+    base = _prompts(1000, [48], seed=9)[0]
+    prompts = [base[:k] + [7, 11, 13] for k in (17, 22, 29, 33, 38, 47)]
+    plain = LLM(str(path), enable_prefix_caching=False, **options)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = LLM(str(path), swa_bounded_replay=bounded, swa_snapshot_interval=16, **options)
+    llm.generate([base], params)
+    for prompt, want in zip(prompts, expected):  # one by one: each finds only the base cached
+        out = llm.generate([prompt], params)[0]
+        assert out.outputs[0].token_ids == want
+        assert out.num_cached_tokens >= 16
+    stats = llm.engine.core.stats()
+    assert (stats["swa_replayed_tokens"] > 0) == bounded
+    llm.engine.check_integrity()
