@@ -45,10 +45,11 @@ def allocate_group_cache(group: LayerGroup, num_blocks: int,
 def layer_views(group: LayerGroup, cache: torch.Tensor) -> list[torch.Tensor]:
     """Each of the group's layers' cache as its attention takes it, a strided view of the
     block-major tensor. Full and sliding-window attention: ``[K|V, num_blocks, block_size, H, D]``;
-    MLA latent: ``[num_blocks, block_size, latent + rope]``."""
+    MLA latent: ``[num_blocks, block_size, latent + rope]``; compressed: ``[num_blocks,
+    entries per page, entry_dim]``."""
     if group.spec.kind in ("full_attention", "sliding_window"):
         return [cache[:, i].transpose(0, 1) for i in range(len(group.layers))]
-    if group.spec.kind == "mla_latent":
+    if group.spec.kind in ("mla_latent", "compressed"):
         return [cache[:, i] for i in range(len(group.layers))]
     raise NotImplementedError(f"no cache view for {group.spec.kind} layers")
 

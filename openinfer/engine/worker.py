@@ -112,7 +112,7 @@ class Worker:
         self.groups = groups
         self.kv_caches = allocate_caches(groups, num_blocks, self.config.device)
         self.runner = ModelRunner(self.model, groups, self.kv_caches,
-                                  self.config.model.num_layers, self.config.device,
+                                  len(self.kv_cache_specs()), self.config.device,
                                   self.attention, seed=self.config.seed)
 
     def attach_tiers(self, layout: BlockLayout, num_host_slots: int) -> Callable | None:

@@ -132,11 +132,45 @@ class SlidingWindowSpec(_PagedSpec):
         return self.first_needed_block(point) <= block
 
 
+@dataclass(frozen=True)
+class CompressedSpec(_PagedSpec):
+    """Compressed attention entries (DeepSeek-V4): one ``entry_dim`` vector per ``ratio``
+    tokens. Entry ``w`` summarises tokens ``w * ratio .. (w + 1) * ratio - 1`` and lives in
+    the page of the token block holding its last token, so a page is full (and cacheable by
+    that block's hash) once its block is computed. A page holds ``block_size / ratio`` entries
+    (ratio dividing the block size), or one (ratio a multiple of it: only every
+    ``ratio / block_size``-th page is used)."""
+
+    block_size: int
+    ratio: int
+    entry_dim: int
+    dtype: str
+
+    kind = "compressed"
+
+    def __post_init__(self) -> None:
+        if self.block_size % self.ratio and self.ratio % self.block_size:
+            raise ValueError(f"compress ratio {self.ratio} and block size {self.block_size}: "
+                             "one must divide the other")
+
+    @property
+    def entries_per_page(self) -> int:
+        return max(1, self.block_size // self.ratio)
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        return (self.entries_per_page, self.entry_dim)
+
+    def entry_slot(self, entry: int) -> tuple[int, int]:
+        """(token block index, slot in its page) of entry ``entry``."""
+        return ((entry + 1) * self.ratio - 1) // self.block_size, entry % self.entries_per_page
+
+
 SKIPPED = -1
 """A block-table entry released because no later query reads it (sliding windows). The
 runner's tables never read it; the attention metadata maps it to block 0."""
 
-KVSpec = FullAttentionSpec | MLALatentSpec | SlidingWindowSpec
+KVSpec = FullAttentionSpec | MLALatentSpec | SlidingWindowSpec | CompressedSpec
 
 
 @dataclass(frozen=True)

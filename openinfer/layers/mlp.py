@@ -17,17 +17,21 @@ class GatedMLP(nn.Module):
     threads (openinfer.layers.batch_invariant)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
-                 activation: str = "silu") -> None:
+                 activation: str = "silu", clamp_limit: float | None = None) -> None:
+        """``clamp_limit``: gate clamped to at most it, up to [-it, it] (DeepSeek-V4)."""
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"hidden_act {activation!r} is not supported; supported: "
                              f"{', '.join(ACTIVATIONS)}")
         self.activation = activation
+        self.clamp_limit = clamp_limit
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        if self.clamp_limit is not None:
+            gate, up = gate.clamp(max=self.clamp_limit), up.clamp(-self.clamp_limit, self.clamp_limit)
         if self.activation != "silu":
             return self.down_proj(ACTIVATIONS[self.activation](gate) * up)
         if self.batch_invariant:

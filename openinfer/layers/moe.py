@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SCORING_FUNCS = ("softmax", "sigmoid", "topk_softmax")
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus", "topk_softmax")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -32,6 +32,7 @@ class RoutingConfig:
     top_k: int
     scoring: str = "softmax"
     """``softmax`` over all experts, ``sigmoid`` per expert (DeepSeek-V3), or
+    ``sqrtsoftplus`` per expert (DeepSeek-V4: ``sqrt(softplus(logit))``), or
     ``topk_softmax``: the top-k logits, softmax over those k (gpt-oss)."""
     method: str = "greedy"
     """``greedy`` (top-k of the scores), ``group_limited_greedy`` (DeepSeek-V2: top-k within
@@ -89,7 +90,12 @@ class Router(nn.Module):
             values, ids = torch.topk(logits, k=c.top_k, dim=-1)
             return values.softmax(dim=-1).float(), ids
         logits = logits.float()
-        scores = logits.softmax(dim=-1) if c.scoring == "softmax" else logits.sigmoid()
+        if c.scoring == "softmax":
+            scores = logits.softmax(dim=-1)
+        elif c.scoring == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = F.softplus(logits).sqrt()
         if c.method == "greedy":
             weights, ids = torch.topk(scores, k=c.top_k, dim=-1)
         elif c.method == "group_limited_greedy":
@@ -138,6 +144,16 @@ class ClampedSwiGLU:
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=self.limit)
         return (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
+@dataclass(frozen=True)
+class ClampedSiluAndMul:
+    """DeepSeek-V4's expert activation: ``silu(min(gate, limit)) * clamp(up, -limit, limit)``."""
+
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
 
 
 class FusedExperts(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -105,7 +106,8 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
 class CheckpointNames:
     """How a checkpoint's tensor names map onto the model's parameters, as the model class
     declares it: ``packed`` (a projection loaded into a slice of a merged one: q_proj ->
-    (qkv_proj, 0)), ``renames`` (module names spelled differently: block_sparse_moe -> mlp) and
+    (qkv_proj, 0)), ``renames`` (module names spelled differently: block_sparse_moe -> mlp; a
+    dotted key renames a run of parts: experts.down_proj -> experts.w2) and
     ``expert_weights`` (``experts.<e>.<proj>.weight`` -> a slice of a stacked expert tensor:
     w1 -> (w13, 0) loads with shard (e, 0)) and ``prefixes`` (whole name prefixes: DeepSeek's
     MTP layer ``model.layers.<n>.`` -> ``mtp.0.``)."""
@@ -121,6 +123,9 @@ class CheckpointNames:
             if name.startswith(old):
                 name = new + name[len(old):]
                 break
+        for old, new in self.renames.items():  # dotted renames: a run of parts
+            if "." in old:
+                name = re.sub(rf"(^|\.){re.escape(old)}(?=\.|$)", rf"\g<1>{new}", name)
         parts = [self.renames.get(p, p) for p in name.split(".")]
         for i in range(len(parts) - 3):
             if (parts[i] == "experts" and parts[i + 1].isdigit() and parts[i + 3] == "weight"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from openinfer.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from openinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from openinfer.models.gemma2 import Gemma2ForCausalLM
 from openinfer.models.gpt_oss import GptOssForCausalLM
 from openinfer.models.llama import LlamaForCausalLM
@@ -22,6 +23,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
 }

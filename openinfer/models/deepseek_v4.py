@@ -1,0 +1,437 @@
+"""DeepSeek-V4: every layer attends over a sliding window of recent tokens, and most layers
+also over a compressed view of everything older; the residual stream is ``hc_mult`` streams
+mixed by hyper-connections (openinfer.layers.hyper_connections); every feed-forward is a
+mixture of experts.
+
+    streams ─ mHC ─> x ─ norm ─ Attention ─ mHC write-back ─ mHC ─> x ─ norm ─ MoE ─ write-back ─ ...
+    ... ─ hyper head ─ norm ─ LM head
+
+Attention (one shared key/value head of ``head_dim``, K = V, partial interleaved RoPE on its
+last ``rope_dim`` dims; q through a low-rank ``q_a``/``q_b`` with an unweighted per-head norm):
+
+* ``sliding_attention``: keys ``t - W + 1 .. t``.
+* ``heavily_compressed_attention`` (HCA, ratio m = 128): plus one entry per complete group of m
+  tokens, a per-channel softmax-gated sum of their projections (normed, roped at the group's
+  first position); query t sees entry w iff ``w < (t + 1) // m``.
+* ``compressed_sparse_attention`` (CSA, m = 4): entries pool overlapping groups (the second
+  half of group w and the first half of group w - 1), and a lightning indexer (its own
+  compressed keys, ``index_n_heads`` ReLU scores weighted per head) picks each query's top
+  ``index_topk`` entries.
+
+One softmax covers window keys, entries and a per-head sink logit; the output is rotated back
+at the query's position and projected by ``o_groups`` low-rank groups. MoE: ``sqrt(softplus)``
+scores, experts picked by score + bias (or by token id through ``tid2eid`` in hash layers),
+weights renormalised and scaled, SwiGLU with clamped inputs in routed and shared experts.
+
+State in the engine: each attention layer owns several KV cache *slots* (``kv_cache_specs``
+lists them, in layer order): the window K (sliding-window pages, K = V), and for compressed
+layers the compressor's raw projections (sliding-window pages over the last m or 2m tokens:
+what pooling the next entries needs), the entries (``CompressedSpec`` pages), and for CSA the
+indexer's raw projections and keys likewise. So prefix caching, hit resumption behind window
+snapshots and preemption work as for any layer. Attention over a step runs per sequence in
+torch (the reference path; no fused kernel yet).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openinfer.attention.metadata import AttentionMetadata
+from openinfer.kernels.paged_attention import write_kv
+from openinfer.kv.spec import CompressedSpec, KVSpec, SlidingWindowSpec
+from openinfer.layers.embedding import LMHead, VocabEmbedding
+from openinfer.layers.hyper_connections import HyperConnection, HyperHead, unweighted_rms_norm
+from openinfer.layers.linear import Linear, default_weight_loader
+from openinfer.layers.mlp import GatedMLP
+from openinfer.layers.moe import ClampedSiluAndMul, FusedExperts
+from openinfer.layers.norm import RMSNorm
+from openinfer.layers.rotary import _default_inv_freq, _yarn_params
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+DEFAULT_RATES = {CSA: 4, HCA: 128}
+
+
+class V4Rope:
+    """Interleaved RoPE on the last ``rope_dim`` dims of each vector; cos/sin are rounded to
+    the compute dtype before use, the rotation computed in float32 (as the reference)."""
+
+    def __init__(self, rope_dim: int, theta: float, scaling: dict | None, max_position: int) -> None:
+        if scaling and (scaling.get("rope_type") or scaling.get("type")) == "yarn":
+            # V4 keeps the YaRN frequencies but not its attention factor.
+            self.inv_freq, _ = _yarn_params(rope_dim, theta, scaling, max_position)
+        else:
+            self.inv_freq = _default_inv_freq(rope_dim, theta)
+        self.rope_dim = rope_dim
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, ..., D] with cos/sin [N, rope_dim / 2] (broadcast over the middle dims)."""
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
+        c = cos.repeat_interleave(2, -1).view(shape).float()
+        s = sin.repeat_interleave(2, -1).view(shape).float()
+        rd = self.rope_dim
+        r = x[..., -rd:].float()
+        rot = torch.stack((-r[..., 1::2], r[..., 0::2]), -1).flatten(-2)
+        return torch.cat([x[..., :-rd], (r * c + rot * s).to(x.dtype)], -1)
+
+
+def _fp32_param(*shape: int, fill: float = 0.0) -> nn.Parameter:
+    return nn.Parameter(torch.full(shape, fill, dtype=torch.float32), requires_grad=False)
+
+
+def _rows(cache: torch.Tensor, table: list[int], positions: range, block_size: int) -> torch.Tensor:
+    """Rows of one sequence's tokens at ``positions`` from a paged ``[num_blocks, bs, 1, dim]``
+    cache half, as ``[len(positions), dim]``."""
+    pos = torch.tensor(list(positions), dtype=torch.long)
+    blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
+    return cache[blocks, pos % block_size, 0]
+
+
+class Compressor(nn.Module):
+    """Pools each complete group of ``ratio`` tokens into one entry: a per-channel softmax over
+    the group of ``gate + position_bias`` weights the tokens' projections; the sum is normed
+    and roped at the group's first position. ``overlap`` (CSA and its indexer): an entry pools
+    the second half (``Cb``) of its own group and the first half (``Ca``) of the previous one."""
+
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.dim, self.ratio, self.overlap, self.width = dim, ratio, overlap, width
+        self.wkv = Linear(hidden, width)
+        self.wgate = Linear(hidden, width)
+        self.ape = _fp32_param(ratio, width)
+        """Per-offset gate bias ("absolute position embedding" of a token within its group)."""
+        self.norm = RMSNorm(dim, eps)
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: int, count: int,
+             rope: V4Rope) -> torch.Tensor:
+        """Entries ``first .. first + count - 1`` from the raw rows of their tokens: ``kv``/``gate``
+        hold tokens ``(first - 1) * ratio ..`` (overlap; the rows before position 0 absent) or
+        ``first * ratio ..``, up to the last entry's last token. Returns [count, dim]."""
+        m, d = self.ratio, self.dim
+        if self.overlap:
+            lead = m if first > 0 else 0  # rows of group first - 1
+            kv_g = kv[lead:].view(count, m, 2 * d)
+            gate_g = gate[lead:].view(count, m, 2 * d) + self.ape
+            slots_kv = kv.new_zeros(count, 2 * m, d)
+            slots_gate = torch.full((count, 2 * m, d), float("-inf"), dtype=torch.float32,
+                                    device=kv.device)
+            slots_kv[:, m:], slots_gate[:, m:] = kv_g[..., d:], gate_g[..., d:]
+            slots_kv[1:, :m], slots_gate[1:, :m] = kv_g[:-1, :, :d], gate_g[:-1, :, :d]
+            if lead:
+                slots_kv[0, :m] = kv[:m, :d]
+                slots_gate[0, :m] = gate[:m, :d] + self.ape[:, :d]
+            kv_g, gate_g = slots_kv, slots_gate
+        else:
+            kv_g = kv.view(count, m, d)
+            gate_g = gate.view(count, m, d) + self.ape
+        pooled = (kv_g * gate_g.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(1)
+        pooled = self.norm(pooled)
+        positions = torch.arange(first, first + count, device=kv.device) * m
+        return rope(pooled, *rope.cos_sin(positions, pooled.dtype))
+
+
+class Indexer(nn.Module):
+    """CSA's lightning indexer: its own compressed keys (a compressor at ``index_head_dim``),
+    and per query ``index_n_heads`` scores ``relu(q_h . k)`` weighted per head; each query
+    keeps the entries of its top ``index_topk`` scores."""
+
+    def __init__(self, hf: dict, ratio: int, eps: float) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = hf["index_n_heads"], hf["index_head_dim"]
+        self.topk = hf["index_topk"]
+        self.compressor = Compressor(hf["hidden_size"], self.head_dim, ratio, True, eps)
+        self.wq_b = Linear(hf["q_lora_rank"], self.num_heads * self.head_dim)
+        self.weights_proj = Linear(hf["hidden_size"], self.num_heads)
+
+
+class V4Attention(nn.Module):
+    def __init__(self, hf: dict, layer: int, ropes: dict[str, V4Rope]) -> None:
+        super().__init__()
+        hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
+        self.kind = hf["layer_types"][layer]
+        self.num_heads, self.head_dim = hf["num_attention_heads"], hf["head_dim"]
+        self.window = hf["sliding_window"]
+        self.eps = eps
+        self.rope = ropes["main" if self.kind == SLIDING else "compress"]
+        self.wq_a = Linear(hidden, hf["q_lora_rank"])
+        self.q_norm = RMSNorm(hf["q_lora_rank"], eps)
+        self.wq_b = Linear(hf["q_lora_rank"], self.num_heads * self.head_dim)
+        self.wkv = Linear(hidden, self.head_dim)
+        self.norm = RMSNorm(self.head_dim, eps)
+        self.groups, self.group_rank = hf["o_groups"], hf["o_lora_rank"]
+        self.wo_a = nn.Module()  # grouped: [groups * rank, heads * head_dim / groups]
+        self.wo_a.weight = nn.Parameter(
+            torch.empty(self.groups * self.group_rank, self.num_heads * self.head_dim // self.groups),
+            requires_grad=False)
+        self.wo_a.weight.weight_loader = default_weight_loader
+        self.wo_b = Linear(self.groups * self.group_rank, hidden)
+        self.attn_sink = _fp32_param(self.num_heads)
+        self.ratio = 0
+        if self.kind != SLIDING:
+            rates = {**DEFAULT_RATES, **(hf.get("compress_rates") or {})}
+            self.ratio = rates[self.kind]
+            self.compressor = Compressor(hidden, self.head_dim, self.ratio, self.kind == CSA, eps)
+            if self.kind == CSA:
+                self.indexer = Indexer(hf, self.ratio, eps)
+
+    # ---- the layer's KV slots ------------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return {SLIDING: 1, HCA: 3, CSA: 5}[self.kind]
+
+    def kv_specs(self, block_size: int, dtype: str) -> list[KVSpec]:
+        """Window K; then, compressed layers: raw compressor rows (the last m or 2m tokens'
+        projections) and entries; CSA: the indexer's raw rows and keys."""
+        specs: list[KVSpec] = [SlidingWindowSpec(block_size, 1, self.head_dim, dtype, self.window)]
+        if self.kind != SLIDING:
+            m, c = self.ratio, self.compressor
+            span = 2 * m if c.overlap else m
+            specs += [SlidingWindowSpec(block_size, 1, c.width, dtype, span),
+                      CompressedSpec(block_size, m, self.head_dim, dtype)]
+            if self.kind == CSA:
+                ix = self.indexer.compressor
+                specs += [SlidingWindowSpec(block_size, 1, ix.width, dtype, 2 * m),
+                          CompressedSpec(block_size, m, ix.dim, dtype)]
+        return specs
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, caches: list[torch.Tensor],
+                metas: list[AttentionMetadata]) -> torch.Tensor:
+        T, H, D = x.shape[0], self.num_heads, self.head_dim
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.rope(unweighted_rms_norm(self.wq_b(qr).view(T, H, D), self.eps), cos, sin)
+        kv = self.rope(self.norm(self.wkv(x)), cos, sin)
+        write_kv(caches[0], kv[:, None], kv[:, None], metas[0].slot_mapping)
+        if self.kind != SLIDING:
+            self._write_raw(self.compressor, x, caches[1], metas[1])
+            if self.kind == CSA:
+                self._write_raw(self.indexer.compressor, x, caches[3], metas[3])
+        meta = metas[0]
+        starts = meta.query_start_loc.tolist()
+        out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+        for b in range(meta.num_seqs):
+            s, n, end = starts[b], meta.query_lens_list[b], meta.seq_lens_list[b]
+            if n == 0:
+                continue
+            ctx = end - n
+            entries = index_keys = None
+            if self.kind != SLIDING:
+                entries = self._entries(self.compressor, b, ctx, end, caches[1:3], metas[1:3])
+                if self.kind == CSA:
+                    index_keys = self._entries(self.indexer.compressor, b, ctx, end, caches[3:5],
+                                               metas[3:5])
+            out[s:s + n] = self._attend(b, q[s:s + n], qr[s:s + n], x[s:s + n], ctx, end,
+                                        caches[0], meta, entries, index_keys)
+        out = self.rope(out, cos, -sin).view(T, self.groups, -1)
+        wa = self.wo_a.weight.view(self.groups, self.group_rank, -1)
+        return self.wo_b(torch.einsum("tgi,gri->tgr", out, wa).flatten(1))
+
+    @staticmethod
+    def _write_raw(pooler: Compressor, x: torch.Tensor, cache: torch.Tensor,
+                   meta: AttentionMetadata) -> None:
+        """The step's raw projections (gate without its position bias) into their pages."""
+        kv, gate = pooler.wkv(x), pooler.wgate(x)
+        write_kv(cache, kv[:, None], gate[:, None], meta.slot_mapping)
+
+    def _entries(self, pooler: Compressor, b: int, ctx: int, end: int, caches: list[torch.Tensor],
+                 metas: list[AttentionMetadata]) -> torch.Tensor:
+        """Pool the entries whose groups complete in this step (from the raw rows, this step's
+        included), store them, and return all of the sequence's entries so far."""
+        m, bs = pooler.ratio, metas[0].block_size
+        raw_cache, entry_cache = caches
+        raw_table = metas[0].block_tables[b].tolist()
+        entry_table = metas[1].block_tables[b].tolist()
+        spec = CompressedSpec(bs, m, pooler.dim, "float32")
+        first, last = ctx // m, end // m  # entries first .. last - 1 complete now
+        if last > first:
+            lo = max(0, (first - 1) * m) if pooler.overlap else first * m
+            rows = range(lo, last * m)
+            kv = _rows(raw_cache[0], raw_table, rows, bs)
+            gate = _rows(raw_cache[1], raw_table, rows, bs)
+            new = pooler.pool(kv, gate, first, last - first, self.rope)
+            for w in range(first, last):
+                block, slot = spec.entry_slot(w)
+                entry_cache[entry_table[block], slot] = new[w - first]
+        if last == 0:
+            return entry_cache.new_zeros(0, pooler.dim)
+        where = [spec.entry_slot(w) for w in range(last)]
+        blocks = torch.tensor([entry_table[blk] for blk, _ in where], dtype=torch.long)
+        slots = torch.tensor([slot for _, slot in where], dtype=torch.long)
+        return entry_cache[blocks, slots]
+
+    def _attend(self, b: int, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor, ctx: int,
+                end: int, window_cache: torch.Tensor, meta: AttentionMetadata,
+                entries: torch.Tensor | None, index_keys: torch.Tensor | None) -> torch.Tensor:
+        """One sequence's queries (positions ctx .. end - 1) over its window keys, its visible
+        (CSA: selected) entries and the sinks: [n, H, D]."""
+        n, dtype, W = q.shape[0], q.dtype, self.window
+        t = torch.arange(ctx, end, device=q.device)
+        first_key = max(0, ctx - W + 1)
+        keys = _rows(window_cache[0], meta.block_tables[b].tolist(), range(first_key, end),
+                     meta.block_size)
+        kpos = torch.arange(first_key, end, device=q.device)
+        allowed = (kpos[None, :] <= t[:, None]) & (kpos[None, :] > t[:, None] - W)
+        if entries is not None and entries.shape[0]:
+            num = entries.shape[0]
+            visible = torch.arange(num, device=q.device)[None, :] < ((t + 1) // self.ratio)[:, None]
+            if index_keys is not None:
+                visible = self._select(qr, x, t, index_keys, visible)
+            keys = torch.cat([keys, entries], 0)
+            allowed = torch.cat([allowed, visible], 1)
+        logits = torch.einsum("nhd,ld->nhl", q, keys) * self.head_dim**-0.5
+        logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
+        sinks = self.attn_sink.view(1, -1, 1).expand(n, -1, 1)
+        logits = torch.cat([logits.float(), sinks], -1)
+        probs = logits.softmax(-1)[..., :-1].to(dtype)
+        return torch.einsum("nhl,ld->nhd", probs, keys)
+
+    def _select(self, qr: torch.Tensor, x: torch.Tensor, t: torch.Tensor, index_keys: torch.Tensor,
+                visible: torch.Tensor) -> torch.Tensor:
+        """CSA: the entries each query's indexer scores put in its top ``index_topk``."""
+        ix = self.indexer
+        n = qr.shape[0]
+        cos, sin = self.rope.cos_sin(t, qr.dtype)
+        qi = self.rope(ix.wq_b(qr).view(n, ix.num_heads, ix.head_dim), cos, sin)
+        scores = F.relu(torch.einsum("nhd,ld->nhl", qi.float(), index_keys.float())) * ix.head_dim**-0.5
+        weights = ix.weights_proj(x).float() * ix.num_heads**-0.5
+        score = (scores * weights[..., None]).sum(1).masked_fill(~visible, float("-inf"))
+        top = score.topk(min(ix.topk, score.shape[1]), -1).indices
+        return torch.zeros_like(visible).scatter_(1, top, True) & visible
+
+
+class V4MoE(nn.Module):
+    """``sqrt(softplus)`` routing over ``E`` experts (picked by score + bias, or by token id in
+    hash layers), renormalised weights times ``routed_scaling_factor``; clamped SwiGLU experts
+    and one shared expert."""
+
+    def __init__(self, hf: dict, hashed: bool) -> None:
+        super().__init__()
+        hidden, inter = hf["hidden_size"], hf["moe_intermediate_size"]
+        experts, self.top_k = hf["n_routed_experts"], hf["num_experts_per_tok"]
+        self.scaling = hf.get("routed_scaling_factor", 1.5)
+        limit = hf.get("swiglu_limit", 10.0)
+        self.hashed = hashed
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)
+        if hashed:
+            self.gate.tid2eid = nn.Parameter(torch.zeros(hf["vocab_size"], self.top_k, dtype=torch.long),
+                                             requires_grad=False)
+        else:
+            self.gate.bias = _fp32_param(experts)  # the expert-score correction: choice only
+        self.experts = FusedExperts(experts, hidden, inter, activation=ClampedSiluAndMul(limit))
+        self.shared_experts = GatedMLP(hidden, inter, clamp_limit=limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        scores = F.softplus(F.linear(x, self.gate.weight)).sqrt()
+        if self.hashed:
+            ids = self.gate.tid2eid[input_ids]
+        else:
+            biased = scores.float() + self.gate.bias
+            ids = torch.topk(biased, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.scaling
+        return self.experts(x, weights, ids) + self.shared_experts(x)
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, hf: dict, layer: int, ropes: dict[str, V4Rope]) -> None:
+        super().__init__()
+        hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
+        streams, iters, hc_eps = hf.get("hc_mult", 4), hf.get("hc_sinkhorn_iters", 20), hf.get("hc_eps", 1e-6)
+        self.hc_attn = HyperConnection(streams, hidden, iters, hc_eps, eps)
+        self.attn_norm = RMSNorm(hidden, eps)
+        self.attn = V4Attention(hf, layer, ropes)
+        self.hc_ffn = HyperConnection(streams, hidden, iters, hc_eps, eps)
+        self.ffn_norm = RMSNorm(hidden, eps)
+        self.ffn = V4MoE(hf, mlp_layer_types(hf)[layer] == "hash_moe")
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, input_ids: torch.Tensor,
+                caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
+        post, comb, x = self.hc_attn(h)
+        y = self.attn(positions, self.attn_norm(x), caches, metas)
+        h = HyperConnection.write_back(h, post, comb, y)
+        post, comb, x = self.hc_ffn(h)
+        y = self.ffn(self.ffn_norm(x), input_ids)
+        return HyperConnection.write_back(h, post, comb, y)
+
+
+def mlp_layer_types(hf: dict) -> list[str]:
+    types = hf.get("mlp_layer_types")
+    if types is None:
+        hashed = hf.get("num_hash_layers", 3)
+        types = ["hash_moe" if i < hashed else "moe" for i in range(hf["num_hidden_layers"])]
+    return types
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, hf: dict) -> None:
+        super().__init__()
+        hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
+        rope_dim = int(hf["head_dim"] * (hf.get("partial_rotary_factor") or 64 / hf["head_dim"]))
+        max_position = hf.get("max_position_embeddings", 1 << 20)
+        params = hf.get("rope_parameters") or {}
+        main = params.get("main") or {}
+        compress = params.get("compress") or {}
+        ropes = {
+            "main": V4Rope(rope_dim, main.get("rope_theta", hf.get("rope_theta", 10000.0)), None,
+                           max_position),
+            "compress": V4Rope(rope_dim, compress.get("rope_theta", hf.get("compress_rope_theta", 160000.0)),
+                               compress, max_position),
+        }
+        self.streams = hf.get("hc_mult", 4)
+        self.embed_tokens = VocabEmbedding(hf["vocab_size"], hidden)
+        self.layers = nn.ModuleList(V4DecoderLayer(hf, i, ropes) for i in range(hf["num_hidden_layers"]))
+        self.hc_head = HyperHead(self.streams, hidden, hf.get("hc_eps", 1e-6), eps)
+        self.norm = RMSNorm(hidden, eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        h = x.unsqueeze(1).expand(-1, self.streams, -1).contiguous()
+        slot = 0
+        for layer in self.layers:
+            n = layer.attn.num_slots
+            h = layer(positions, h, input_ids, kv_caches[slot:slot + n], metas[slot:slot + n])
+            slot += n
+        return self.norm(self.hc_head(h))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """Module names follow DeepSeek's checkpoint (``attn.wq_a``, ``ffn.experts.<e>.w1``,
+    ``hc_attn_fn``, ``head``: what transformers writes and the Hub holds)."""
+
+    # Per-expert w1 (gate) / w3 (up) / w2 (down) into the stacked expert tensors; the
+    # shared expert's w1/w3 into its merged gate/up projection, w2 as its down projection.
+    expert_weights = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)}
+    packed_modules = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1)}
+    checkpoint_renames = {
+        "shared_experts.w2": "shared_experts.down_proj",
+        **{f"hc_{part}_{p}": f"hc_{part}.{p}" for part in ("attn", "ffn") for p in ("fn", "base", "scale")},
+    }
+
+    def __init__(self, hf: dict) -> None:
+        super().__init__()
+        self.model = DeepseekV4Model(hf)
+        self.head = LMHead(hf["vocab_size"], hf["hidden_size"], None)
+
+    def kv_cache_specs(self, block_size: int, dtype: str) -> list[KVSpec | None]:
+        """The KV cache slots of every layer, in layer order (see the module docstring)."""
+        return [spec for layer in self.model.layers
+                for spec in layer.attn.kv_specs(block_size, dtype)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
+        """Hidden states of the step's tokens; ``kv_caches`` and ``metas`` are per cache slot."""
+        return self.model(input_ids, positions, kv_caches, metas)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)

@@ -1,0 +1,99 @@
+"""DeepSeek-V4 matches transformers' no-cache forward on a tiny random checkpoint with every
+layer type (sliding, CSA with its indexer, HCA), hash and score-routed MoE layers and
+hyper-connections; through the paged engine with prefix caching, the same tokens."""
+
+from __future__ import annotations
+
+import torch
+from test_hf_parity import PagedModel, _hf_logits, _prompts
+
+from openinfer import LLM, SamplingParams
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+V4 = dict(
+    q_lora_rank=32, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=8,
+    moe_intermediate_size=32, layer_types=[SLIDING, CSA, HCA, CSA],
+    compress_rates={CSA: 4, HCA: 8}, mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
+    index_topk=64, hc_mult=4, hc_sinkhorn_iters=20, swiglu_limit=1.0,
+)
+
+
+def _checkpoint(make_checkpoint, **overrides):
+    path = make_checkpoint("DeepseekV4ForCausalLM", extra_config={**V4, **overrides}, num_layers=4,
+                           num_heads=4, num_kv_heads=1, head_dim=32, intermediate_size=32)
+    _randomize(path)
+    return path
+
+
+def _randomize(path) -> None:
+    """transformers initialises sinks, position biases, mHC biases and scales, the expert-score
+    bias and tid2eid to constants: random values make every path matter."""
+    from safetensors.torch import load_file, save_file
+
+    (file,) = path.glob("*.safetensors")
+    tensors = load_file(file)
+    g = torch.Generator().manual_seed(11)
+    for name, t in tensors.items():
+        if name.endswith(("attn_sink", ".ape", "_base")):
+            tensors[name] = torch.randn(t.shape, generator=g) * 0.5
+        elif name.endswith("_scale"):
+            tensors[name] = torch.rand(t.shape, generator=g) * 1.5 + 0.5
+        elif name.endswith("gate.bias"):
+            tensors[name] = torch.randn(t.shape, generator=g) * 0.1
+        elif name.endswith("tid2eid"):
+            experts = V4["n_routed_experts"]
+            tensors[name] = torch.stack([torch.randperm(experts, generator=g)[:t.shape[1]]
+                                         for _ in range(t.shape[0])])
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_prompt_chunks_and_decodes_match_transformers(make_checkpoint, hf_model_loader):
+    path = _checkpoint(make_checkpoint)
+    ours, hf = PagedModel(path, attention="torch"), hf_model_loader(path)
+    kinds = [layer.attn.kind for layer in ours.model.model.layers]
+    assert kinds == V4["layer_types"]
+    a, b = _prompts(ours.config.vocab_size, [45, 29])
+    first = ours.step([(0, a[:14], 0), (1, b, 0)])  # a chunk of a, all of b
+    torch.testing.assert_close(first[14:], _hf_logits(hf, b), atol=2e-5, rtol=1e-4)
+    second = ours.step([(0, a[14:37], 14)])         # a continuation over its cached context
+    rest = [ours.step([(0, a[i:i + 1], i)]) for i in range(37, 45)]  # decodes
+    got = torch.cat([first[:14], second, *rest])
+    torch.testing.assert_close(got, _hf_logits(hf, a), atol=2e-5, rtol=1e-4)
+
+
+def test_indexer_top_k_selection_matches_transformers(make_checkpoint, hf_model_loader):
+    """index_topk 3 of up to 11 entries: the indexer's choice decides what each query sees.
+    Whole prompts, as transformers' no-cache forward scores them: its ReLU scores tie at 0
+    often, and which tied entry top-k keeps depends on how many entries it scores, so a chunked
+    or cached run may pick another (transformers' own cached generate does too)."""
+    path = _checkpoint(make_checkpoint, index_topk=3)
+    ours, hf = PagedModel(path, attention="torch"), hf_model_loader(path)
+    prompts = _prompts(ours.config.vocab_size, [45, 29, 12])
+    logits = ours.step([(i, p, 0) for i, p in enumerate(prompts)])
+    offset = 0
+    for p in prompts:
+        torch.testing.assert_close(logits[offset:offset + len(p)], _hf_logits(hf, p),
+                                   atol=2e-5, rtol=1e-4)
+        offset += len(p)
+
+
+def test_engine_greedy_tokens_with_and_without_prefix_caching(make_checkpoint, hf_model_loader):
+    path = _checkpoint(make_checkpoint)
+    hf = hf_model_loader(path)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    options = dict(block_size=4, max_num_batched_tokens=16, swa_snapshot_interval=16, progress=False)
+    prompts = _prompts(1000, [37, 5, 26], seed=3)
+    llm = LLM(str(path), **options)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for prompt, tokens in zip(prompts, outs):  # transformers' argmax after each prefix
+        want = _hf_logits(hf, prompt + tokens)[len(prompt) - 1:-1].argmax(-1).tolist()
+        assert tokens == want
+    # Hits at and behind snapshots: the same prompts, and prompts that share part of them.
+    again = llm.generate(prompts + [prompts[0][:30] + [5, 6, 7]], params)
+    assert [o.outputs[0].token_ids for o in again[:3]] == outs
+    assert again[0].num_cached_tokens > 0
+    plain = LLM(str(path), enable_prefix_caching=False, **options)
+    expected = plain.generate([prompts[0][:30] + [5, 6, 7]], params)[0].outputs[0].token_ids
+    assert again[3].outputs[0].token_ids == expected
+    llm.engine.check_integrity()
