@@ -304,7 +304,10 @@ class V4Attention(nn.Module):
         scores = F.relu(torch.einsum("nhd,ld->nhl", qi.float(), index_keys.float())) * ix.head_dim**-0.5
         weights = ix.weights_proj(x).float() * ix.num_heads**-0.5
         score = (scores * weights[..., None]).sum(1).masked_fill(~visible, float("-inf"))
-        top = score.topk(min(ix.topk, score.shape[1]), -1).indices
+        # ReLU scores tie at 0 often: ties go to the earlier entry (a stable sort), so the choice
+        # never depends on how many entries the step scores (its chunking, a prefix hit).
+        order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+        top = order[:, :min(ix.topk, score.shape[1])]
         return torch.zeros_like(visible).scatter_(1, top, True) & visible
 
 

@@ -64,12 +64,15 @@ def test_prompt_chunks_and_decodes_match_transformers(make_checkpoint, hf_model_
 
 def test_indexer_top_k_selection_matches_transformers(make_checkpoint, hf_model_loader):
     """index_topk 3 of up to 11 entries: the indexer's choice decides what each query sees.
-    Whole prompts, as transformers' no-cache forward scores them: its ReLU scores tie at 0
-    often, and which tied entry top-k keeps depends on how many entries it scores, so a chunked
-    or cached run may pick another (transformers' own cached generate does too)."""
-    path = _checkpoint(make_checkpoint, index_topk=3)
+    A score is a sum of per-head ReLUs, so it is exactly 0 wherever every head's is, and
+    among tied entries transformers' top-k keeps whichever its kernel happens to (its cached
+    generate and its no-cache forward disagree there), where openinfer keeps the earliest (the
+    same in every chunking). With 8 indexer heads an all-zero score is rare, and no tie
+    reaches the top 3 for these prompts."""
+    path = _checkpoint(make_checkpoint, index_topk=3, index_n_heads=8)
     ours, hf = PagedModel(path, attention="torch"), hf_model_loader(path)
-    prompts = _prompts(ours.config.vocab_size, [45, 29, 12])
+    # (With seed 1, one of 86 queries has two entries tied at score 0 for its third place.)
+    prompts = _prompts(ours.config.vocab_size, [45, 29, 12], seed=2)
     logits = ours.step([(i, p, 0) for i, p in enumerate(prompts)])
     offset = 0
     for p in prompts:

@@ -1,0 +1,49 @@
+"""A 32-turn chat with a tiny DeepSeek-V4 through two real servers, one with prefix caching
+(window snapshots every 16 tokens, so later turns resume from the last turn's snapshot) and
+one without: every reply is the same, and the caching server reports cached prompt tokens."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import build_checkpoint
+from server_process import MODEL, start_server, stop
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
+from test_deepseek_v4 import V4, _randomize  # noqa: E402
+
+TURNS = 32
+
+
+@pytest.mark.slow
+def test_32_turn_chat_gives_the_same_replies_with_and_without_caching(tmp_path, tokenizer):
+    import openai
+
+    path = build_checkpoint(tmp_path / "v4", "DeepseekV4ForCausalLM", tokenizer, extra_config=V4,
+                            num_layers=4, num_heads=4, num_kv_heads=1, head_dim=32,
+                            intermediate_size=32, max_position_embeddings=4096)
+    _randomize(path)
+    common = ("--block-size", "4", "--max-model-len", "2048")
+    cached_url, cached = start_server(path, *common, "--swa-snapshot-interval", "16")
+    plain_url, plain = start_server(path, *common, "--no-prefix-caching")
+    try:
+        clients = [openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+                   for url in (cached_url, plain_url)]
+        messages: list[dict] = []
+        hits = []
+        for turn in range(TURNS):
+            messages.append({"role": "user", "content": f"Turn {turn}: tell me more."})
+            replies = [c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                                 temperature=0) for c in clients]
+            texts = [r.choices[0].message.content for r in replies]
+            assert texts[0] == texts[1], f"turn {turn}: {texts}"
+            details = replies[0].usage.prompt_tokens_details
+            hits.append(details.cached_tokens if details else 0)
+            messages.append({"role": "assistant", "content": texts[0]})
+        # From the second turn on, the conversation so far is found in the cache.
+        assert all(h > 0 for h in hits[1:]), hits
+    finally:
+        stop(cached)
+        stop(plain)
