@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus", "topk_softmax")
+SCORING_FUNCS = ("softmax", "sigmoid", "topk_softmax")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -32,8 +32,7 @@ class RoutingConfig:
     top_k: int
     scoring: str = "softmax"
     """``softmax`` over all experts, ``sigmoid`` per expert (DeepSeek-V3), or
-    ``sqrtsoftplus`` per expert (DeepSeek-V4: ``sqrt(softplus(logit))``), or
-    ``topk_softmax``: the top-k logits, softmax over those k (gpt-oss)."""
+    or ``topk_softmax``: the top-k logits, softmax over those k (gpt-oss)."""
     method: str = "greedy"
     """``greedy`` (top-k of the scores), ``group_limited_greedy`` (DeepSeek-V2: top-k within
     the ``topk_groups`` groups with the highest best score) or ``noaux_tc`` (DeepSeek-V3:
@@ -90,12 +89,7 @@ class Router(nn.Module):
             values, ids = torch.topk(logits, k=c.top_k, dim=-1)
             return values.softmax(dim=-1).float(), ids
         logits = logits.float()
-        if c.scoring == "softmax":
-            scores = logits.softmax(dim=-1)
-        elif c.scoring == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = F.softplus(logits).sqrt()
+        scores = logits.softmax(dim=-1) if c.scoring == "softmax" else logits.sigmoid()
         if c.method == "greedy":
             weights, ids = torch.topk(scores, k=c.top_k, dim=-1)
         elif c.method == "group_limited_greedy":
