@@ -97,6 +97,35 @@ def concurrent_requests(model: ModelShape, hybrid: bool, memory: int, context: i
     return n
 
 
+def v4_figures(length: int = 32768, prompt: int = 30720) -> str:
+    """DeepSeek-V4 at transformers' default config (43 layers, head_dim 512, window 128, CSA
+    ratio 4 with a 128-dim indexer, HCA ratio 128): its KV slots as openinfer declares them."""
+    import torch
+    import transformers
+
+    from openinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    hf = transformers.DeepseekV4Config().to_dict()
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(hf)
+    groups = group_layers(model.kv_cache_specs(BLOCK, "bfloat16"))
+    kv = KVCacheManager(groups, 4 * len(groups) * length // BLOCK, enable_caching=False)
+    computed = 0
+    while computed < length:
+        step = min(CHUNK, prompt - computed) if computed < prompt else 1
+        assert kv.allocate_slots("r", computed + step, num_computed_tokens=computed) is not None
+        computed += step
+    kv.allocate_slots("r", computed, num_computed_tokens=computed)
+    tables = kv.block_table("r")
+    live = [sum(b != SKIPPED for b in t) for t in tables]
+    ideal = sum(n * g.bytes_per_block for n, g in zip(live, groups))
+    padded = sum(live) * page_bytes(groups)
+    full = length * hf["num_hidden_layers"] * 2 * hf["head_dim"] * 2  # K and V of one head, bf16
+    return (f"| DeepSeek-V4 ({hf['num_hidden_layers']} layers, head_dim {hf['head_dim']}, "
+            f"{len(groups)} layer groups) | {ideal / 2**20:.0f} MiB | {padded / 2**20:.0f} MiB | "
+            f"{full / 2**20:.0f} MiB | {full / ideal:.1f}x |")
+
+
 def figures() -> str:
     rows = ["| model (bf16, block 16) | window | 32k request held: hybrid | all layers full | saved | "
             "peak hybrid (2048-token chunks) | 8k requests in 16 GiB: hybrid | all full | ratio |",
@@ -119,6 +148,8 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     table = figures()
+    v4 = v4_figures()
+    print(v4)
     body = f"""## Hybrid KV layout: sliding-window groups (benchmarks/bench_hybrid_kv.py)
 
 The real KV manager and pool sizing on the layer shapes of published models, each beside the
@@ -129,6 +160,21 @@ hold serves more requests. Block counts times bytes per block: no timing, no mac
 dependence.
 
 {table}
+
+DeepSeek-V4: the bytes one 32k-token request holds (bf16, block 16) in its KV slots (window
+keys, compressor and indexer raw rows over the last 128/256/8 tokens, compressed entries and
+indexer keys), as the groups' own bytes and as pages of the shared pool, beside every layer
+keeping the K and V of its one 512-dim head for all 32k tokens:
+
+| model | held: V4 slots | held: pool pages | all layers full | full / V4 |
+|---|---|---|---|---|
+{v4}
+
+Layer groups are cut to about one page (the largest single layer's block, a CSA compressor's
+raw rows), so most pages are full; what remains padded is the groups smaller than a page (the
+indexer keys and HCA entries of all their layers) and HCA's entries, one per 8 token blocks
+but one page per block. Per-group block sizes (vLLM's unified page) would remove that: not
+built yet.
 
 The 32k-token request's window layers hold O(window + chunk) tokens whatever its length; its
 full layers hold all 32k. An 8k request still holds its whole context in the full layers and

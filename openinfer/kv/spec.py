@@ -189,17 +189,25 @@ def group_layers(specs: list[KVSpec | None]) -> list[LayerGroup]:
     KV cache has spec None and joins no group).
 
     All groups share one pool of pages, a page being one block of every layer of a group, so
-    groups are cut to one size: the smallest spec's layer count (gpt-oss: 12 window + 12 full
-    layers, two groups of 12; Gemma 3's 5:1 pattern, one full group and five window groups of
-    the same size). Then every group's page has the same bytes when the specs' per-layer bytes
-    agree, and no page is partly wasted."""
+    groups are cut to about one page size: the larger of the biggest single layer's block
+    and the smallest spec's whole block (all its layers). gpt-oss's 12 window and 12 full
+    layers stay two groups of 12; Gemma 3's 5:1 pattern becomes one full group and five window
+    groups of its size; DeepSeek-V4's slots, whose bytes per block differ 64-fold, become
+    groups of about one compressor row page each, so its small compressed pages are not
+    padded to the size of a group of all its window layers."""
     by_spec: dict[KVSpec, list[int]] = {}
     for layer, spec in enumerate(specs):
         if spec is not None:
             by_spec.setdefault(spec, []).append(layer)
-    size = min((len(layers) for layers in by_spec.values()), default=0)
-    return [LayerGroup(spec, tuple(layers[i:i + size]))
-            for spec, layers in by_spec.items() for i in range(0, len(layers), size)]
+    if not by_spec:
+        return []
+    target = max(max(spec.bytes_per_block for spec in by_spec),
+                 min(spec.bytes_per_block * len(layers) for spec, layers in by_spec.items()))
+    groups = []
+    for spec, layers in by_spec.items():
+        size = max(1, target // spec.bytes_per_block)
+        groups += [LayerGroup(spec, tuple(layers[i:i + size])) for i in range(0, len(layers), size)]
+    return groups
 
 
 def page_bytes(groups: list[LayerGroup]) -> int:
