@@ -50,12 +50,14 @@ class EngineCore:
                 f"max_model_len ({mc.max_model_len}) needs ({needed}): raise kv_cache_memory "
                 "or lower max_model_len")
         capacity = num_blocks * cache.block_size // len(self.kv.anchors)
-        if self.kv.windows and (cache.kv_host_memory is not None or cache.kv_store_dir is not None
-                                or config.kv_transfer.role != "both"
+        if self.kv.windows and (config.kv_transfer.role != "both"
                                 or config.kv_transfer.port is not None):
-            raise ValueError(
-                "this model has sliding-window layers: the host/file KV tiers and "
-                "disaggregated prefill do not carry their window KV yet (SWA snapshots)")
+            raise ValueError("this model has sliding-window layers: disaggregated prefill does "
+                             "not carry their window KV yet")
+        if len(self.kv.windows) == len(groups) and (cache.kv_host_memory is not None
+                                                    or cache.kv_store_dir is not None):
+            raise ValueError("this model has sliding-window layers only: the host/file KV tiers "
+                             "need a full-attention layer group")
         self.scheduler = Scheduler(config.scheduler, self.kv,
                                    config.kv_transfer.load_failure_policy)
         self.executor.collective_rpc("initialize_kv_cache", groups, num_blocks)

@@ -137,8 +137,9 @@ class KVCacheManager:
 
     def attach_tiers(self, host: HostCacheIndex | None,
                      store_contains: Callable[[BlockHash], bool] | None) -> None:
-        if self.windows:
-            raise ValueError("the host and file tiers do not hold sliding-window layers' KV")
+        if len(self.windows) == len(self.groups):
+            raise ValueError("the host and file tiers need a full-attention layer group: a "
+                             "model of sliding-window layers only keeps its cache on the device")
         self.host = host
         self.store_contains = store_contains
         if host is not None:
@@ -185,13 +186,7 @@ class KVCacheManager:
         full = [pool for g, pool in enumerate(self.pools) if g not in windowed]
         while i < len(limit) and all(limit[i] in pool for pool in full):
             i += 1
-        if self.windows:
-            anchored, i = i, self._window_hit(limit, i)
-            hit.num_replayed_tokens = (anchored - i) * self.block_size
-        for g, (table, pool) in enumerate(zip(hit.blocks, self.pools)):
-            first = self._spec(g).first_needed_block(i * self.block_size) if g in windowed else 0
-            table.extend([SKIPPED] * first)
-            table.extend(pool.lookup(h) for h in limit[first:i])
+        l1 = i
         if self.host is not None:
             for block_hash in limit[i:]:
                 slot = self.host.lookup(block_hash)
@@ -204,19 +199,36 @@ class KVCacheManager:
                 if not self.store_contains(block_hash):
                     break
                 hit.store_hashes.append(block_hash)
+        if self.windows:
+            # Blocks from the tiers bring their window pages; device blocks need theirs cached.
+            anchored = i + len(hit.store_hashes)
+            end = self._window_hit(limit, anchored, tiered_from=l1)
+            hit.num_replayed_tokens = (anchored - end) * self.block_size
+            del hit.host_slots[max(0, end - l1):]
+            del hit.store_hashes[max(0, end - l1 - len(hit.host_slots)):]
+            l1 = min(l1, end)
+        for g, (table, pool) in enumerate(zip(hit.blocks, self.pools)):
+            if g in windowed:
+                first = min(self._spec(g).first_needed_block(end * self.block_size), l1)
+            else:
+                first = 0
+            table.extend([SKIPPED] * first)
+            table.extend(pool.lookup(h) for h in limit[first:l1])
         return hit
 
     def _spec(self, group: int) -> SlidingWindowSpec:
         return self.groups[group].spec  # type: ignore[return-value]
 
-    def _window_hit(self, hashes: list[BlockHash], limit: int) -> int:
+    def _window_hit(self, hashes: list[BlockHash], limit: int, tiered_from: int) -> int:
         """The longest hit of at most ``limit`` blocks after which every window group has
-        the pages its next query reads (the blocks of the window behind the hit point)."""
+        the pages its next query reads (the blocks of the window behind the hit point):
+        cached on the device, or (blocks from ``tiered_from`` on) loaded from a tier with
+        the rest of their block."""
         valid = [True] * (limit + 1)  # valid[m]: a hit of m blocks may resume
         for g, spec in self.windows:
-            pool, run = self.pools[g], 0  # run: cached pages ending at block m - 1
+            pool, run = self.pools[g], 0  # run: available pages ending at block m - 1
             for m in range(1, limit + 1):
-                run = run + 1 if hashes[m - 1] in pool else 0
+                run = run + 1 if m > tiered_from or hashes[m - 1] in pool else 0
                 valid[m] = valid[m] and m - spec.first_needed_block(m * self.block_size) <= run
         return max(m for m in range(limit + 1) if valid[m])
 

@@ -108,12 +108,6 @@ class SlidingWindowSpec(_PagedSpec):
     def page_shape(self) -> tuple[int, ...]:
         return (2, self.block_size, self.num_kv_heads, self.head_dim)
 
-    @property
-    def cacheable(self) -> bool:
-        # Window pages stay in the device prefix cache only: the tiers and KV transfer carry
-        # the full-attention pages of a block (window state moves as snapshots, issue 15).
-        return False
-
     def first_needed_block(self, position: int) -> int:
         """The first block a query at ``position`` (or any later one) reads."""
         return max(0, position - self.window + 1) // self.block_size

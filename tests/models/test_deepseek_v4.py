@@ -100,3 +100,22 @@ def test_engine_greedy_tokens_with_and_without_prefix_caching(make_checkpoint, h
     expected = plain.generate([prompts[0][:30] + [5, 6, 7]], params)[0].outputs[0].token_ids
     assert again[3].outputs[0].token_ids == expected
     llm.engine.check_integrity()
+
+
+def test_file_store_restart_gives_the_same_tokens(make_checkpoint, tmp_path):
+    """Every V4 slot (window keys, raw rows, entries) of a block goes to the file store with
+    it; a cold engine resumes from there."""
+    path = _checkpoint(make_checkpoint)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    options = dict(block_size=4, max_num_batched_tokens=16, progress=False)
+    prompts = _prompts(1000, [41, 30], seed=8)
+    expected = [o.outputs[0].token_ids for o in
+                LLM(str(path), enable_prefix_caching=False, **options).generate(prompts, params)]
+    store = str(tmp_path / "store")
+    writer = LLM(str(path), kv_store_dir=store, **options)
+    assert [o.outputs[0].token_ids for o in writer.generate(prompts, params)] == expected
+    writer.engine.core.shutdown()
+    reader = LLM(str(path), kv_store_dir=store, **options)
+    assert [o.outputs[0].token_ids for o in reader.generate(prompts, params)] == expected
+    assert reader.engine.core.kv.hit_tokens_by_tier["L3"] > 0
+    reader.engine.core.shutdown()

@@ -10,7 +10,7 @@ from attention_support import ATTENTION_BACKENDS
 from test_hf_parity import PagedModel, _hf_logits, _prompts
 
 from openinfer import LLM, SamplingParams
-from openinfer.kv.spec import SKIPPED
+from openinfer.kv.spec import SKIPPED, page_bytes
 
 WINDOW = 8
 WINDOW_MODELS = {
@@ -119,12 +119,43 @@ def test_engine_holds_the_window_only_and_caching_changes_no_token(name, make_ch
     assert [o.outputs[0].token_ids for o in plain] == [outputs[f"r{i}"] for i in range(3)]
 
 
-def test_tiers_and_disaggregation_are_refused_for_window_models(make_checkpoint, tmp_path):
+@pytest.mark.parametrize("name", ["GptOssForCausalLM", "Qwen3-layer-types"])
+def test_window_pages_through_host_and_file_tiers(name, make_checkpoint, tmp_path):
+    """A device pool too small to keep earlier prompts: their blocks (window pages with
+    them) come back from host memory, and a cold engine reads them from the file store."""
+    path = _checkpoint(make_checkpoint, name)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = _prompts(1000, [70, 70, 70, 70], seed=2)
+    options = dict(block_size=4, max_num_batched_tokens=32, max_model_len=96, progress=False)
+    plain = LLM(str(path), enable_prefix_caching=False, **options)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    groups = plain.engine.core.kv.groups
+    blocks_per_request = sum(g.spec.blocks_for(76) for g in groups)
+    llm = LLM(str(path), kv_cache_memory=int(1.5 * blocks_per_request) * page_bytes(groups),
+              kv_host_memory=8 * 1024**2, **options)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    again = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in again] == expected
+    assert llm.engine.core.kv.hit_tokens_by_tier["L2"] > 0
+    llm.engine.check_integrity()
+    store = tmp_path / "store"
+    writer = LLM(str(path), kv_store_dir=str(store), **options)
+    writer.generate(prompts[:2], params)
+    writer.engine.core.shutdown()
+    reader = LLM(str(path), kv_store_dir=str(store), **options)
+    outs = reader.generate(prompts[:2], params)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:2]
+    assert reader.engine.core.kv.hit_tokens_by_tier["L3"] > 0
+    reader.engine.core.shutdown()
+
+
+def test_disaggregation_and_window_only_tiers_are_refused(make_checkpoint, tmp_path):
     path = _checkpoint(make_checkpoint, "Qwen3-layer-types")
     with pytest.raises(ValueError, match="sliding-window"):
-        LLM(str(path), kv_store_dir=str(tmp_path / "store"), progress=False)
-    with pytest.raises(ValueError, match="sliding-window"):
-        LLM(str(path), kv_host_memory=1 << 20, progress=False)
+        LLM(str(path), kv_role="prefill", progress=False)
+    mistral = _checkpoint(make_checkpoint, "MistralForCausalLM")
+    with pytest.raises(ValueError, match="sliding-window layers only"):
+        LLM(str(mistral), kv_host_memory=1 << 20, progress=False)
 
 
 @pytest.mark.parametrize("bounded", [True, False], ids=["bounded-replay", "per-block-pages"])
