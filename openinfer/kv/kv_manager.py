@@ -85,9 +85,12 @@ class PrefixHit:
 
 class KVCacheManager:
     def __init__(self, groups: list[LayerGroup], num_blocks: int, enable_caching: bool = True,
-                 snapshot_interval: int | None = None) -> None:
+                 snapshot_interval: int | None = None, rollback_tokens: int = 0) -> None:
         """``snapshot_interval``: window groups keep pages cached only at window snapshots
-        every that many tokens (and at a request's last full block); None: every page."""
+        every that many tokens (and at a request's last full block); None: every page.
+        ``rollback_tokens``: window groups hold the window behind a request's last
+        ``rollback_tokens`` computed tokens too, so ``rollback`` may drop that many (the
+        rejected tail of a speculative step)."""
         if not groups:
             raise ValueError("the model has no KV cache layers")
         sizes = {g.spec.block_size for g in groups}
@@ -108,6 +111,7 @@ class KVCacheManager:
         """Groups that keep every block of a request: what is "cached" means theirs."""
         self._tables: dict[str, list[list[int]]] = {}
         self.snapshot_interval = snapshot_interval
+        self.rollback_tokens = rollback_tokens
         self.num_replayed_tokens = 0
         """Tokens of full-group prefix hits recomputed because the window state at their end
         was not cached (a hit resumes at the latest snapshot behind it)."""
@@ -332,7 +336,8 @@ class KVCacheManager:
         if tables is None or not self.windows:
             return
         live = self._first_live[request_id]
-        last_full = num_computed_tokens // self.block_size * self.block_size
+        kept = max(0, num_computed_tokens - self.rollback_tokens)
+        last_full = kept // self.block_size * self.block_size
         for w, (g, spec) in enumerate(self.windows):
             table = tables[g]
             end = min(spec.first_needed_block(last_full), len(table))
@@ -346,6 +351,23 @@ class KVCacheManager:
                 self.pools[g].free(table[live[w]:end])
                 table[live[w]:end] = [SKIPPED] * (end - live[w])
                 live[w] = end
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """The request keeps only its first ``num_tokens`` tokens (at most
+        ``rollback_tokens`` fewer than it computed): blocks past them are freed, tail first.
+        Window pages for those tokens are still held (see ``rollback_tokens``); cached
+        blocks stay cached (their content is what their hash names); compressed entries of
+        groups completed by the dropped tokens are written again when those groups complete."""
+        tables = self._tables.get(request_id)
+        if tables is None:
+            return
+        for group, pool, table in zip(self.groups, self.pools, tables):
+            keep = group.spec.blocks_for(num_tokens)
+            pool.free([b for b in reversed(table[keep:]) if b != SKIPPED])
+            del table[keep:]
+        if request_id in self._num_cached_blocks:
+            self._num_cached_blocks[request_id] = min(self._num_cached_blocks[request_id],
+                                                      num_tokens // self.block_size)
 
     def cache_blocks(self, request_id: str, block_hashes: list[BlockHash],
                      token_ids: list[int], num_computed_tokens: int) -> list[BlockHash]:

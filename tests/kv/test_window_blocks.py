@@ -205,3 +205,28 @@ def test_bounded_replay_keeps_window_pages_only_at_snapshots():
     assert (hit.num_tokens, hit.num_replayed_tokens) == (28, 0)
     bounded.record_prefix_query(len(other), bounded.find_cached_prefix(_hashes(other), 45), 0)
     assert bounded.num_replayed_tokens == 12
+
+
+def test_rollback_keeps_the_window_of_the_kept_tokens():
+    """With rollback_tokens 4, a request may drop its last 4 tokens: the window behind the
+    tokens it keeps is still held (without the margin its first block would be gone), and its
+    tail blocks go back to the pool."""
+    tokens = list(range(44))
+    hashes = _hashes(tokens)
+    for margin in (0, 4):
+        kv = KVCacheManager(group_layers(_specs()), 64, rollback_tokens=margin)
+        spec = kv.groups[1].spec
+        assert kv.allocate_slots("a", 36) is not None
+        kv.cache_blocks("a", hashes, tokens, 36)
+        assert kv.allocate_slots("a", 40, num_computed_tokens=36) is not None  # 4 speculative
+        kv.rollback("a", 32)  # all 4 rejected, and the last accepted one too
+        full, window = kv.block_table("a")
+        assert len(full) == len(window) == 8
+        first = spec.first_needed_block(32)  # what the next query (position 32) reads
+        assert (SKIPPED in window[first:]) == (margin == 0)
+        kv.check_integrity()
+        if margin:
+            assert kv.allocate_slots("a", 33, num_computed_tokens=32) is not None
+        kv.free("a")
+        kv.check_integrity()
+        assert kv.usage == 0

@@ -119,3 +119,18 @@ def test_file_store_restart_gives_the_same_tokens(make_checkpoint, tmp_path):
     assert [o.outputs[0].token_ids for o in reader.generate(prompts, params)] == expected
     assert reader.engine.core.kv.hit_tokens_by_tier["L3"] > 0
     reader.engine.core.shutdown()
+
+
+def test_rolled_back_tokens_leave_no_trace(make_checkpoint):
+    """Speculative tokens computed and then rejected: running other tokens at their positions
+    rewrites the window keys, raw compressor rows and the entries they completed (a CSA and
+    an HCA group end inside them), so the logits equal a run that never saw them."""
+    path = _checkpoint(make_checkpoint)
+    base, drafted, accepted = _prompts(1000, [29, 5, 5], seed=4)
+    spec = PagedModel(path, attention="torch")
+    spec.step([(0, base, 0)])
+    spec.step([(0, drafted, 29)])  # positions 29..33: groups end at 31 (CSA) and 31 (HCA)
+    got = spec.step([(0, accepted, 29)])
+    fresh = PagedModel(path, attention="torch")
+    want = fresh.step([(0, base + accepted, 0)])[29:]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
