@@ -16,10 +16,13 @@ class RMSNorm(nn.Module):
     instead of torch's five-op composite. Decided per model at start-up, so an engine
     computes the same way from its first step to its last."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, fp32_weight: bool = False) -> None:
+        """``fp32_weight``: the weight stays float32 whatever the compute dtype, and lower
+        precision inputs are scaled in float32 and cast once (DeepSeek-V4's norms)."""
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        dtype = torch.float32 if fp32_weight else None
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -31,6 +34,8 @@ class RMSNorm(nn.Module):
         # Lower precision: normalize in float32, scale after casting back, as HF models do.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight.dtype == torch.float32:
+            return (self.weight * xf).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
     def forward(

@@ -106,7 +106,7 @@ class Compressor(nn.Module):
         self.wgate = Linear(hidden, width)
         self.ape = _fp32_param(ratio, width)
         """Per-offset gate bias ("absolute position embedding" of a token within its group)."""
-        self.norm = RMSNorm(dim, eps)
+        self.norm = RMSNorm(dim, eps, fp32_weight=True)
 
     def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: int, count: int,
              rope: V4Rope) -> torch.Tensor:
@@ -160,10 +160,10 @@ class V4Attention(nn.Module):
         self.eps = eps
         self.rope = ropes["main" if self.kind == SLIDING else "compress"]
         self.wq_a = Linear(hidden, hf["q_lora_rank"])
-        self.q_norm = RMSNorm(hf["q_lora_rank"], eps)
+        self.q_norm = RMSNorm(hf["q_lora_rank"], eps, fp32_weight=True)
         self.wq_b = Linear(hf["q_lora_rank"], self.num_heads * self.head_dim)
         self.wkv = Linear(hidden, self.head_dim)
-        self.norm = RMSNorm(self.head_dim, eps)
+        self.norm = RMSNorm(self.head_dim, eps, fp32_weight=True)
         self.groups, self.group_rank = hf["o_groups"], hf["o_lora_rank"]
         self.wo_a = nn.Module()  # grouped: [groups * rank, heads * head_dim / groups]
         self.wo_a.weight = nn.Parameter(
@@ -351,10 +351,10 @@ class V4DecoderLayer(nn.Module):
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
         streams, iters, hc_eps = hf.get("hc_mult", 4), hf.get("hc_sinkhorn_iters", 20), hf.get("hc_eps", 1e-6)
         self.hc_attn = HyperConnection(streams, hidden, iters, hc_eps, eps)
-        self.attn_norm = RMSNorm(hidden, eps)
+        self.attn_norm = RMSNorm(hidden, eps, fp32_weight=True)
         self.attn = V4Attention(hf, layer, ropes)
         self.hc_ffn = HyperConnection(streams, hidden, iters, hc_eps, eps)
-        self.ffn_norm = RMSNorm(hidden, eps)
+        self.ffn_norm = RMSNorm(hidden, eps, fp32_weight=True)
         self.ffn = V4MoE(hf, mlp_layer_types(hf)[layer] == "hash_moe")
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, input_ids: torch.Tensor,
@@ -394,7 +394,7 @@ class DeepseekV4Model(nn.Module):
         self.embed_tokens = VocabEmbedding(hf["vocab_size"], hidden)
         self.layers = nn.ModuleList(V4DecoderLayer(hf, i, ropes) for i in range(hf["num_hidden_layers"]))
         self.hc_head = HyperHead(self.streams, hidden, hf.get("hc_eps", 1e-6), eps)
-        self.norm = RMSNorm(hidden, eps)
+        self.norm = RMSNorm(hidden, eps, fp32_weight=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:

@@ -134,3 +134,25 @@ def test_rolled_back_tokens_leave_no_trace(make_checkpoint):
     fresh = PagedModel(path, attention="torch")
     want = fresh.step([(0, base + accepted, 0)])[29:]
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_bfloat16_is_as_close_to_the_exact_answer_as_transformers(make_checkpoint, hf_model_loader):
+    """A bf16 checkpoint: transformers in float32 computes its exact answer. openinfer in bf16
+    keeps the same parameters in float32 as the reference (norms, hyper-connections, sinks,
+    gate biases, position biases) and is, on average, as close to it as transformers' bf16."""
+    path = make_checkpoint("DeepseekV4ForCausalLM", extra_config=V4, num_layers=4, num_heads=4,
+                           num_kv_heads=1, head_dim=32, intermediate_size=32, dtype=torch.bfloat16)
+    _randomize(path)
+    ours, truth = PagedModel(path, dtype="bfloat16", attention="torch"), hf_model_loader(path)
+    theirs = type(truth).from_pretrained(path, dtype=torch.bfloat16).eval()
+    fp32 = {n for n, p in ours.model.named_parameters() if p.dtype == torch.float32}
+    assert fp32 and all(n.endswith(("norm.weight", "_fn", "_base", "_scale", ".fn", ".base", ".scale",
+                                    "attn_sink", ".ape", "gate.bias")) for n in fp32)
+    prompts = _prompts(ours.config.vocab_size, [33, 20])
+    logits = ours.step([(i, p, 0) for i, p in enumerate(prompts)])
+    offset = 0
+    for p in prompts:
+        got, want = logits[offset:offset + len(p)], _hf_logits(truth, p)
+        offset += len(p)
+        their_error = (_hf_logits(theirs, p) - want).abs().mean().item()
+        assert (got - want).abs().mean().item() <= 1.5 * their_error + 1e-3
