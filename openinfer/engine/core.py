@@ -37,8 +37,11 @@ class EngineCore:
         """How this engine computes (the labels of the compute_info metric)."""
         groups = group_layers(self.executor.call("kv_cache_specs"))
         num_blocks = min(self.executor.collective_rpc("kv_cache_memory")) // page_bytes(groups)
+        # An instance that lends KV to decode instances keeps window layers' blocks whole for
+        # the requests it holds (their window pages travel with every block).
         self.kv = KVCacheManager(groups, num_blocks, cache.enable_prefix_caching,
-                                 cache.swa_snapshot_interval if cache.swa_bounded_replay else None)
+                                 cache.swa_snapshot_interval if cache.swa_bounded_replay else None,
+                                 lends_windows=config.kv_transfer.serves_kv)
         # One request of max_model_len tokens must fit: every block in the full groups, the
         # window and a prefill chunk in the window groups.
         chunk = config.scheduler.max_num_batched_tokens
@@ -50,14 +53,11 @@ class EngineCore:
                 f"max_model_len ({mc.max_model_len}) needs ({needed}): raise kv_cache_memory "
                 "or lower max_model_len")
         capacity = num_blocks * cache.block_size // len(self.kv.anchors)
-        if self.kv.windows and (config.kv_transfer.role != "both"
-                                or config.kv_transfer.port is not None):
-            raise ValueError("this model has sliding-window layers: disaggregated prefill does "
-                             "not carry their window KV yet")
-        if len(self.kv.windows) == len(groups) and (cache.kv_host_memory is not None
-                                                    or cache.kv_store_dir is not None):
+        if len(self.kv.windows) == len(groups) and (
+                cache.kv_host_memory is not None or cache.kv_store_dir is not None
+                or config.kv_transfer.role != "both" or config.kv_transfer.port is not None):
             raise ValueError("this model has sliding-window layers only: the host/file KV tiers "
-                             "need a full-attention layer group")
+                             "and disaggregation need a full-attention layer group")
         self.scheduler = Scheduler(config.scheduler, self.kv,
                                    config.kv_transfer.load_failure_policy)
         self.executor.collective_rpc("initialize_kv_cache", groups, num_blocks)

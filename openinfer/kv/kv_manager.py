@@ -85,12 +85,15 @@ class PrefixHit:
 
 class KVCacheManager:
     def __init__(self, groups: list[LayerGroup], num_blocks: int, enable_caching: bool = True,
-                 snapshot_interval: int | None = None, rollback_tokens: int = 0) -> None:
+                 snapshot_interval: int | None = None, rollback_tokens: int = 0,
+                 lends_windows: bool = False) -> None:
         """``snapshot_interval``: window groups keep pages cached only at window snapshots
         every that many tokens (and at a request's last full block); None: every page.
         ``rollback_tokens``: window groups hold the window behind a request's last
         ``rollback_tokens`` computed tokens too, so ``rollback`` may drop that many (the
-        rejected tail of a speculative step)."""
+        rejected tail of a speculative step). ``lends_windows`` (an instance that serves KV to
+        decode instances): window groups release nothing, so every block of a held request
+        can be lent whole."""
         if not groups:
             raise ValueError("the model has no KV cache layers")
         sizes = {g.spec.block_size for g in groups}
@@ -112,6 +115,7 @@ class KVCacheManager:
         self._tables: dict[str, list[list[int]]] = {}
         self.snapshot_interval = snapshot_interval
         self.rollback_tokens = rollback_tokens
+        self.lends_windows = lends_windows
         self.num_replayed_tokens = 0
         """Tokens of full-group prefix hits recomputed because the window state at their end
         was not cached (a hit resumes at the latest snapshot behind it)."""
@@ -333,7 +337,7 @@ class KVCacheManager:
         first so their cached pages are evicted before newer ones. With bounded replay,
         pages outside every snapshot leave the prefix cache as they are freed."""
         tables = self._tables.get(request_id)
-        if tables is None or not self.windows:
+        if tables is None or not self.windows or self.lends_windows:
             return
         live = self._first_live[request_id]
         kept = max(0, num_computed_tokens - self.rollback_tokens)
@@ -417,8 +421,8 @@ class KVCacheManager:
         ``num_tokens`` tokens referenced (for a decode instance to pull) and free the
         rest; returns hash -> device block per group of what is held. ``release`` frees
         them."""
-        if self.windows:
-            raise ValueError("sliding-window layers' KV is not lent to decode instances")
+        if self.windows and not self.lends_windows:
+            raise ValueError("window groups release their blocks: this instance lends no KV")
         tables = self._tables.pop(request_id, None)
         num_cached = self._num_cached_blocks.pop(request_id, 0)
         if tables is None:

@@ -4,6 +4,8 @@ hits stay exact."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from attention_support import ATTENTION_BACKENDS
@@ -149,13 +151,42 @@ def test_window_pages_through_host_and_file_tiers(name, make_checkpoint, tmp_pat
     reader.engine.core.shutdown()
 
 
-def test_disaggregation_and_window_only_tiers_are_refused(make_checkpoint, tmp_path):
-    path = _checkpoint(make_checkpoint, "Qwen3-layer-types")
-    with pytest.raises(ValueError, match="sliding-window"):
-        LLM(str(path), kv_role="prefill", progress=False)
+def test_disaggregated_prefill_and_decode_carry_the_window(make_checkpoint):
+    """A prefill instance keeps its window layers' blocks whole (it lends them); the decode
+    instance pulls every block with its window pages and decodes as a colocated run does."""
+    path = _checkpoint(make_checkpoint, "GptOssForCausalLM")
+    prompts = _prompts(1000, [45, 30], seed=6)
+    params = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    options = dict(block_size=4, max_num_batched_tokens=16, progress=False)
+    expected = [o.outputs[0].token_ids for o in LLM(str(path), enable_prefix_caching=False, **options)
+                .generate(prompts, SamplingParams(**params))]
+    prefill = LLM(str(path), kv_role="prefill", **options)
+    decode = LLM(str(path), kv_role="decode", kv_connector="tcp", **options)
+    try:
+        outs = prefill.generate(prompts, SamplingParams(temperature=0, max_tokens=1,
+                                                        kv_transfer_params={"do_remote_decode": True}))
+        assert prefill.engine.core.kv.lends_windows
+        handoff = [SamplingParams(**params, kv_transfer_params=o.kv_transfer_params) for o in outs]
+        got = decode.generate(prompts, handoff)
+        assert [o.outputs[0].token_ids for o in got] == expected
+        assert decode.engine.core.scheduler.num_remote_blocks_pulled == 11 + 7
+        held = prefill.engine.core  # the prefill side frees its leases once they are pulled
+        deadline = time.monotonic() + 5
+        while held.kv.num_held and time.monotonic() < deadline:
+            time.sleep(0.02)
+            held.collect_leases()
+        assert held.kv.num_held == 0
+    finally:
+        prefill.engine.core.shutdown()
+        decode.engine.core.shutdown()
+
+
+def test_window_only_models_keep_their_cache_on_the_device(make_checkpoint):
     mistral = _checkpoint(make_checkpoint, "MistralForCausalLM")
     with pytest.raises(ValueError, match="sliding-window layers only"):
         LLM(str(mistral), kv_host_memory=1 << 20, progress=False)
+    with pytest.raises(ValueError, match="sliding-window layers only"):
+        LLM(str(mistral), kv_role="prefill", progress=False)
 
 
 @pytest.mark.parametrize("bounded", [True, False], ids=["bounded-replay", "per-block-pages"])
