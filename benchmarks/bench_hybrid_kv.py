@@ -120,7 +120,7 @@ def v4_figures(length: int = 32768, prompt: int = 30720) -> str:
     live = [sum(b != SKIPPED for b in t) for t in tables]
     ideal = sum(n * g.bytes_per_block for n, g in zip(live, groups))
     padded = sum(live) * page_bytes(groups)
-    full = length * hf["num_hidden_layers"] * 2 * hf["head_dim"] * 2  # K and V of one head, bf16
+    full = length * hf["num_hidden_layers"] * hf["head_dim"] * 2  # its one K = V vector, bf16
     return (f"| DeepSeek-V4 ({hf['num_hidden_layers']} layers, head_dim {hf['head_dim']}, "
             f"{len(groups)} layer groups) | {ideal / 2**20:.0f} MiB | {padded / 2**20:.0f} MiB | "
             f"{full / 2**20:.0f} MiB | {full / ideal:.1f}x |")
@@ -164,7 +164,7 @@ dependence.
 DeepSeek-V4: the bytes one 32k-token request holds (bf16, block 16) in its KV slots (window
 keys, compressor and indexer raw rows over the last 128/256/8 tokens, compressed entries and
 indexer keys), as the groups' own bytes and as pages of the shared pool, beside every layer
-keeping the K and V of its one 512-dim head for all 32k tokens:
+keeping its one 512-dim K = V vector for all 32k tokens:
 
 | model | held: V4 slots | held: pool pages | all layers full | full / V4 |
 |---|---|---|---|---|

@@ -48,7 +48,9 @@ def layer_views(group: LayerGroup, cache: torch.Tensor) -> list[torch.Tensor]:
     MLA latent: ``[num_blocks, block_size, latent + rope]``; compressed: ``[num_blocks,
     entries per page, entry_dim]``."""
     if group.spec.kind in ("full_attention", "sliding_window"):
-        return [cache[:, i].transpose(0, 1) for i in range(len(group.layers))]
+        # K = V layers store one copy: both halves of the view are it (stride 0).
+        return [cache[:, i].transpose(0, 1).expand(2, *cache.shape[:1], *cache.shape[3:])
+                for i in range(len(group.layers))]
     if group.spec.kind in ("mla_latent", "compressed"):
         return [cache[:, i] for i in range(len(group.layers))]
     raise NotImplementedError(f"no cache view for {group.spec.kind} layers")

@@ -101,12 +101,14 @@ class SlidingWindowSpec(_PagedSpec):
     head_dim: int
     dtype: str
     window: int
+    shared_kv: bool = False
+    """Keys are the values (DeepSeek-V4): one copy is stored, seen as both halves."""
 
     kind = "sliding_window"
 
     @property
     def page_shape(self) -> tuple[int, ...]:
-        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (1 if self.shared_kv else 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     def first_needed_block(self, position: int) -> int:
         """The first block a query at ``position`` (or any later one) reads."""

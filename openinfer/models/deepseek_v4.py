@@ -189,7 +189,8 @@ class V4Attention(nn.Module):
     def kv_specs(self, block_size: int, dtype: str) -> list[KVSpec]:
         """Window K; then, compressed layers: raw compressor rows (the last m or 2m tokens'
         projections) and entries; CSA: the indexer's raw rows and keys."""
-        specs: list[KVSpec] = [SlidingWindowSpec(block_size, 1, self.head_dim, dtype, self.window)]
+        specs: list[KVSpec] = [SlidingWindowSpec(block_size, 1, self.head_dim, dtype, self.window,
+                                                 shared_kv=True)]
         if self.kind != SLIDING:
             m, c = self.ratio, self.compressor
             span = 2 * m if c.overlap else m
