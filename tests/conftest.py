@@ -123,3 +123,31 @@ def check_block_pools_after_test(monkeypatch):
         assert not core.has_unfinished_requests(), "a request was left in the engine"
         assert core.kv.pool.num_free == core.kv.pool.num_blocks, "KV blocks leaked"
         assert not core.executor.worker.runner.requests, "the runner kept a finished request"
+
+
+def run_disaggregated(path: Path, prompts: list[list[int]], params: dict,
+                      **options) -> tuple[list[list[int]], openinfer.llm.LLM, openinfer.llm.LLM]:
+    """One prefill instance and one decode instance (TCP pulls), in process: the prompts are
+    prefilled on the first, handed over and decoded on the second. Returns the decoded tokens
+    and both engines (shut down), once the prefill side has released every lease."""
+    import time
+
+    from openinfer import LLM, SamplingParams
+
+    prefill = LLM(str(path), kv_role="prefill", progress=False, **options)
+    decode = LLM(str(path), kv_role="decode", kv_connector="tcp", progress=False, **options)
+    try:
+        outs = prefill.generate(prompts, SamplingParams(temperature=0, max_tokens=1,
+                                                        kv_transfer_params={"do_remote_decode": True}))
+        handoff = [SamplingParams(**params, kv_transfer_params=o.kv_transfer_params) for o in outs]
+        tokens = [o.outputs[0].token_ids for o in decode.generate(prompts, handoff)]
+        held = prefill.engine.core  # the prefill side frees its leases once they are pulled
+        deadline = time.monotonic() + 5
+        while held.kv.num_held and time.monotonic() < deadline:
+            time.sleep(0.02)
+            held.collect_leases()
+        assert held.kv.num_held == 0
+    finally:
+        prefill.engine.core.shutdown()
+        decode.engine.core.shutdown()
+    return tokens, prefill, decode

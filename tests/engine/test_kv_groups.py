@@ -5,10 +5,10 @@ transfer) handles both groups through the block layout, giving the single-group 
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 
 import pytest
+from conftest import run_disaggregated
 
 from openinfer import LLM, SamplingParams
 from openinfer.kv.spec import FullAttentionSpec
@@ -94,25 +94,9 @@ def test_a_store_written_under_another_layout_is_never_read(qwen3_checkpoint, ex
 def test_two_groups_move_between_prefill_and_decode(qwen3_checkpoint, expected, monkeypatch):
     monkeypatch.setattr(LlamaForCausalLM, "kv_cache_specs", two_groups)
     prompts, tokens = expected["prompts"], expected["tokens"]
-    prefill = LLM(str(qwen3_checkpoint), progress=False, kv_cache_memory=32 * MiB,
-                  kv_role="prefill")
-    decode = LLM(str(qwen3_checkpoint), progress=False, kv_cache_memory=32 * MiB,
-                 kv_role="decode")
-    try:
-        outs = prefill.generate(prompts, SamplingParams(
-            temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
-        params = [o.kv_transfer_params for o in outs]
-        got = decode.generate(prompts, [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
-                                                       kv_transfer_params=p) for p in params])
-        assert _tokens(got) == tokens
-        assert decode.engine.core.scheduler.num_remote_blocks_pulled == 3 * 4
-        assert decode.engine.core.scheduler.num_prompt_tokens_computed == 3 * (70 - 64)
-        core = prefill.engine.core
-        deadline = time.monotonic() + 5
-        while core.kv.num_held and time.monotonic() < deadline:  # released by the pulls
-            time.sleep(0.02)
-            core.collect_leases()
-        assert core.kv.num_held == 0
-    finally:
-        prefill.engine.core.shutdown()
-        decode.engine.core.shutdown()
+    got, _, decode = run_disaggregated(qwen3_checkpoint, prompts,
+                                       dict(temperature=0, max_tokens=6, ignore_eos=True),
+                                       kv_cache_memory=32 * MiB)
+    assert got == tokens
+    assert decode.engine.core.scheduler.num_remote_blocks_pulled == 3 * 4
+    assert decode.engine.core.scheduler.num_prompt_tokens_computed == 3 * (70 - 64)

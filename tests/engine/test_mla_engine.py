@@ -4,10 +4,8 @@ with the latent blocks moved through the BlockLayout like any other spec."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from conftest import build_checkpoint
+from conftest import build_checkpoint, run_disaggregated
 from test_kv_tiers import _prompts, _tokens
 
 from openinfer import LLM, SamplingParams
@@ -64,27 +62,11 @@ def test_disaggregated_prefill_and_decode(checkpoint, plain):
     prompts = _prompts(3, 100, seed=2)
     params = dict(temperature=0, max_tokens=8, ignore_eos=True)
     expected = _tokens(plain.generate(prompts, SamplingParams(**params)))
-    prefill = LLM(str(checkpoint), kv_role="prefill", kv_cache_memory=32 * MiB, progress=False)
-    decode = LLM(str(checkpoint), kv_role="decode", kv_connector="tcp", kv_cache_memory=32 * MiB,
-                 progress=False)
-    try:
-        outs = prefill.generate(prompts, SamplingParams(temperature=0, max_tokens=1,
-                                                        kv_transfer_params={"do_remote_decode": True}))
-        handoff = [o.kv_transfer_params for o in outs]
-        got = decode.generate(prompts, [SamplingParams(**params, kv_transfer_params=p) for p in handoff])
-        assert _tokens(got) == expected
-        core = decode.engine.core
-        assert core.scheduler.num_remote_blocks_pulled == 3 * 6
-        assert core.executor.worker.mover.stats.bytes["remote_to_host"] == 18 * BLOCK_BYTES
-        held = prefill.engine.core  # the prefill side frees its leases once they are pulled
-        deadline = time.monotonic() + 5
-        while held.kv.num_held and time.monotonic() < deadline:
-            time.sleep(0.02)
-            held.collect_leases()
-        assert held.kv.num_held == 0
-    finally:
-        prefill.engine.core.shutdown()
-        decode.engine.core.shutdown()
+    tokens, _, decode = run_disaggregated(checkpoint, prompts, params, kv_cache_memory=32 * MiB)
+    assert tokens == expected
+    core = decode.engine.core
+    assert core.scheduler.num_remote_blocks_pulled == 3 * 6
+    assert core.executor.worker.mover.stats.bytes["remote_to_host"] == 18 * BLOCK_BYTES
 
 
 @pytest.mark.slow

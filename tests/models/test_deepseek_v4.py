@@ -5,6 +5,7 @@ hyper-connections; through the paged engine with prefix caching, the same tokens
 from __future__ import annotations
 
 import torch
+from conftest import run_disaggregated
 from test_hf_parity import PagedModel, _hf_logits, _prompts
 
 from openinfer import LLM, SamplingParams
@@ -160,29 +161,13 @@ def test_bfloat16_is_as_close_to_the_exact_answer_as_transformers(make_checkpoin
 
 def test_disaggregated_prefill_and_decode(make_checkpoint):
     """Every V4 slot of a block crosses from the prefill instance to the decode instance."""
-    import time
-
     path = _checkpoint(make_checkpoint)
     prompts = _prompts(1000, [41, 26], seed=9)
     params = dict(temperature=0, max_tokens=6, ignore_eos=True)
-    options = dict(block_size=4, max_num_batched_tokens=16, progress=False)
-    expected = [o.outputs[0].token_ids for o in LLM(str(path), enable_prefix_caching=False, **options)
+    options = dict(block_size=4, max_num_batched_tokens=16)
+    expected = [o.outputs[0].token_ids for o in
+                LLM(str(path), enable_prefix_caching=False, progress=False, **options)
                 .generate(prompts, SamplingParams(**params))]
-    prefill = LLM(str(path), kv_role="prefill", **options)
-    decode = LLM(str(path), kv_role="decode", kv_connector="tcp", **options)
-    try:
-        outs = prefill.generate(prompts, SamplingParams(temperature=0, max_tokens=1,
-                                                        kv_transfer_params={"do_remote_decode": True}))
-        handoff = [SamplingParams(**params, kv_transfer_params=o.kv_transfer_params) for o in outs]
-        got = decode.generate(prompts, handoff)
-        assert [o.outputs[0].token_ids for o in got] == expected
-        assert decode.engine.core.scheduler.num_remote_blocks_pulled == 10 + 6
-        held = prefill.engine.core
-        deadline = time.monotonic() + 5
-        while held.kv.num_held and time.monotonic() < deadline:
-            time.sleep(0.02)
-            held.collect_leases()
-        assert held.kv.num_held == 0
-    finally:
-        prefill.engine.core.shutdown()
-        decode.engine.core.shutdown()
+    tokens, _, decode = run_disaggregated(path, prompts, params, **options)
+    assert tokens == expected
+    assert decode.engine.core.scheduler.num_remote_blocks_pulled == 10 + 6

@@ -4,11 +4,10 @@ hits stay exact."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from attention_support import ATTENTION_BACKENDS
+from conftest import run_disaggregated
 from test_hf_parity import PagedModel, _hf_logits, _prompts
 
 from openinfer import LLM, SamplingParams
@@ -160,25 +159,11 @@ def test_disaggregated_prefill_and_decode_carry_the_window(make_checkpoint):
     options = dict(block_size=4, max_num_batched_tokens=16, progress=False)
     expected = [o.outputs[0].token_ids for o in LLM(str(path), enable_prefix_caching=False, **options)
                 .generate(prompts, SamplingParams(**params))]
-    prefill = LLM(str(path), kv_role="prefill", **options)
-    decode = LLM(str(path), kv_role="decode", kv_connector="tcp", **options)
-    try:
-        outs = prefill.generate(prompts, SamplingParams(temperature=0, max_tokens=1,
-                                                        kv_transfer_params={"do_remote_decode": True}))
-        assert prefill.engine.core.kv.lends_windows
-        handoff = [SamplingParams(**params, kv_transfer_params=o.kv_transfer_params) for o in outs]
-        got = decode.generate(prompts, handoff)
-        assert [o.outputs[0].token_ids for o in got] == expected
-        assert decode.engine.core.scheduler.num_remote_blocks_pulled == 11 + 7
-        held = prefill.engine.core  # the prefill side frees its leases once they are pulled
-        deadline = time.monotonic() + 5
-        while held.kv.num_held and time.monotonic() < deadline:
-            time.sleep(0.02)
-            held.collect_leases()
-        assert held.kv.num_held == 0
-    finally:
-        prefill.engine.core.shutdown()
-        decode.engine.core.shutdown()
+    tokens, prefill, decode = run_disaggregated(path, prompts, params, block_size=4,
+                                                max_num_batched_tokens=16)
+    assert tokens == expected
+    assert prefill.engine.core.kv.lends_windows
+    assert decode.engine.core.scheduler.num_remote_blocks_pulled == 11 + 7
 
 
 def test_window_only_models_keep_their_cache_on_the_device(make_checkpoint):
