@@ -195,3 +195,21 @@ def test_hits_across_a_snapshot_interval_give_the_recomputed_tokens(bounded, mak
     stats = llm.engine.core.stats()
     assert (stats["swa_replayed_tokens"] > 0) == bounded
     llm.engine.check_integrity()
+
+
+def test_preempted_requests_resume_with_the_same_tokens(make_checkpoint):
+    """A pool too small for every running request: the newest are preempted (their window
+    and full blocks freed), recomputed later from their cached prefix, and end as they would
+    have alone."""
+    path = _checkpoint(make_checkpoint, "GptOssForCausalLM")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = _prompts(1000, [40, 36, 44, 30], seed=12)
+    options = dict(block_size=4, max_num_batched_tokens=32, max_model_len=80, progress=False)
+    plain = LLM(str(path), enable_prefix_caching=False, **options)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    groups = plain.engine.core.kv.groups
+    one_request = sum(g.spec.blocks_for(70) for g in groups)
+    llm = LLM(str(path), kv_cache_memory=one_request * page_bytes(groups), **options)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.core.stats()["num_preemptions"] > 0
+    llm.engine.check_integrity()
