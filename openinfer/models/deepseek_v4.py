@@ -219,17 +219,27 @@ class V4Attention(nn.Module):
         meta = metas[0]
         starts = meta.query_start_loc.tolist()
         out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+        # Entries whose groups complete in this step, pooled and stored first.
         for b in range(meta.num_seqs):
+            end = meta.seq_lens_list[b]
+            ctx = end - meta.query_lens_list[b]
+            if self.kind != SLIDING:
+                self._pool_new(self.compressor, b, ctx, end, caches[1:3], metas[1:3])
+                if self.kind == CSA:
+                    self._pool_new(self.indexer.compressor, b, ctx, end, caches[3:5], metas[3:5])
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._attend_decodes(q[:nd], qr[:nd], x[:nd], caches, metas)
+        for b in range(nd, meta.num_seqs):  # prefill chunks, one sequence at a time
             s, n, end = starts[b], meta.query_lens_list[b], meta.seq_lens_list[b]
             if n == 0:
                 continue
             ctx = end - n
             entries = index_keys = None
             if self.kind != SLIDING:
-                entries = self._entries(self.compressor, b, ctx, end, caches[1:3], metas[1:3])
+                entries = self._entries(self.compressor, b, end, caches[2], metas[2])
                 if self.kind == CSA:
-                    index_keys = self._entries(self.indexer.compressor, b, ctx, end, caches[3:5],
-                                               metas[3:5])
+                    index_keys = self._entries(self.indexer.compressor, b, end, caches[4], metas[4])
             out[s:s + n] = self._attend(b, q[s:s + n], qr[s:s + n], x[s:s + n], ctx, end,
                                         caches[0], meta, entries, index_keys)
         out = self.rope(out, cos, -sin).view(T, self.groups, -1)
@@ -243,31 +253,44 @@ class V4Attention(nn.Module):
         kv, gate = pooler.wkv(x), pooler.wgate(x)
         write_kv(cache, kv[:, None], gate[:, None], meta.slot_mapping)
 
-    def _entries(self, pooler: Compressor, b: int, ctx: int, end: int, caches: list[torch.Tensor],
-                 metas: list[AttentionMetadata]) -> torch.Tensor:
-        """Pool the entries whose groups complete in this step (from the raw rows, this step's
-        included), store them, and return all of the sequence's entries so far."""
+    def _pool_new(self, pooler: Compressor, b: int, ctx: int, end: int,
+                  caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> None:
+        """Pool sequence b's entries whose groups complete in this step (tokens ctx .. end - 1)
+        from the raw rows (this step's included) and store them in their pages."""
         m, bs = pooler.ratio, metas[0].block_size
+        first, last = ctx // m, end // m  # entries first .. last - 1 complete now
+        if last <= first:
+            return
         raw_cache, entry_cache = caches
         raw_table = metas[0].block_tables[b].tolist()
         entry_table = metas[1].block_tables[b].tolist()
+        lo = max(0, (first - 1) * m) if pooler.overlap else first * m
+        rows = range(lo, last * m)
+        kv = _rows(raw_cache[0], raw_table, rows, bs)
+        gate = _rows(raw_cache[1], raw_table, rows, bs)
+        new = pooler.pool(kv, gate, first, last - first, self.rope)
         spec = CompressedSpec(bs, m, pooler.dim, "float32")
-        first, last = ctx // m, end // m  # entries first .. last - 1 complete now
-        if last > first:
-            lo = max(0, (first - 1) * m) if pooler.overlap else first * m
-            rows = range(lo, last * m)
-            kv = _rows(raw_cache[0], raw_table, rows, bs)
-            gate = _rows(raw_cache[1], raw_table, rows, bs)
-            new = pooler.pool(kv, gate, first, last - first, self.rope)
-            for w in range(first, last):
-                block, slot = spec.entry_slot(w)
-                entry_cache[entry_table[block], slot] = new[w - first]
-        if last == 0:
-            return entry_cache.new_zeros(0, pooler.dim)
-        where = [spec.entry_slot(w) for w in range(last)]
-        blocks = torch.tensor([entry_table[blk] for blk, _ in where], dtype=torch.long)
-        slots = torch.tensor([slot for _, slot in where], dtype=torch.long)
-        return entry_cache[blocks, slots]
+        for w in range(first, last):
+            block, slot = spec.entry_slot(w)
+            entry_cache[entry_table[block], slot] = new[w - first]
+
+    @staticmethod
+    def _entry_index(ratio: int, block_size: int, tables: torch.Tensor,
+                     count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, slot) of entries 0 .. count - 1 for each row of ``tables`` [B, blocks]."""
+        w = torch.arange(count, device=tables.device)
+        block = ((w + 1) * ratio - 1) // block_size
+        slot = w % max(1, block_size // ratio)
+        block = block.clamp(max=tables.shape[1] - 1)  # entries past a row's own are masked
+        return tables[:, block].long(), slot.expand(tables.shape[0], -1)
+
+    def _entries(self, pooler: Compressor, b: int, end: int, entry_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """All of sequence b's entries so far (its groups complete before ``end``)."""
+        count = end // pooler.ratio
+        pages, slots = self._entry_index(pooler.ratio, meta.block_size, meta.block_tables[b:b + 1],
+                                         count)
+        return entry_cache[pages[0], slots[0]]
 
     def _attend(self, b: int, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor, ctx: int,
                 end: int, window_cache: torch.Tensor, meta: AttentionMetadata,
@@ -295,14 +318,47 @@ class V4Attention(nn.Module):
         probs = logits.softmax(-1)[..., :-1].to(dtype)
         return torch.einsum("nhl,ld->nhd", probs, keys)
 
+    def _attend_decodes(self, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
+                        caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
+        """The step's decodes together (one query each, at position seq_len - 1): their window
+        keys and entries gathered into padded [B, keys, D] tensors, masked. [B, H, D]."""
+        meta, nd, W, bs = metas[0], q.shape[0], self.window, metas[0].block_size
+        pos = meta.seq_lens[:nd].long() - 1
+        key_pos = pos[:, None] - W + 1 + torch.arange(W, device=q.device)  # [B, W]
+        allowed = key_pos >= 0
+        key_pos = key_pos.clamp(min=0)
+        pages = meta.block_tables[:nd].long().gather(1, key_pos // bs)
+        keys = caches[0][0][pages, key_pos % bs, 0]  # [B, W, D]
+        if self.kind != SLIDING:
+            m = self.ratio
+            counts = (pos + 1) // m
+            count = int(counts.max())
+            if count:
+                visible = torch.arange(count, device=q.device)[None, :] < counts[:, None]
+                pages, slots = self._entry_index(m, bs, metas[2].block_tables[:nd], count)
+                entries = caches[2][pages, slots]  # [B, count, D]
+                if self.kind == CSA:
+                    pages, slots = self._entry_index(m, bs, metas[4].block_tables[:nd], count)
+                    visible = self._select(qr, x, pos, caches[4][pages, slots], visible)
+                keys = torch.cat([keys, entries], 1)
+                allowed = torch.cat([allowed, visible], 1)
+        logits = torch.einsum("bhd,bld->bhl", q, keys) * self.head_dim**-0.5
+        logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
+        sinks = self.attn_sink.view(1, -1, 1).expand(nd, -1, 1)
+        probs = torch.cat([logits.float(), sinks], -1).softmax(-1)[..., :-1].to(q.dtype)
+        return torch.einsum("bhl,bld->bhd", probs, keys)
+
     def _select(self, qr: torch.Tensor, x: torch.Tensor, t: torch.Tensor, index_keys: torch.Tensor,
                 visible: torch.Tensor) -> torch.Tensor:
-        """CSA: the entries each query's indexer scores put in its top ``index_topk``."""
+        """CSA: the entries each query's indexer scores put in its top ``index_topk``.
+        ``index_keys``: [L, DI] shared by the queries (one sequence's), or [n, L, DI] per
+        query (a batch of decodes)."""
         ix = self.indexer
         n = qr.shape[0]
         cos, sin = self.rope.cos_sin(t, qr.dtype)
         qi = self.rope(ix.wq_b(qr).view(n, ix.num_heads, ix.head_dim), cos, sin)
-        scores = F.relu(torch.einsum("nhd,ld->nhl", qi.float(), index_keys.float())) * ix.head_dim**-0.5
+        keys = index_keys.float() if index_keys.dim() == 3 else index_keys.float().expand(n, -1, -1)
+        scores = F.relu(torch.einsum("nhd,nld->nhl", qi.float(), keys)) * ix.head_dim**-0.5
         weights = ix.weights_proj(x).float() * ix.num_heads**-0.5
         score = (scores * weights[..., None]).sum(1).masked_fill(~visible, float("-inf"))
         # ReLU scores tie at 0 often: ties go to the earlier entry (a stable sort), so the choice
