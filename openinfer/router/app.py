@@ -350,8 +350,10 @@ def _generate_route(state: RouterState, path: str):
                 # then the request can still go elsewhere.
                 chunks = upstream.aiter_raw()
                 first = await anext(chunks, b"")
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
-                    httpx.ReadError) as e:
+            except httpx.TransportError as e:
+                # Any failure before the first byte (refused, reset, a request body written
+                # to a socket the replica closed as it died, a timeout): nothing reached the
+                # client yet, so the request may go elsewhere.
                 worker.in_flight -= 1
                 if upstream is not None:
                     await upstream.aclose()
