@@ -58,7 +58,7 @@ def figures(batch: int = 8, prompt_len: int = 128, new_tokens: int = 32) -> str:
         theirs_s = time.perf_counter() - start
     same = sum(a == b for a, b in zip(ours, theirs))
     total = batch * new_tokens
-    rows.append(f"| openinfer (batched, per-sequence torch attention) | {ours_s:.2f} | "
+    rows.append(f"| openinfer (batched steps, V4 attention in torch) | {ours_s:.2f} | "
                 f"{total / ours_s:.1f} | {same}/{batch} |")
     rows.append(f"| transformers (cached generate, one at a time) | {theirs_s:.2f} | "
                 f"{total / theirs_s:.1f} | - |")
@@ -76,8 +76,8 @@ def main() -> None:
 A random DeepSeek-V4 (4 layers: sliding, CSA, HCA, CSA; hidden 256, 8 heads of 64, window 32,
 CSA ratio 4 with a 4-head indexer, HCA ratio 16, 8 experts top-2, float32), 8 prompts of 128
 tokens, 32 greedy tokens each. transformers' V4 compressors do not take padded batches, so it
-generates one sequence at a time; openinfer batches the step (its V4 attention loops over
-sequences in torch).
+generates one sequence at a time; openinfer batches the step (decodes attend together,
+prefill chunks one sequence at a time, all in torch: no fused V4 kernel yet).
 
 {table}
 """
