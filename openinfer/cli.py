@@ -104,6 +104,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-expert-stats", action="store_true",
                    help="count the tokens routed to each expert of each MoE layer "
                         "(metric moe_expert_tokens; MoE models only)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\'; methods ngram, suffix, draft_model '
+                        '(with "model"), mtp; "scheduler": "confidence" verifies only the '
+                        'drafts that pay (see README)')
 
 
 def resolve_model_arg(args: argparse.Namespace) -> None:
@@ -132,6 +137,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         attention_backend=args.attention_backend,
         batch_invariant=args.batch_invariant,
         moe_expert_stats=args.moe_expert_stats,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 
 from openinfer.cpu_features import auto_cpu_dtype, cpu_flags
+from openinfer.spec.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     """torch (the reference), cpu (the C++ paged kernel) or auto (the fastest that runs here;
     see openinfer/attention/selector.py)."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (``--speculative-config``); None: off."""
     moe_expert_stats: bool = False
     """Count the tokens routed to each expert of each MoE layer (the stats'
     ``moe_expert_tokens`` and the ``moe_expert_tokens`` metric; off: no per-step cost)."""
@@ -259,6 +262,7 @@ class EngineConfig:
         attention_backend: str = "auto",
         batch_invariant: bool = False,
         moe_expert_stats: bool = False,
+        speculative_config: str | dict | SpeculativeConfig | None = None,
     ) -> EngineConfig:
         """Build the whole config from flat options (the offline API's and the CLI's)."""
         device = resolve_device(device)
@@ -289,6 +293,7 @@ class EngineConfig:
                 load_failure_policy=kv_load_failure_policy),
             attention_backend=attention_backend,
             moe_expert_stats=moe_expert_stats,
+            speculative=SpeculativeConfig.parse(speculative_config),
         )
 
 

@@ -13,7 +13,10 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
+
 from openinfer.config import DEFAULT_KV_HOST_MEMORY_WITH_STORE, EngineConfig
+from openinfer.cpu_features import cpu_model_name
 from openinfer.engine.executor import make_executor
 from openinfer.engine.outputs import EngineCoreOutput, SchedulerOutput
 from openinfer.engine.request import Request, RequestStatus
@@ -23,6 +26,7 @@ from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.kv_manager import KVCacheManager, KVEvent
 from openinfer.kv.spec import BlockLayout, LayerGroup, SlidingWindowSpec, group_layers, page_bytes
 from openinfer.sampling_params import SamplingParams
+from openinfer.spec.confidence import PROFILE_ROWS, StepRateProfile
 from openinfer.transfer.file_store import model_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -58,9 +62,12 @@ class EngineCore:
                 or config.kv_transfer.role != "both" or config.kv_transfer.port is not None):
             raise ValueError("this model has sliding-window layers only: the host/file KV tiers "
                              "and disaggregation need a full-attention layer group")
-        self.scheduler = Scheduler(config.scheduler, self.kv,
-                                   config.kv_transfer.load_failure_policy)
         self.executor.collective_rpc("initialize_kv_cache", groups, num_blocks)
+        spec = config.speculative
+        self.scheduler = Scheduler(config.scheduler, self.kv,
+                                   config.kv_transfer.load_failure_policy, spec,
+                                   self._step_rates() if spec and spec.scheduler == "confidence"
+                                   else None)
         self._layout: BlockLayout | None = None
         self.has_tiers = self._attach_kv_tiers(groups)
         self.kv_server_address = self._attach_kv_transfer(groups)
@@ -77,6 +84,29 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens) shared by %d layer group(s)%s",
                     num_blocks, cache.block_size, capacity, len(groups),
                     f", {len(self.kv.windows)} of them sliding-window" if self.kv.windows else "")
+
+    def _step_rates(self) -> StepRateProfile:
+        """The model's steps per second by rows (confidence scheduling): profiled once per
+        model, dtype, device and CPU, then read from disk."""
+        spec, sched = self.config.speculative, self.config.scheduler
+        max_rows = min(sched.max_num_batched_tokens,
+                       sched.max_num_seqs * (spec.num_speculative_tokens + 1))
+        key = {"model": model_fingerprint(self.config.model.path),
+               "dtype": str(self.config.model.dtype), "device": self.config.device,
+               "cpu": cpu_model_name(), "threads": torch.get_num_threads(),
+               "attention": self.compute_info.get("attention"), "max_rows": max_rows,
+               "query_len": spec.num_speculative_tokens + 1}
+        path = StepRateProfile.cache_path(spec.sps_cache_dir, key)
+        profile = None if spec.refresh_sps else StepRateProfile.load(path)
+        if profile is None:
+            rows = [r for r in PROFILE_ROWS if r <= max_rows]
+            start = time.perf_counter()
+            profile = StepRateProfile(self.executor.call(
+                "profile_step_seconds", rows, spec.num_speculative_tokens + 1))
+            profile.save(path, key)
+            logger.info("speculative decoding: profiled steps/s at %d row counts in %.1f s "
+                        "(cached in %s)", len(profile.points), time.perf_counter() - start, path)
+        return profile
 
     def _block_layout(self, groups: list[LayerGroup]) -> BlockLayout:
         """What a cached block's bytes mean: instances and files that share blocks must
@@ -222,6 +252,8 @@ class EngineCore:
                 stats["kv_remote_blocks_pulled"] = s.num_remote_blocks_pulled
         if self.has_tiers or self.kv_server_address is not None:
             stats.update(self.executor.call("kv_io_stats"))
+        if self.config.speculative is not None:
+            stats.update(s.spec_stats.as_dict())
         if self.config.moe_expert_stats:
             stats["moe_expert_tokens"] = self.executor.call("expert_token_counts")
         return stats

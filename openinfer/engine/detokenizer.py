@@ -111,6 +111,9 @@ class IncrementalDetokenizer:
         # tokens were generated cannot stop the request, as EOS cannot).
         self._stop_floor = 0
         self._stopped: str | None = None
+        self._stop_end = 0
+        self.num_tokens_at_stop: int | None = None
+        """After a stop string: how many output tokens it took to complete it."""
         self._token_cache: dict[int, str] = {}
         self._prefix_ids: list[int] = []
         self._decoder: _StreamDecoder | _FullDecoder | None = None
@@ -131,16 +134,25 @@ class IncrementalDetokenizer:
             return None
         start = end = len(self._text)
         pieces = []
+        ends = []
         for token_id in new_token_ids:
             piece = self._step(token_id)
             pieces.append(piece)
             end += len(piece)
+            ends.append(end)
             if len(self._token_ids) <= self._params.min_tokens:
                 self._stop_floor = end
         self._text += "".join(pieces)
         if len(self._token_ids) <= self._params.min_tokens:
             return None
-        return self._check_stop(max(start, self._stop_floor))
+        stop = self._check_stop(max(start, self._stop_floor))
+        if stop is not None:
+            # Several tokens at once (verified drafts): the stop string ends inside the
+            # first token whose text reaches its end; the tokens after it are not output.
+            first = len(self._token_ids) - len(new_token_ids)
+            used = next((i + 1 for i, e in enumerate(ends) if e >= self._stop_end), len(ends))
+            self.num_tokens_at_stop = first + used
+        return stop
 
     @property
     def output_text(self) -> str:
@@ -258,6 +270,7 @@ class IncrementalDetokenizer:
         if best is None:
             return None
         end, start, stop = best
+        self._stop_end = end
         cut = end if self._params.include_stop_str_in_output else start
         # The held-back tail guarantees nothing past `cut` was streamed yet, unless a caller
         # asked for a finished delta and then kept updating; never cut streamed text.

@@ -165,11 +165,19 @@ class OutputProcessor:
         return self._to_output(state), child_ids
 
     def _append_tokens(self, sample: _Sample, out: EngineCoreOutput) -> str | None:
+        before = len(sample.token_ids)
         sample.token_ids.extend(out.new_token_ids)
         if sample.logprobs is not None and out.new_logprobs:
             for entry in out.new_logprobs:
                 sample.logprobs.append(self._decode_logprobs(sample.detokenizer, entry))
-        return sample.detokenizer.update(out.new_token_ids)
+        stop = sample.detokenizer.update(out.new_token_ids)
+        kept = sample.detokenizer.num_tokens_at_stop
+        if stop is not None and kept is not None and kept < len(sample.token_ids):
+            # A verified run went past the stop string: its tail is not output.
+            del sample.token_ids[max(kept, before):]
+            if sample.logprobs is not None:
+                del sample.logprobs[max(kept, before):]
+        return stop
 
     def _store_prompt_logprobs(self, state: _RequestState, start: int,
                                entries: list[PositionLogprobs]) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from openinfer.kv.plan import KVPlan
 from openinfer.outputs import PositionLogprobs
 from openinfer.sampling_params import SamplingParams
+from openinfer.spec.proposer import Draft
 
 
 @dataclass
@@ -33,6 +34,9 @@ class CachedRequestData:
     new_block_ids: list[list[int]]
     """Blocks added since the last step, per layer group."""
     num_computed_tokens: int
+    num_kept_blocks: list[int] | None = None
+    """Speculative decoding: per group, the table's length before ``new_block_ids``
+    (blocks past it were rolled back with rejected drafts); None: nothing was."""
 
 
 @dataclass
@@ -41,6 +45,9 @@ class SchedulerOutput:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     """Tokens of each request to compute this step (a prompt chunk, or 1 for a decode)."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: the drafts each request verifies this step (its scheduled
+    tokens are its last sampled token, then these)."""
     finished_request_ids: set[str] = field(default_factory=set)
     """Requests that ended (or were preempted) since the last step: the runner drops them."""
     kv: KVPlan = field(default_factory=KVPlan)
@@ -66,6 +73,8 @@ class ModelRunnerOutput:
     """Per request asking for them: one entry per token of ``sampled_token_ids``."""
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
     """Per request: (first prompt position covered, logprobs of the positions computed)."""
+    drafts: dict[str, Draft] = field(default_factory=dict)
+    """Speculative decoding: each sampling request's proposal for its next step."""
 
 
 @dataclass

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from openinfer.sampling_params import SamplingParams
+from openinfer.spec.proposer import Draft
 from openinfer.transfer.params import KVTransferParams
 
 
@@ -51,6 +52,8 @@ class Request:
     remote_load_tried: bool = False
     """Its prompt's blocks were pulled from a prefill instance once (not retried)."""
     num_blocks_from_remote: int = 0
+    draft: Draft | None = None
+    """Speculative decoding: the drafter's proposal to follow the last sampled token."""
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -63,6 +66,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Prompt plus the most output it may get: no slot past it is ever needed."""
+        return self.num_prompt_tokens + self.max_tokens
 
     @property
     def cache_salt(self) -> str | None:

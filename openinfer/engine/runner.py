@@ -3,10 +3,16 @@
 Each step it applies the scheduler's diff to its own copy of the requests, packs the
 scheduled tokens into one flat batch (decodes first), runs the model, and samples a
 token for every request whose scheduled tokens reached its end.
+
+With speculative decoding a request's scheduled tokens may be its last sampled token
+followed by drafts: the rows of all of them are verified (spec/verifier.py) and the
+request gains the accepted drafts plus one token. Then the drafter proposes the next
+step's drafts for every request that sampled.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +24,9 @@ from openinfer.engine.outputs import ModelRunnerOutput, NewRequestData, Schedule
 from openinfer.kv.spec import LayerGroup
 from openinfer.layers.sampler import Sampler, SamplingRow, compute_logprobs
 from openinfer.sampling_params import SamplingParams
+from openinfer.spec.draft_model import ModelDrafter
+from openinfer.spec.proposer import TokenProposer
+from openinfer.spec.verifier import VerifyRequest, verify
 
 
 @dataclass
@@ -30,6 +39,8 @@ class RunnerRequest:
     stop_token_ids: frozenset[int]
     block_ids: list[list[int]]
     num_computed_tokens: int
+    draft_probs: torch.Tensor | None = None
+    """A model drafter's distributions [k, V] for the drafts it proposed last."""
 
     @staticmethod
     def from_new(data: NewRequestData) -> RunnerRequest:
@@ -53,7 +64,8 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, groups: list[LayerGroup], kv_caches: list[torch.Tensor],
                  num_layers: int, device: torch.device | str, attention: AttentionBackend,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, proposer: TokenProposer | None = None,
+                 num_speculative_tokens: int = 0, drafter: ModelDrafter | None = None) -> None:
         self.model = model
         self.attention = attention
         self.device = torch.device(device)
@@ -67,14 +79,23 @@ class ModelRunner:
                 self.layer_group[layer] = g
         self.sampler = Sampler(seed)
         self.requests: dict[str, RunnerRequest] = {}
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.drafter = drafter
+        """A model drafter (its layers follow the target's in ``layer_caches``)."""
 
     def _apply_diff(self, sched: SchedulerOutput) -> None:
         for request_id in sched.finished_request_ids:
             self.requests.pop(request_id, None)
+            if self.proposer is not None:
+                self.proposer.drop(request_id)
         for data in sched.new_requests:
             self.requests[data.request_id] = RunnerRequest.from_new(data)
         for data in sched.cached_requests:
             req = self.requests[data.request_id]
+            if data.num_kept_blocks is not None:
+                for table, keep in zip(req.block_ids, data.num_kept_blocks):
+                    del table[keep:]
             for table, new_blocks in zip(req.block_ids, data.new_block_ids):
                 table.extend(new_blocks)
             req.num_computed_tokens = data.num_computed_tokens
@@ -89,11 +110,17 @@ class ModelRunner:
         order = sorted(counts, key=lambda rid: counts[rid] != 1)
         batch = [self.requests[rid] for rid in order]
 
+        drafts = sched.spec_token_ids
         input_ids: list[int] = []
         positions: list[int] = []
         for req in batch:
             start, end = req.num_computed_tokens, req.num_computed_tokens + counts[req.request_id]
-            input_ids.extend(req.token_ids[start:end])
+            draft = drafts.get(req.request_id)
+            if draft:  # the last sampled token, then the drafts
+                input_ids.append(req.token_ids[start])
+                input_ids.extend(draft)
+            else:
+                input_ids.extend(req.token_ids[start:end])
             positions.extend(range(start, end))
         query_lens = [counts[r.request_id] for r in batch]
         seq_lens = [r.num_computed_tokens + counts[r.request_id] for r in batch]
@@ -102,42 +129,70 @@ class ModelRunner:
             block_tables=[r.block_ids[g] for r in batch],
             block_size=self.block_size, device=self.device) for g in range(len(self.groups))]
         metas = [group_metas[g] for g in self.layer_group]
-        hidden = self.model(self._long(input_ids), self._long(positions), self.layer_caches, metas)
+        input_ids_t, positions_t = self._long(input_ids), self._long(positions)
+        hidden = self.model(input_ids_t, positions_t, self.layer_caches, metas)
+        if self.drafter is not None:
+            self.drafter.run_step(self, input_ids_t, positions_t, metas)
 
         out = ModelRunnerOutput()
         self._prompt_logprobs(batch, counts, hidden, out)
-        self._sample(batch, counts, hidden, out)
+        sampled = self._sample(batch, counts, drafts, hidden, out)
         for req in batch:
-            req.num_computed_tokens += counts[req.request_id]
+            num_rejected = len(drafts.get(req.request_id, ())) + 1 - len(
+                out.sampled_token_ids.get(req.request_id, ())) if req.request_id in drafts else 0
+            req.num_computed_tokens += counts[req.request_id] - num_rejected
+        if self.proposer is not None:
+            for req in sampled:
+                out.drafts[req.request_id] = self.proposer.propose(
+                    req.request_id, req.token_ids, req.num_prompt_tokens,
+                    self.num_speculative_tokens)
+        if self.drafter is not None:
+            out.drafts.update(self.drafter.propose(self, sampled))
         return out
 
-    def _sample(self, batch: list[RunnerRequest], counts: dict[str, int], hidden: torch.Tensor,
-                out: ModelRunnerOutput) -> None:
+    def _sample(self, batch: list[RunnerRequest], counts: dict[str, int],
+                drafts: dict[str, list[int]], hidden: torch.Tensor,
+                out: ModelRunnerOutput) -> list[RunnerRequest]:
+        """Sample (or verify drafts and sample) for every request whose scheduled tokens
+        reach its end; returns those requests."""
         rows: list[SamplingRow] = []
         last_positions: list[int] = []
         sampling: list[RunnerRequest] = []
+        verifying: list[VerifyRequest] = []
         offset = 0
         for req in batch:
             n = counts[req.request_id]
-            if req.num_computed_tokens + n == len(req.token_ids):
-                last_positions.append(offset + n - 1)
+            draft = drafts.get(req.request_id, [])
+            if req.num_computed_tokens + n - len(draft) == len(req.token_ids):
                 sampling.append(req)
-                rows.append(SamplingRow(
-                    params=req.params,
-                    prompt_token_ids=req.token_ids[:req.num_prompt_tokens],
-                    output_token_ids=req.token_ids[req.num_prompt_tokens:],
-                    stop_token_ids=req.stop_token_ids,
-                ))
+                output = req.token_ids[req.num_prompt_tokens:]
+                prompt = req.token_ids[:req.num_prompt_tokens]
+                req_rows = [SamplingRow(params=req.params, prompt_token_ids=prompt,
+                                        output_token_ids=output + draft[:j],
+                                        stop_token_ids=req.stop_token_ids)
+                            for j in range(len(draft) + 1)]
+                last_positions.extend(range(offset + n - 1 - len(draft), offset + n))
+                rows.extend(req_rows)
+                probs = req.draft_probs[:len(draft)] if req.draft_probs is not None else None
+                verifying.append(VerifyRequest(req_rows, draft, probs))
             offset += n
         if not rows:
-            return
+            return sampling
         logits = self.model.compute_logits(hidden[self._long(last_positions)])
-        result = self.sampler(logits, rows)
-        for req, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
-            req.token_ids.append(token)
-            out.sampled_token_ids[req.request_id] = [token]
-            if logprobs is not None:
-                out.logprobs[req.request_id] = [logprobs]
+        if not drafts:
+            result = self.sampler(logits, rows)
+            for req, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
+                req.token_ids.append(token)
+                out.sampled_token_ids[req.request_id] = [token]
+                if logprobs is not None:
+                    out.logprobs[req.request_id] = [logprobs]
+            return sampling
+        for req, result in zip(sampling, verify(self.sampler, logits, verifying)):
+            req.token_ids.extend(result.token_ids)
+            out.sampled_token_ids[req.request_id] = result.token_ids
+            if result.logprobs is not None:
+                out.logprobs[req.request_id] = result.logprobs
+        return sampling
 
     def _prompt_logprobs(self, batch: list[RunnerRequest], counts: dict[str, int],
                          hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
@@ -158,6 +213,43 @@ class ModelRunner:
                 entries = compute_logprobs(logits, targets, req.params.prompt_logprobs)
                 out.prompt_logprobs[req.request_id] = (start + 1, entries)
             offset += n
+
+    @torch.inference_mode()
+    def profile_step_seconds(self, rows: list[int], query_len: int,
+                             repeats: int = 3) -> list[tuple[int, float]]:
+        """Median seconds of a model step (forward and logits of every row) at each
+        number of rows, as sequences of ``query_len`` rows from position 0 written into
+        the first blocks (call before any request holds blocks). Stops at the rows the
+        cache has blocks for."""
+        blocks_per_seq = -(-query_len // self.block_size)
+        num_blocks = self.kv_caches[0].shape[0]
+        points = []
+        for num_rows in rows:
+            lens = [query_len] * (num_rows // query_len) + (
+                [num_rows % query_len] if num_rows % query_len else [])
+            if len(lens) * blocks_per_seq * len(self.groups) > num_blocks:
+                break
+            tables = [[s * blocks_per_seq + b for b in range(blocks_per_seq)]
+                      for s in range(len(lens))]
+            metas_by_group = [self.attention.build_metadata(
+                query_lens=lens, seq_lens=lens, block_tables=[
+                    [len(self.groups) * t + g for t in table] for table in tables],
+                block_size=self.block_size, device=self.device) for g in range(len(self.groups))]
+            metas = [metas_by_group[g] for g in self.layer_group]
+            input_ids = self._long([1] * num_rows)
+            positions = self._long([p for n in lens for p in range(n)])
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                hidden = self.model(input_ids, positions, self.layer_caches, metas)
+                self.model.compute_logits(hidden)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            points.append((num_rows, sorted(times[1:])[len(times[1:]) // 2]))
+        for cache in self.kv_caches:  # what was written is garbage: leave zeros, as allocated
+            cache.zero_()
+        return points
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -19,6 +19,12 @@ and cached it, then takes it as a hit: a burst of requests with one new system p
 computes it once, not once per request. A claim ends when its block is cached or its
 claimant stops running, so nobody waits on a preempted or finished request.
 
+Speculative decoding: a decoding request that holds a draft (proposed by the runner after
+its last step) is scheduled its last token plus some of the drafts, to verify them in
+one pass. How many: all of them (``fixed``), or those that maximise expected accepted
+tokens per second (``confidence``, spec/confidence.py). After the step its computed
+tokens are those verified; the slots of rejected drafts are rolled back.
+
 There is no separate prefill or decode phase: a request simply has
 ``num_computed_tokens`` of its ``num_tokens`` in the cache, and the step schedules
 some of the rest. When a step computes its last token, the runner samples a new one.
@@ -45,13 +51,24 @@ from openinfer.engine.request import Request, RequestStatus
 from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.kv.kv_manager import KVCacheManager, PrefixHit
 from openinfer.kv.plan import BlockLoad
+from openinfer.spec.confidence import Calibration, StepRateProfile, choose_verify_counts
+from openinfer.spec.config import SpeculativeConfig
 from openinfer.transfer.params import KVTransferParams
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 kv_load_failure_policy: str = "recompute") -> None:
+                 kv_load_failure_policy: str = "recompute",
+                 speculative: SpeculativeConfig | None = None,
+                 step_rates: StepRateProfile | None = None) -> None:
         self.config = config
+        self.spec = speculative
+        self.step_rates = step_rates
+        self.num_lookahead_tokens = speculative.num_lookahead_tokens if speculative else 0
+        self.calibration = Calibration(
+            speculative.num_speculative_tokens, per_request=speculative.method == "ngram"
+        ) if speculative else None
+        self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens if speculative else 0)
         self.kv = kv
         self.kv_load_failure_policy = kv_load_failure_policy
         self.new_holds: dict[str, dict[bytes, int]] = {}
@@ -118,11 +135,14 @@ class Scheduler:
         preempted = False
 
         self.running.sort(key=self._order)
+        verify = self._drafts_to_verify() if self.spec is not None else {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n,
+            num_drafts = min(verify.get(req.request_id, 0), budget - n)
+            n += num_drafts
+            new_blocks = self.kv.allocate_slots(req.request_id, self._slots_needed(req, n, num_drafts),
                                                 num_computed_tokens=req.num_computed_tokens)
             while new_blocks is None:
                 # The newest request yields its blocks; it may be this one.
@@ -132,10 +152,12 @@ class Scheduler:
                 if victim is req:
                     break
                 new_blocks = self.kv.allocate_slots(
-                    req.request_id, req.num_computed_tokens + n,
+                    req.request_id, self._slots_needed(req, n, num_drafts),
                     num_computed_tokens=req.num_computed_tokens)
             if new_blocks is None:
                 break  # req itself was preempted; it was the last running request
+            if num_drafts:
+                out.spec_token_ids[req.request_id] = req.draft.token_ids[:num_drafts]
             self._emit(req, n, new_blocks, out)
             budget -= n
             i += 1
@@ -169,7 +191,10 @@ class Scheduler:
             if remaining > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(remaining, budget)
-            new_blocks = self.kv.allocate_slots(req.request_id, num_hit + n, hit,
+            slots = num_hit + n
+            if slots == req.num_tokens:  # it samples: a model drafter writes past it
+                slots = min(slots + self.num_lookahead_tokens, req.max_num_tokens)
+            new_blocks = self.kv.allocate_slots(req.request_id, slots, hit,
                                                 num_prompt_tokens=req.num_prompt_tokens)
             if new_blocks is None:
                 break  # head-of-line waits: later requests must not overtake it
@@ -198,6 +223,49 @@ class Scheduler:
                     out.num_scheduled_tokens.get(req.request_id, 0),
                     req.num_prompt_tokens - req.num_computed_tokens)
         return out
+
+    # ---- speculative decoding ---------------------------------------------------------
+
+    def _slots_needed(self, req: Request, n: int, num_drafts: int) -> int:
+        """Tokens the request's tables must cover for a step of ``n`` tokens: those, and
+        when it samples, the positions a model drafter writes past them."""
+        slots = req.num_computed_tokens + n
+        if slots - num_drafts == req.num_tokens and self.num_lookahead_tokens:
+            slots = min(slots + self.num_lookahead_tokens, req.max_num_tokens)
+        return slots
+
+    def _drafts_to_verify(self) -> dict[str, int]:
+        """Per decoding request with a draft: how many of its drafts this step verifies
+        (never more than its output has room for after the token it samples)."""
+        candidates: dict[str, list[float]] = {}
+        base_rows = 0
+        for req in self.running:
+            remaining = req.num_tokens - req.num_computed_tokens
+            base_rows += remaining
+            if remaining != 1 or req.draft is None:
+                continue
+            room = req.max_tokens - len(req.output_token_ids) - 1
+            draft = req.draft.confidences[:room]
+            if draft:
+                candidates[req.request_id] = draft
+        if not candidates:
+            return {}
+        budget = self.config.max_num_batched_tokens
+        if self.spec.scheduler == "fixed" or self.step_rates is None:
+            return {rid: len(c) for rid, c in candidates.items()}
+        calibrated = {rid: self.calibration.confidences(rid, c) for rid, c in candidates.items()}
+        num_decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        return choose_verify_counts(calibrated, min(base_rows, budget), num_decoding,
+                                    self.step_rates.steps_per_second, budget)
+
+    def _settle_drafts(self, req: Request, num_drafts: int, num_sampled: int,
+                       proposal: object) -> None:
+        """After a step: account for the verified drafts and keep the next proposal."""
+        draft, req.draft = req.draft, proposal
+        if num_drafts:
+            accepted = num_sampled - 1
+            self.spec_stats.record(num_drafts, accepted)
+            self.calibration.observe(req.request_id, draft.confidences, num_drafts, accepted)
 
     # ---- prefix cache and in-flight sharing --------------------------------------------
 
@@ -292,8 +360,12 @@ class Scheduler:
               out: SchedulerOutput) -> None:
         out.num_scheduled_tokens[req.request_id] = n
         if req.request_id in self._known_to_runner:
+            kept = None
+            if self.spec is not None:  # rollbacks shorten tables: say where the new blocks go
+                kept = [len(t) - len(b) for t, b in zip(self.kv.block_table(req.request_id),
+                                                        new_blocks)]
             out.cached_requests.append(
-                CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
+                CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens, kept))
             return
         self._known_to_runner.add(req.request_id)
         out.new_requests.append(NewRequestData(
@@ -312,6 +384,7 @@ class Scheduler:
         self._settle_claims(req, release_all=True)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.draft = None
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -332,12 +405,21 @@ class Scheduler:
             req = self.requests.get(request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted during the step
-            req.num_computed_tokens += n
+            sampled = result.sampled_token_ids.get(request_id, ())
+            num_drafts = len(scheduled.spec_token_ids.get(request_id, ()))
+            # Rejected drafts were computed but are not the request's tokens: their slots go.
+            num_rejected = num_drafts + 1 - len(sampled) if num_drafts else 0
+            req.num_computed_tokens += n - num_rejected
+            if self.spec is not None:
+                if num_rejected or self.num_lookahead_tokens:
+                    self.kv.rollback(request_id, req.num_computed_tokens)
+                if sampled:
+                    self._settle_drafts(req, num_drafts, len(sampled), result.drafts.get(request_id))
             # A step may yield several tokens (verified drafts): a stop anywhere ends the
             # request there, and what follows it is dropped.
             new_tokens: list[int] = []
             status = None
-            for token in result.sampled_token_ids.get(request_id, ()):
+            for token in sampled:
                 req.append_output_token(token)
                 new_tokens.append(token)
                 status = req.check_stop()
@@ -393,6 +475,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req in self.running:
             self.running.remove(req)
+        if self.calibration is not None:
+            self.calibration.forget(req.request_id)
         req.status = status
         self._waiting_for_kv.discard(req.request_id)
         self._settle_claims(req, release_all=True)
@@ -422,3 +506,26 @@ class Scheduler:
         assert set(self.requests) == running_ids | {r.request_id for _, r in self._waiting}, (
             "a request is lost (neither waiting nor running)")
         assert set(self._claim_owner.values()) <= running_ids, "a claim outlived its claimant"
+
+
+class SpecDecodeStats:
+    """Running totals of verification (vLLM's spec_decode counters)."""
+
+    def __init__(self, num_positions: int) -> None:
+        self.num_drafts = 0
+        """Verifications: requests that verified at least one draft in a step."""
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * num_positions
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    def as_dict(self) -> dict:
+        return {"spec_num_drafts": self.num_drafts, "spec_num_draft_tokens": self.num_draft_tokens,
+                "spec_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_accepted_per_position": list(self.accepted_per_position)}

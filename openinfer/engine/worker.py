@@ -19,7 +19,12 @@ from collections.abc import Callable
 import torch
 
 from openinfer.attention import select_attention_backend
-from openinfer.config import CUDA_MEMORY_UTILIZATION, DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from openinfer.config import (
+    CUDA_MEMORY_UTILIZATION,
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    EngineConfig,
+    ModelConfig,
+)
 from openinfer.cpu_features import cpu_capability
 from openinfer.engine.kv_cache import allocate_caches
 from openinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -33,6 +38,8 @@ from openinfer.layers.gemm import describe_gemms
 from openinfer.layers.moe import FusedExperts, use_cpu_expert_kernels
 from openinfer.layers.norm import use_cpu_kernels
 from openinfer.models.loader import load_model
+from openinfer.spec.draft_model import ModelDrafter, check_draft_model
+from openinfer.spec.drafters import make_token_proposer
 from openinfer.transfer.block_mover import BlockMover
 from openinfer.transfer.connector import make_connector
 from openinfer.transfer.file_store import FileStore
@@ -67,6 +74,7 @@ class Worker:
                              "cpu_capability": cpu_capability(), "attention": self.attention.name,
                              "huge_pages": huge_pages}
         """How this worker computes (the labels of the compute_info metric)."""
+        self.draft_model = self._load_draft_model(progress)
         self.runner: ModelRunner | None = None
         self.mover: BlockMover | None = None
         """Host tier, file store and pulls (when tiers or KV transfer are on)."""
@@ -92,9 +100,30 @@ class Worker:
         """Tokens routed to each expert of each MoE layer so far (layer index -> counts)."""
         return {layer: m.token_counts.tolist() for layer, m in self.counted_experts.items()}
 
+    def _load_draft_model(self, progress: bool):
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        mc = self.config.model
+        draft_config = ModelConfig.from_pretrained(spec.model, dtype=mc.dtype,
+                                                   device=self.config.device)
+        check_draft_model(mc, draft_config, self.config.tokenizer)
+        model = load_model(draft_config, self.config.device, progress=progress)
+        if self.attention.name == "cpu":
+            use_cpu_kernels(model, load_cpu_attention())
+        logger.info("draft model %s (%s, %.0fM parameters): %d tokens per proposal", spec.model,
+                    draft_config.architecture, sum(p.numel() for p in model.parameters()) / 1e6,
+                    spec.num_speculative_tokens)
+        return model
+
     def kv_cache_specs(self) -> list[KVSpec | None]:
-        """The model's declaration of what each layer keeps per token."""
-        return self.model.kv_cache_specs(self.config.cache.block_size, self.dtype_name)
+        """The model's declaration of what each layer keeps per token (a draft model's
+        layers follow the target's)."""
+        block_size = self.config.cache.block_size
+        specs = self.model.kv_cache_specs(block_size, self.dtype_name)
+        if self.draft_model is not None:
+            specs = specs + self.draft_model.kv_cache_specs(block_size, self.dtype_name)
+        return specs
 
     def kv_cache_memory(self) -> int:
         """Bytes the KV cache may take on this worker's device."""
@@ -111,9 +140,21 @@ class Worker:
         runner over them."""
         self.groups = groups
         self.kv_caches = allocate_caches(groups, num_blocks, self.config.device)
-        self.runner = ModelRunner(self.model, groups, self.kv_caches,
-                                  len(self.kv_cache_specs()), self.config.device,
-                                  self.attention, seed=self.config.seed)
+        spec = self.config.speculative
+        specs = self.kv_cache_specs()
+        drafter = None
+        if self.draft_model is not None:
+            first = len(self.model.kv_cache_specs(self.config.cache.block_size, self.dtype_name))
+            drafter = ModelDrafter(self.draft_model, first, spec.num_speculative_tokens)
+        self.runner = ModelRunner(self.model, groups, self.kv_caches, len(specs),
+                                  self.config.device, self.attention, seed=self.config.seed,
+                                  proposer=make_token_proposer(spec),
+                                  num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                                  drafter=drafter)
+
+    def profile_step_seconds(self, rows: list[int], query_len: int) -> list[tuple[int, float]]:
+        """Seconds of one model step at each number of rows (confidence scheduling's SPS)."""
+        return self.runner.profile_step_seconds(rows, query_len)
 
     def attach_tiers(self, layout: BlockLayout, num_host_slots: int) -> Callable | None:
         """The host pool (L2) and, when configured, the file store (L3); returns the

@@ -104,6 +104,11 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Temperature, min-p, top-k, top-p, then the exponential race. Never modifies `logits`."""
+        return self.race(self.probabilities(logits, rows), rows)
+
+    def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution each row samples from [R, V]: temperature, min-p, top-k, top-p,
+        softmax (of processed logits; never modifies `logits`)."""
         device, vocab_size = logits.device, logits.shape[1]
         temperature = _column([row.params.temperature for row in rows], device)
         logits = logits / temperature  # a new tensor: everything below may work in place
@@ -121,15 +126,30 @@ class Sampler:
                 torch.tensor(top_k, device=device) if use_top_k else None,
                 _floats(top_p, device) if use_top_p else None,
             )
+        return logits.softmax(dim=-1)
 
-        probs = logits.softmax(dim=-1)
-        # Exponential race: argmax(p / q) with q ~ Exp(1) picks token i with probability p_i.
+    def race(self, weights: torch.Tensor, rows: list[SamplingRow], stream: int = 0) -> torch.Tensor:
+        """One token per row drawn in proportion to ``weights`` [R, V] (unnormalised is
+        fine; consumed): the exponential race ``argmax(w / q)``, q ~ Exp(1). ``stream``
+        picks another noise stream for seeded rows (a drafter's own draws)."""
+        noise = self._exponential_noise(rows, weights.shape[1], weights.device, stream)
         # The clamp keeps a (vanishingly rare) q == 0 from turning a masked 0/0 into NaN.
-        noise = self._exponential_noise(rows, vocab_size, device)
-        return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+        return weights.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+    def uniform(self, rows: list[SamplingRow], stream: int) -> list[float]:
+        """One U(0, 1) draw per row: seeded rows from their (seed, position, stream)
+        generator, the others from the engine generator."""
+        device = torch.device("cpu")
+        draws = torch.rand(len(rows), generator=self._engine_generator(device)).tolist()
+        generator = self._row_generator(device)
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                generator.manual_seed(row_seed(row.params.seed, len(row.output_token_ids), stream))
+                draws[i] = torch.rand(1, generator=generator).item()
+        return draws
 
     def _exponential_noise(
-        self, rows: list[SamplingRow], vocab_size: int, device: torch.device
+        self, rows: list[SamplingRow], vocab_size: int, device: torch.device, stream: int = 0
     ) -> torch.Tensor:
         """Exp(1) noise [R, V]: one batched draw for unseeded rows, a private one per seeded row."""
         seeded = [i for i, row in enumerate(rows) if row.params.seed is not None]
@@ -146,7 +166,7 @@ class Sampler:
         generator = self._row_generator(device)
         for i in seeded:
             row = rows[i]
-            generator.manual_seed(row_seed(row.params.seed, len(row.output_token_ids)))
+            generator.manual_seed(row_seed(row.params.seed, len(row.output_token_ids), stream))
             # Drawn into a fresh tensor (not a view of `noise`) so the values cannot depend on
             # where the row sits in the batch.
             noise[i] = torch.empty(vocab_size, device=device).exponential_(generator=generator)
@@ -483,14 +503,18 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def row_seed(seed: int, position: int) -> int:
-    """Seed of the generator that draws a seeded request's noise for output position `position`.
+def row_seed(seed: int, position: int, stream: int = 0) -> int:
+    """Seed of the generator that draws a seeded request's noise for output position `position`
+    (``stream`` > 0: another independent stream, for speculative decoding's extra draws).
 
     A fixed function of (seed, position) only, so redrawing a position (after preemption) gives
     the same noise; hashed so nearby seeds and positions give unrelated streams. 63 bits, which
     every torch generator accepts.
     """
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 1
+    mixed = _splitmix64(_splitmix64(seed & _MASK64) ^ position)
+    if stream:
+        mixed = _splitmix64(mixed ^ stream)
+    return mixed >> 1
 
 
 def _floats(values: list[float], device: torch.device) -> torch.Tensor:

@@ -1,0 +1,197 @@
+"""Speculative decoding end to end in the engine: every drafter gives plain decoding's
+greedy tokens (mixed batches, preemption, stops, max_tokens), seeded requests are
+batch-independent, rejected drafts leave no trace in the KV pool or prefix cache."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from conftest import build_checkpoint
+
+from openinfer import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(count):
+        body = [rng.randrange(3, 1000) for _ in range(rng.randrange(5, 50))]
+        if i % 2:  # something to copy: a repeated span
+            body = body + body[:12] + body
+        prompts.append(body)
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def draft_checkpoint(tmp_path_factory, tokenizer):
+    return build_checkpoint(tmp_path_factory.mktemp("draft"), "Qwen3ForCausalLM", tokenizer,
+                            num_layers=1, seed=5)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(qwen3_checkpoint):
+    llm = LLM(str(qwen3_checkpoint), progress=False)
+    return llm, [o.outputs[0].token_ids for o in llm.generate(_prompts(8), GREEDY)]
+
+
+def _spec(method: str, k: int = 4, **extra) -> dict:
+    return {"method": method, "num_speculative_tokens": k, **extra}
+
+
+def _spec_stats(llm: LLM) -> dict:
+    return {k: v for k, v in llm.engine.core.stats().items() if k.startswith("spec_")}
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "self_draft"])
+def test_greedy_tokens_equal_plain_decoding_for_every_drafter(qwen3_checkpoint, draft_checkpoint,
+                                                             plain_outputs, method):
+    extra = {}
+    if method == "draft_model":
+        extra = {"model": str(draft_checkpoint)}
+    elif method == "self_draft":  # the target as its own draft: every draft is accepted
+        method, extra = "draft_model", {"model": str(qwen3_checkpoint)}
+    llm = LLM(str(qwen3_checkpoint), progress=False, speculative_config=_spec(method, **extra))
+    outs = llm.generate(_prompts(8), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs[1]
+    stats = _spec_stats(llm)
+    assert stats["spec_num_draft_tokens"] > 0
+    if extra.get("model") == str(qwen3_checkpoint):
+        assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
+    elif method != "draft_model":  # a random 1-layer draft agrees with nothing
+        assert stats["spec_num_accepted_tokens"] > 0
+    llm.engine.check_integrity()
+
+
+def test_mixed_batches_preemption_stops_and_max_tokens(qwen3_checkpoint, plain_outputs):
+    plain, expected = plain_outputs
+    prompts = _prompts(8)
+    # A small cache (preemption under load), greedy and sampled requests in one batch, a
+    # stop token that falls inside accepted runs, and max_tokens cutting a run short.
+    llm = LLM(str(qwen3_checkpoint), progress=False, speculative_config=_spec("ngram", 5),
+              kv_cache_memory=24 * 16 * 2 * 2 * 16 * 4 * 2, max_model_len=256)
+    stop_token = expected[1][20]
+    params = []
+    for i in range(len(prompts)):
+        if i % 3 == 0:
+            params.append(SamplingParams(temperature=0.8, seed=i, max_tokens=30, ignore_eos=True))
+        elif i == 1:
+            params.append(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                         stop_token_ids=[stop_token]))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=17 + i, ignore_eos=True))
+    outs = llm.generate(prompts, params)
+    assert llm.engine.core.stats()["num_preemptions"] > 0
+    reference = plain.generate(prompts, params)
+    for i, (out, ref) in enumerate(zip(outs, reference)):
+        if params[i].temperature == 0:
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids, i
+            assert out.outputs[0].finish_reason == ref.outputs[0].finish_reason
+    assert outs[1].outputs[0].token_ids[-1] == stop_token
+    assert outs[1].outputs[0].finish_reason == "stop"
+    assert _spec_stats(llm)["spec_num_accepted_tokens"] > 0
+    llm.engine.check_integrity()
+
+
+def test_seeded_requests_are_the_same_alone_or_batched_and_logprobs_cover_every_token(
+        qwen3_checkpoint, draft_checkpoint):
+    llm = LLM(str(qwen3_checkpoint), progress=False,
+              speculative_config=_spec("draft_model", 3, model=str(qwen3_checkpoint)))
+    prompts = _prompts(6, seed=3)
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=24, ignore_eos=True,
+                            logprobs=2)
+    batched = llm.generate(prompts, params)
+    alone = llm.generate(prompts[2:3], params)
+    assert alone[0].outputs[0].token_ids == batched[2].outputs[0].token_ids
+    for out in batched:
+        completion = out.outputs[0]
+        assert len(completion.logprobs) == len(completion.token_ids) == 24
+        assert all(token in entry for token, entry in zip(completion.token_ids, completion.logprobs))
+    assert _spec_stats(llm)["spec_num_accepted_tokens"] > 0
+
+
+def test_prefix_cache_never_holds_a_rejected_token(qwen3_checkpoint, plain_outputs):
+    llm = LLM(str(qwen3_checkpoint), progress=False, speculative_config=_spec("suffix", 4))
+    prompts = _prompts(8)
+    first = llm.generate(prompts, GREEDY)
+    assert _spec_stats(llm)["spec_num_draft_tokens"] > _spec_stats(llm)["spec_num_accepted_tokens"]
+    # The prompts plus their outputs again: the cached blocks must hold the real tokens' KV.
+    again = [p + o.outputs[0].token_ids[:-1] for p, o in zip(prompts, first)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    hits = llm.generate(again, params)
+    assert sum(o.num_cached_tokens for o in hits) > 0
+    plain, _ = plain_outputs
+    cold = plain.generate(again, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in hits] == [o.outputs[0].token_ids for o in cold]
+
+
+def test_confidence_scheduler_profiles_once_and_keeps_greedy_tokens(qwen3_checkpoint, plain_outputs,
+                                                                   tmp_path):
+    spec = _spec("ngram", 4, scheduler="confidence", sps_cache_dir=str(tmp_path))
+    llm = LLM(str(qwen3_checkpoint), progress=False, speculative_config=spec)
+    (profile,) = tmp_path.glob("*.json")
+    points = json.loads(profile.read_text())["points"]
+    assert points[0][0] == 1 and len(points) >= 5
+    assert [o.outputs[0].token_ids for o in llm.generate(_prompts(8), GREEDY)] == plain_outputs[1]
+    mtime = profile.stat().st_mtime_ns
+    LLM(str(qwen3_checkpoint), progress=False, speculative_config=spec)  # read, not profiled
+    assert profile.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"tokens must be an integer in \[1, 16\]"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}, "unknown field.*lookup"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model .the draft checkpoint. is required"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "scheduler": "greedy"}, "scheduler must be"),
+])
+def test_bad_speculative_configs_are_refused_at_start(qwen3_checkpoint, config, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(qwen3_checkpoint), progress=False, speculative_config=config)
+
+
+def test_a_draft_with_another_vocabulary_or_tokenizer_is_refused(qwen3_checkpoint, tmp_path,
+                                                                 tokenizer):
+    other_vocab = build_checkpoint(tmp_path / "v", "Qwen3ForCausalLM", tokenizer, num_layers=1,
+                                   vocab_size=2048)
+    with pytest.raises(ValueError, match="vocabulary has 2048 entries"):
+        LLM(str(qwen3_checkpoint), progress=False,
+            speculative_config=_spec("draft_model", 2, model=str(other_vocab)))
+    from openinfer.demo import build_demo_tokenizer
+
+    other_tokenizer = build_checkpoint(tmp_path / "t", "Qwen3ForCausalLM",
+                                       build_demo_tokenizer(512), num_layers=1,
+                                       vocab_size=-(-len(tokenizer) // 64) * 64)
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        LLM(str(qwen3_checkpoint), progress=False,
+            speculative_config=_spec("draft_model", 2, model=str(other_tokenizer)))
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_output_where_plain_decoding_does(
+        qwen3_checkpoint, plain_outputs):
+    plain, _ = plain_outputs
+    # The target as its own draft: runs of five tokens are accepted whole.
+    llm = LLM(str(qwen3_checkpoint), progress=False,
+              speculative_config=_spec("draft_model", 4, model=str(qwen3_checkpoint)))
+    prompt = _prompts(1, seed=9)[0]
+    full = plain.generate([prompt], GREEDY)[0].outputs[0]
+    tokenizer = plain.get_tokenizer()
+    checked = 0
+    for cut in (7, 13, 22):  # stop strings completed at various offsets inside runs
+        piece = tokenizer.decode(full.token_ids[cut:cut + 1]).strip()
+        if len(piece) < 2 or piece not in full.text:
+            continue
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[piece],
+                                logprobs=1)
+        want = plain.generate([prompt], params)[0].outputs[0]
+        got = llm.generate([prompt], params)[0].outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason) == (
+            want.text, want.token_ids, want.finish_reason)
+        assert len(got.logprobs) == len(got.token_ids)
+        checked += 1
+    assert checked >= 2
+    assert _spec_stats(llm)["spec_num_accepted_tokens"] > 0
