@@ -24,7 +24,7 @@ from openinfer.engine.outputs import ModelRunnerOutput, NewRequestData, Schedule
 from openinfer.kv.spec import LayerGroup
 from openinfer.layers.sampler import Sampler, SamplingRow, compute_logprobs
 from openinfer.sampling_params import SamplingParams
-from openinfer.spec.draft_model import ModelDrafter
+from openinfer.spec.draft_model import ModelDrafter, StepBatch
 from openinfer.spec.proposer import TokenProposer
 from openinfer.spec.verifier import VerifyRequest, verify
 
@@ -131,8 +131,7 @@ class ModelRunner:
         metas = [group_metas[g] for g in self.layer_group]
         input_ids_t, positions_t = self._long(input_ids), self._long(positions)
         hidden = self.model(input_ids_t, positions_t, self.layer_caches, metas)
-        if self.drafter is not None:
-            self.drafter.run_step(self, input_ids_t, positions_t, metas)
+        starts = [r.num_computed_tokens for r in batch]
 
         out = ModelRunnerOutput()
         self._prompt_logprobs(batch, counts, hidden, out)
@@ -147,7 +146,8 @@ class ModelRunner:
                     req.request_id, req.token_ids, req.num_prompt_tokens,
                     self.num_speculative_tokens)
         if self.drafter is not None:
-            out.drafts.update(self.drafter.propose(self, sampled))
+            step = StepBatch(batch, query_lens, starts, input_ids_t, positions_t, metas, hidden)
+            out.drafts.update(self.drafter.propose(self, step, sampled))
         return out
 
     def _sample(self, batch: list[RunnerRequest], counts: dict[str, int],

@@ -262,6 +262,8 @@ class Scheduler:
                        proposal: object) -> None:
         """After a step: account for the verified drafts and keep the next proposal."""
         draft, req.draft = req.draft, proposal
+        if len(req.output_token_ids) > 0:  # a decode (not the prompt's first token)
+            self.spec_stats.num_decode_steps += 1
         if num_drafts:
             accepted = num_sampled - 1
             self.spec_stats.record(num_drafts, accepted)
@@ -514,6 +516,9 @@ class SpecDecodeStats:
     def __init__(self, num_positions: int) -> None:
         self.num_drafts = 0
         """Verifications: requests that verified at least one draft in a step."""
+        self.num_decode_steps = 0
+        """(request, step) pairs of decoding requests, verifying drafts or not: a decode
+        step has 1 + num_draft_tokens / num_decode_steps rows per request on average."""
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * num_positions
@@ -526,6 +531,7 @@ class SpecDecodeStats:
             self.accepted_per_position[j] += 1
 
     def as_dict(self) -> dict:
-        return {"spec_num_drafts": self.num_drafts, "spec_num_draft_tokens": self.num_draft_tokens,
+        return {"spec_num_drafts": self.num_drafts, "spec_num_decode_steps": self.num_decode_steps,
+                "spec_num_draft_tokens": self.num_draft_tokens,
                 "spec_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_accepted_per_position": list(self.accepted_per_position)}

@@ -33,13 +33,14 @@ from openinfer.huge_pages import huge_pages_in_use, system_mode
 from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.plan import BlockLoad
-from openinfer.kv.spec import BlockLayout, KVSpec, LayerGroup
+from openinfer.kv.spec import BlockLayout, KVSpec, LayerGroup, MLALatentSpec
 from openinfer.layers.gemm import describe_gemms
 from openinfer.layers.moe import FusedExperts, use_cpu_expert_kernels
 from openinfer.layers.norm import use_cpu_kernels
 from openinfer.models.loader import load_model
-from openinfer.spec.draft_model import ModelDrafter, check_draft_model
+from openinfer.spec.draft_model import DraftModelDrafter, check_draft_model
 from openinfer.spec.drafters import make_token_proposer
+from openinfer.spec.mtp import MTPDrafter, mtp_layers
 from openinfer.transfer.block_mover import BlockMover
 from openinfer.transfer.connector import make_connector
 from openinfer.transfer.file_store import FileStore
@@ -123,6 +124,15 @@ class Worker:
         specs = self.model.kv_cache_specs(block_size, self.dtype_name)
         if self.draft_model is not None:
             specs = specs + self.draft_model.kv_cache_specs(block_size, self.dtype_name)
+        spec = self.config.speculative
+        if spec is not None and spec.method == "mtp":
+            layers = mtp_layers(self.model)
+            if layers is None:
+                raise ValueError(f"speculative_config.method 'mtp': {self.config.model.architecture} "
+                                 "has no MTP module loaded (num_nextn_predict_layers is 0, or "
+                                 "the checkpoint lacks its weights)")
+            attn = layers[0].block.self_attn
+            specs = specs + [MLALatentSpec(block_size, attn.latent_dim, attn.rope_dim, self.dtype_name)]
         return specs
 
     def kv_cache_memory(self) -> int:
@@ -143,9 +153,11 @@ class Worker:
         spec = self.config.speculative
         specs = self.kv_cache_specs()
         drafter = None
+        first = len(self.model.kv_cache_specs(self.config.cache.block_size, self.dtype_name))
         if self.draft_model is not None:
-            first = len(self.model.kv_cache_specs(self.config.cache.block_size, self.dtype_name))
-            drafter = ModelDrafter(self.draft_model, first, spec.num_speculative_tokens)
+            drafter = DraftModelDrafter(self.draft_model, first, spec.num_speculative_tokens)
+        elif spec is not None and spec.method == "mtp":
+            drafter = MTPDrafter(self.model, first, spec.num_speculative_tokens)
         self.runner = ModelRunner(self.model, groups, self.kv_caches, len(specs),
                                   self.config.device, self.attention, seed=self.config.seed,
                                   proposer=make_token_proposer(spec),

@@ -1,27 +1,33 @@
-"""A draft model: a smaller model with the target's tokenizer, run by the model runner
-beside the target with its layers' KV in the same paged cache (its layers follow the
-target's in the layer list, so the KV manager gives them block tables, prefix caching and
-tiers like any layer group; when their spec equals the target's they share its groups).
+"""Model drafters: networks that keep KV of their own in the engine's paged cache (their
+layers follow the target's in the runner's layer list, so the KV manager gives them block
+tables, prefix caching and tiers like any layer group; when their spec equals the target's
+they share its groups).
 
-Each step the draft model first runs over the step's tokens exactly as the target does
-(prompt chunks and verified rows alike), so its KV follows the target's. Then, for every
-request that sampled, it drafts k tokens by feeding the token just sampled and chaining
-its own picks: greedy requests take its argmax, the others draw from its distribution q
-(the request's temperature, top-k, top-p, min-p), which the verifier needs (kept per
-request as ``draft_probs``). The confidence of a draft token is its probability under q
-(under the draft's softmax for greedy requests). The slots the chain writes past the
-sampled token were allocated as lookahead; the next step's first pass writes them again.
+- ``DraftModelDrafter``: a smaller model with the target's tokenizer. Each step it first
+  runs over the step's tokens exactly as the target did (prompt chunks and verified rows
+  alike), so its KV follows the target's; then, for every request that sampled, it feeds
+  the token just sampled and chains its own picks.
+- ``MTPDrafter`` (spec/mtp.py): DeepSeek's multi-token-prediction module, fed the
+  target's hidden states.
+
+Both draft the same way: greedy requests take the drafter's argmax, the others draw from
+its distribution q (the request's temperature, top-k, top-p, min-p), which the verifier
+needs (kept per request as ``draft_probs``). The confidence of a draft token is its
+probability under q (under the drafter's softmax for greedy requests). The slots a chain
+writes past the sampled token were allocated as lookahead; the next step writes them again.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from openinfer.config import ModelConfig
-from openinfer.layers.sampler import SamplingRow
+from openinfer.layers.sampler import Sampler, SamplingRow
 from openinfer.spec.proposer import Draft
 
 if TYPE_CHECKING:
@@ -29,6 +35,23 @@ if TYPE_CHECKING:
 
 DRAFT_STREAM = 2
 """Seeded rows' noise stream for the drafter's draws (verification uses 0 and 1)."""
+
+
+@dataclass
+class StepBatch:
+    """The step the target just ran, as a model drafter needs it."""
+
+    requests: list[RunnerRequest]
+    """In batch order; their token lists already hold what the step accepted and sampled."""
+    query_lens: list[int]
+    starts: list[int]
+    """Position of each request's first scheduled token."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metas: list
+    """Per layer of the runner's list (target, then drafter)."""
+    hidden: torch.Tensor
+    """The target's final hidden states, one row per scheduled token."""
 
 
 def check_draft_model(target: ModelConfig, draft: ModelConfig, tokenizer_path: str | None) -> None:
@@ -54,73 +77,97 @@ def check_draft_model(target: ModelConfig, draft: ModelConfig, tokenizer_path: s
                          f"target's ({differ} of {len(draft_vocab)} tokens map to other ids)")
 
 
-class ModelDrafter:
-    def __init__(self, model: nn.Module, first_layer: int, num_tokens: int) -> None:
-        self.model = model
+class ModelDrafter(ABC):
+    def __init__(self, first_layer: int, num_tokens: int) -> None:
         self.first_layer = first_layer
-        """Index of the draft's first layer in the runner's layer list."""
+        """Index of the drafter's first layer in the runner's layer list."""
         self.num_tokens = num_tokens
 
-    def run_step(self, runner: ModelRunner, input_ids: torch.Tensor, positions: torch.Tensor,
-                 metas: list) -> None:
-        """The first pass: the step's tokens through the draft, for their KV."""
-        self.model(input_ids, positions, runner.layer_caches[self.first_layer:],
-                   metas[self.first_layer:])
+    @abstractmethod
+    def propose(self, runner: ModelRunner, step: StepBatch,
+                sampled: list[RunnerRequest]) -> dict[str, Draft]:
+        """Keep the drafter's KV in step with the target's, and draft for ``sampled``."""
 
-    def propose(self, runner: ModelRunner, requests: list[RunnerRequest]) -> dict[str, Draft]:
-        if not requests:
-            return {}
-        sampler, block_size = runner.sampler, runner.block_size
-        layers = range(self.first_layer, len(runner.layer_group))
-        groups = sorted({runner.layer_group[i] for i in layers})
-        # The chain stays inside the slots allocated (lookahead, capped at max_num_tokens).
+    def _chain_lengths(self, runner: ModelRunner, requests: list[RunnerRequest]) -> list[int]:
+        """Tokens each request's chain may draft: k, within the slots allocated (lookahead,
+        capped at the request's max_num_tokens)."""
+        groups = self._groups(runner)
         lengths = []
         for req in requests:
-            capacity = min(len(req.block_ids[g]) for g in groups) * block_size
+            capacity = min(len(req.block_ids[g]) for g in groups) * runner.block_size
             lengths.append(max(0, min(self.num_tokens, capacity - (len(req.token_ids) - 1))))
-        drafts = [Draft() for _ in requests]
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        last = [req.token_ids[-1] for req in requests]
-        for j in range(max(lengths)):
-            active = [i for i, n in enumerate(lengths) if n > j]
-            reqs = [requests[i] for i in active]
-            positions = [len(r.token_ids) - 1 + j for r in reqs]
-            by_group = {g: runner.attention.build_metadata(
-                query_lens=[1] * len(reqs), seq_lens=[p + 1 for p in positions],
-                block_tables=[r.block_ids[g] for r in reqs], block_size=block_size,
-                device=runner.device) for g in groups}
-            metas = [by_group[runner.layer_group[i]] for i in layers]
-            hidden = self.model(runner._long([last[i] for i in active]), runner._long(positions),
-                                runner.layer_caches[self.first_layer:], metas)
-            logits = self.model.compute_logits(hidden).float()
-            rows = [SamplingRow(r.params, r.token_ids[:r.num_prompt_tokens],
-                                r.token_ids[r.num_prompt_tokens:] + drafts[i].token_ids,
-                                r.stop_token_ids) for i, r in zip(active, reqs)]
-            tokens, confidences = self._pick(sampler, logits, rows, active, probs)
-            for i, token, confidence in zip(active, tokens, confidences):
-                drafts[i].token_ids.append(token)
-                drafts[i].confidences.append(confidence)
-                last[i] = token
-        result = {}
-        for req, draft, q in zip(requests, drafts, probs):
-            req.draft_probs = torch.stack(q) if q else None
-            result[req.request_id] = draft
-        return result
+        return lengths
 
-    @staticmethod
-    def _pick(sampler, logits: torch.Tensor, rows: list[SamplingRow], active: list[int],
-              probs: list[list[torch.Tensor]]) -> tuple[list[int], list[float]]:
-        """Each row's draft token and its confidence; random rows keep their q."""
-        tokens = logits.argmax(dim=-1)
-        confidences = logits.softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-        randoms = [n for n, row in enumerate(rows) if not row.params.greedy]
-        if randoms:
-            index = torch.tensor(randoms, device=logits.device)
-            sub_rows = [rows[n] for n in randoms]
-            q = sampler.probabilities(logits[index], sub_rows)
-            picked = sampler.race(q.clone(), sub_rows, stream=DRAFT_STREAM)
-            tokens[index] = picked
-            confidences[index] = q.gather(1, picked.unsqueeze(1)).squeeze(1)
-            for n, row_q in zip(randoms, q):
-                probs[active[n]].append(row_q)
-        return tokens.tolist(), confidences.tolist()
+    def _groups(self, runner: ModelRunner) -> list[int]:
+        return sorted({runner.layer_group[i] for i in range(self.first_layer, len(runner.layer_group))})
+
+    def _decode_metas(self, runner: ModelRunner, requests: list[RunnerRequest],
+                      positions: list[int]) -> list:
+        """Attention metadata of one query token per request at ``positions``, for the
+        drafter's layers."""
+        by_group = {g: runner.attention.build_metadata(
+            query_lens=[1] * len(requests), seq_lens=[p + 1 for p in positions],
+            block_tables=[r.block_ids[g] for r in requests], block_size=runner.block_size,
+            device=runner.device) for g in self._groups(runner)}
+        return [by_group[runner.layer_group[i]]
+                for i in range(self.first_layer, len(runner.layer_group))]
+
+
+def pick_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[RunnerRequest],
+                drafts: list[Draft], probs: list[list[torch.Tensor]]) -> list[int]:
+    """Each request's next draft token from the drafter's logits [R, V] (appended to its
+    draft with its confidence); random requests keep their q row in ``probs``."""
+    logits = logits.float()
+    rows = [SamplingRow(r.params, r.token_ids[:r.num_prompt_tokens],
+                        r.token_ids[r.num_prompt_tokens:] + d.token_ids, r.stop_token_ids)
+            for r, d in zip(requests, drafts)]
+    tokens = logits.argmax(dim=-1)
+    confidences = logits.softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    randoms = [n for n, row in enumerate(rows) if not row.params.greedy]
+    if randoms:
+        index = torch.tensor(randoms, device=logits.device)
+        sub_rows = [rows[n] for n in randoms]
+        q = sampler.probabilities(logits[index], sub_rows)
+        picked = sampler.race(q.clone(), sub_rows, stream=DRAFT_STREAM)
+        tokens[index] = picked
+        confidences[index] = q.gather(1, picked.unsqueeze(1)).squeeze(1)
+        for n, row_q in zip(randoms, q):
+            probs[n].append(row_q)
+    token_list = tokens.tolist()
+    for draft, token, confidence in zip(drafts, token_list, confidences.tolist()):
+        draft.token_ids.append(token)
+        draft.confidences.append(confidence)
+    return token_list
+
+
+def finish_drafts(requests: list[RunnerRequest], drafts: list[Draft],
+                  probs: list[list[torch.Tensor]]) -> dict[str, Draft]:
+    for req, q in zip(requests, probs):
+        req.draft_probs = torch.stack(q) if q else None
+    return {req.request_id: draft for req, draft in zip(requests, drafts)}
+
+
+class DraftModelDrafter(ModelDrafter):
+    def __init__(self, model: nn.Module, first_layer: int, num_tokens: int) -> None:
+        super().__init__(first_layer, num_tokens)
+        self.model = model
+
+    def propose(self, runner: ModelRunner, step: StepBatch,
+                sampled: list[RunnerRequest]) -> dict[str, Draft]:
+        caches = runner.layer_caches[self.first_layer:]
+        self.model(step.input_ids, step.positions, caches, step.metas[self.first_layer:])
+        lengths = self._chain_lengths(runner, sampled)
+        drafts = [Draft() for _ in sampled]
+        probs: list[list[torch.Tensor]] = [[] for _ in sampled]
+        last = [req.token_ids[-1] for req in sampled]
+        for j in range(max(lengths, default=0)):
+            active = [i for i, n in enumerate(lengths) if n > j]
+            reqs = [sampled[i] for i in active]
+            positions = [len(r.token_ids) - 1 + j for r in reqs]
+            hidden = self.model(runner._long([last[i] for i in active]), runner._long(positions),
+                                caches, self._decode_metas(runner, reqs, positions))
+            picked = pick_drafts(runner.sampler, self.model.compute_logits(hidden), reqs,
+                                 [drafts[i] for i in active], [probs[i] for i in active])
+            for i, token in zip(active, picked):
+                last[i] = token
+        return finish_drafts(sampled, drafts, probs)
