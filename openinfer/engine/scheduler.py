@@ -534,4 +534,5 @@ class SpecDecodeStats:
         return {"spec_num_drafts": self.num_drafts, "spec_num_decode_steps": self.num_decode_steps,
                 "spec_num_draft_tokens": self.num_draft_tokens,
                 "spec_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_accepted_per_position": list(self.accepted_per_position)}
+                "spec_accepted_per_position": {
+                    str(j): n for j, n in enumerate(self.accepted_per_position)}}

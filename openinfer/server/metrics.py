@@ -297,6 +297,12 @@ class _EngineStats(Collector):
         ("swa_replayed_tokens", "swa_replayed_tokens",
          "Prefix-hit tokens recomputed because no window snapshot was cached at their end "
          "(sliding-window models)"),
+        ("spec_decode_num_drafts", "spec_num_drafts",
+         "Speculative decoding: request steps that verified at least one draft token"),
+        ("spec_decode_num_draft_tokens", "spec_num_draft_tokens",
+         "Speculative decoding: draft tokens verified"),
+        ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens",
+         "Speculative decoding: draft tokens accepted"),
     )
     # (name, stats key holding {label value: total}, label, help)
     LABELLED_COUNTERS = (
@@ -306,6 +312,8 @@ class _EngineStats(Collector):
         ("kv_transfer_bytes", "kv_transfer_bytes", "direction", "Bytes moved between KV tiers"),
         ("kv_transfer_seconds", "kv_transfer_seconds", "direction",
          "Seconds spent moving KV between tiers"),
+        ("spec_decode_num_accepted_tokens_per_pos", "spec_accepted_per_position", "position",
+         "Speculative decoding: draft tokens accepted, by position in the draft"),
     )
 
     def __init__(self, prefix: str, values: tuple[str, str], engine_stats: Callable[[], dict]) -> None:

@@ -50,6 +50,14 @@ class StepRateProfile:
     points: list[tuple[int, float]]
     """(rows, seconds per step), rows ascending."""
 
+    def __post_init__(self) -> None:
+        # More rows never take less time: a point above a later one was slowed by something
+        # else on the machine, so each point is at most every later one (a suffix minimum).
+        points = [(int(r), float(s)) for r, s in self.points]
+        for i in range(len(points) - 2, -1, -1):
+            points[i] = (points[i][0], min(points[i][1], points[i + 1][1]))
+        self.points = points
+
     def seconds(self, rows: int) -> float:
         xs = [r for r, _ in self.points]
         i = bisect.bisect_left(xs, rows)

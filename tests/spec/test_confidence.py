@@ -127,6 +127,9 @@ def test_step_rate_profile_interpolates_and_round_trips_through_its_file(tmp_pat
     assert StepRateProfile.load(path) == profile
     path.write_text("not json")
     assert StepRateProfile.load(path) is None
+    # A point slowed by something else on the machine is capped by the later ones.
+    noisy = StepRateProfile([(1, 0.010), (2, 0.050), (4, 0.020), (8, 0.030)])
+    assert noisy.points == [(1, 0.010), (2, 0.020), (4, 0.020), (8, 0.030)]
 
 
 def test_sequential_temperature_scaling_tempers_an_overconfident_drafter():
