@@ -137,8 +137,8 @@ class ModelRunner:
         self._prompt_logprobs(batch, counts, hidden, out)
         sampled = self._sample(batch, counts, drafts, hidden, out)
         for req in batch:
-            num_rejected = len(drafts.get(req.request_id, ())) + 1 - len(
-                out.sampled_token_ids.get(req.request_id, ())) if req.request_id in drafts else 0
+            num_drafts = len(drafts.get(req.request_id, ()))
+            num_rejected = num_drafts + 1 - len(out.sampled_token_ids[req.request_id]) if num_drafts else 0
             req.num_computed_tokens += counts[req.request_id] - num_rejected
         if self.proposer is not None:
             for req in sampled:

@@ -53,6 +53,7 @@ from openinfer.kv.kv_manager import KVCacheManager, PrefixHit
 from openinfer.kv.plan import BlockLoad
 from openinfer.spec.confidence import Calibration, StepRateProfile, choose_verify_counts
 from openinfer.spec.config import SpeculativeConfig
+from openinfer.spec.proposer import Draft
 from openinfer.transfer.params import KVTransferParams
 
 
@@ -259,7 +260,7 @@ class Scheduler:
                                     self.step_rates.steps_per_second, budget)
 
     def _settle_drafts(self, req: Request, num_drafts: int, num_sampled: int,
-                       proposal: object) -> None:
+                       proposal: Draft | None) -> None:
         """After a step: account for the verified drafts and keep the next proposal."""
         draft, req.draft = req.draft, proposal
         if len(req.output_token_ids) > 0:  # a decode (not the prompt's first token)

@@ -85,15 +85,11 @@ class PrefixHit:
 
 class KVCacheManager:
     def __init__(self, groups: list[LayerGroup], num_blocks: int, enable_caching: bool = True,
-                 snapshot_interval: int | None = None, rollback_tokens: int = 0,
-                 lends_windows: bool = False) -> None:
+                 snapshot_interval: int | None = None, lends_windows: bool = False) -> None:
         """``snapshot_interval``: window groups keep pages cached only at window snapshots
         every that many tokens (and at a request's last full block); None: every page.
-        ``rollback_tokens``: window groups hold the window behind a request's last
-        ``rollback_tokens`` computed tokens too, so ``rollback`` may drop that many (the
-        rejected tail of a speculative step). ``lends_windows`` (an instance that serves KV to
-        decode instances): window groups release nothing, so every block of a held request
-        can be lent whole."""
+        ``lends_windows`` (an instance that serves KV to decode instances): window groups
+        release nothing, so every block of a held request can be lent whole."""
         if not groups:
             raise ValueError("the model has no KV cache layers")
         sizes = {g.spec.block_size for g in groups}
@@ -114,7 +110,6 @@ class KVCacheManager:
         """Groups that keep every block of a request: what is "cached" means theirs."""
         self._tables: dict[str, list[list[int]]] = {}
         self.snapshot_interval = snapshot_interval
-        self.rollback_tokens = rollback_tokens
         self.lends_windows = lends_windows
         self.num_replayed_tokens = 0
         """Tokens of full-group prefix hits recomputed because the window state at their end
@@ -340,8 +335,7 @@ class KVCacheManager:
         if tables is None or not self.windows or self.lends_windows:
             return
         live = self._first_live[request_id]
-        kept = max(0, num_computed_tokens - self.rollback_tokens)
-        last_full = kept // self.block_size * self.block_size
+        last_full = num_computed_tokens // self.block_size * self.block_size
         for w, (g, spec) in enumerate(self.windows):
             table = tables[g]
             end = min(spec.first_needed_block(last_full), len(table))
@@ -357,10 +351,11 @@ class KVCacheManager:
                 live[w] = end
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
-        """The request keeps only its first ``num_tokens`` tokens (at most
-        ``rollback_tokens`` fewer than it computed): blocks past them are freed, tail first.
-        Window pages for those tokens are still held (see ``rollback_tokens``); cached
-        blocks stay cached (their content is what their hash names); compressed entries of
+        """The request keeps only its first ``num_tokens`` tokens (the rejected drafts of a
+        speculative step go): blocks past them are freed, tail first. ``num_tokens`` is at
+        least the computed tokens of its last ``allocate_slots``, so the window behind them
+        is still held (windows are released behind verified tokens only); cached blocks stay
+        cached (their content is what their hash names); compressed entries of
         groups completed by the dropped tokens are written again when those groups complete."""
         tables = self._tables.get(request_id)
         if tables is None:

@@ -208,25 +208,24 @@ def test_bounded_replay_keeps_window_pages_only_at_snapshots():
 
 
 def test_rollback_keeps_the_window_of_the_kept_tokens():
-    """With rollback_tokens 4, a request may drop its last 4 tokens: the window behind the
-    tokens it keeps is still held (without the margin its first block would be gone), and its
-    tail blocks go back to the pool."""
+    """A speculative step computes 4 drafts past the 36 verified tokens and all are rejected:
+    the tail block goes back to the pool, and the window behind the verified tokens (the
+    point the step's allocation released behind) is still held for the next query."""
     tokens = list(range(44))
     hashes = _hashes(tokens)
-    for margin in (0, 4):
-        kv = KVCacheManager(group_layers(_specs()), 64, rollback_tokens=margin)
-        spec = kv.groups[1].spec
-        assert kv.allocate_slots("a", 36) is not None
-        kv.cache_blocks("a", hashes, tokens, 36)
-        assert kv.allocate_slots("a", 40, num_computed_tokens=36) is not None  # 4 speculative
-        kv.rollback("a", 32)  # all 4 rejected, and the last accepted one too
-        full, window = kv.block_table("a")
-        assert len(full) == len(window) == 8
-        first = spec.first_needed_block(32)  # what the next query (position 32) reads
-        assert (SKIPPED in window[first:]) == (margin == 0)
-        kv.check_integrity()
-        if margin:
-            assert kv.allocate_slots("a", 33, num_computed_tokens=32) is not None
-        kv.free("a")
-        kv.check_integrity()
-        assert kv.usage == 0
+    kv = KVCacheManager(group_layers(_specs()), 64)
+    spec = kv.groups[1].spec
+    assert kv.allocate_slots("a", 36) is not None
+    kv.cache_blocks("a", hashes, tokens, 36)
+    assert kv.allocate_slots("a", 41, num_computed_tokens=36) is not None  # 1 + 4 drafts
+    assert [len(t) for t in kv.block_table("a")] == [11, 11]
+    used = kv.usage
+    kv.rollback("a", 37)  # the last token and no draft
+    full, window = kv.block_table("a")
+    assert len(full) == len(window) == 10 and kv.usage < used
+    assert SKIPPED not in window[spec.first_needed_block(37):]
+    kv.check_integrity()
+    assert kv.allocate_slots("a", 38, num_computed_tokens=37) is not None
+    kv.free("a")
+    kv.check_integrity()
+    assert kv.usage == 0

@@ -171,3 +171,19 @@ def test_disaggregated_prefill_and_decode(make_checkpoint):
     tokens, _, decode = run_disaggregated(path, prompts, params, **options)
     assert tokens == expected
     assert decode.engine.core.scheduler.num_remote_blocks_pulled == 10 + 6
+
+
+def test_speculative_decoding_keeps_greedy_tokens(make_checkpoint):
+    """n-gram drafts over V4's window, compressor and indexer caches: rejected drafts complete
+    compression groups that the accepted tokens complete again, and tokens equal plain
+    decoding's."""
+    path = _checkpoint(make_checkpoint)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = _prompts(1000, [37, 12], seed=6)
+    prompts[1] = prompts[1] * 3
+    expected = [o.outputs[0].token_ids for o in LLM(str(path), progress=False).generate(prompts, params)]
+    llm = LLM(str(path), progress=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.core.stats()["spec_num_draft_tokens"] > 0
+    llm.engine.check_integrity()

@@ -213,3 +213,26 @@ def test_preempted_requests_resume_with_the_same_tokens(make_checkpoint):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.core.stats()["num_preemptions"] > 0
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_rolls_back_window_pages(method, make_checkpoint):
+    """Drafts verified and rejected across window releases (window 8, blocks of 4): the
+    window groups' tables shorten with the full groups', and greedy tokens equal plain
+    decoding's. The draft model is the target itself (its window layers in groups of their
+    own), so runs are accepted whole; n-gram drafts are mostly rejected."""
+    path = _checkpoint(make_checkpoint, "GptOssForCausalLM")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = _prompts(1000, [30, 9, 21], seed=13)
+    prompts[1] = prompts[1] * 3  # something to look up
+    options = dict(block_size=4, max_model_len=96, progress=False)
+    expected = [o.outputs[0].token_ids for o in LLM(str(path), **options).generate(prompts, params)]
+    extra = {"model": str(path)} if method == "draft_model" else {}
+    llm = LLM(str(path), **options, speculative_config={
+        "method": method, "num_speculative_tokens": 3, **extra})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    stats = llm.engine.core.stats()
+    assert stats["spec_num_draft_tokens"] > 0
+    if method == "draft_model":
+        assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
+    llm.engine.check_integrity()
