@@ -169,8 +169,12 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         self._finish_kv_reads()
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         result = self.executor.execute_model(scheduled)
+        if self.scheduler.step_rates is not None and not scheduled.is_empty:
+            self.scheduler.step_rates.observe(scheduled.total_num_scheduled_tokens,
+                                              time.perf_counter() - start)
         self._after_step(scheduled)
         if self.has_tiers and scheduled.is_empty and self.scheduler.num_waiting_for_kv:
             self._finish_kv_reads(wait_s=0.01)  # nothing else to do: let loads land

@@ -14,7 +14,10 @@ tokens would then depend on the tokens themselves and the output distribution wo
 (DSpark, Appendix A; tests/spec/test_confidence.py reproduces it).
 
 SPS(B) is profiled at start-up by timing the model on B rows and kept on disk, keyed by
-model, dtype, device and CPU (``StepRateProfile``).
+model, dtype, device and CPU (``StepRateProfile``); the engine's real step times then
+correct it online by a constant offset (the time a step spends beyond the profile's short
+synthetic sequences, which does not grow with the rows). Both depend on past steps only,
+never on the drafts being decided on.
 
 Confidences are calibrated online from what verification accepts (``Calibration``):
 - model drafters (draft_model, mtp) and suffix decoding give a raw confidence per position
@@ -24,7 +27,9 @@ Confidences are calibrated online from what verification accepts (``Calibration`
   are those where the drafts before j were accepted; the bias lets an overconfident
   drafter's 0.95 become 0.25, which a temperature alone cannot);
 - n-gram matches say little (one earlier occurrence is a confidence of 1), so a request's
-  own acceptance rate at each position, shrunk toward all requests' rate there, stands in.
+  own acceptance rate at each position, shrunk toward all requests' rate there, stands in;
+  a position with little history borrows the rate of the one before it (a position that
+  is never verified would otherwise keep its prior and never be verified).
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ class StepRateProfile:
 
     points: list[tuple[int, float]]
     """(rows, seconds per step), rows ascending."""
+    offset: float = 0.0
+    """Seconds the engine's real steps take beyond the profile's (attention over long
+    contexts, drafting, Python): learnt online from observed steps (``observe``). It does
+    not grow with the rows, so it is what makes extra rows relatively cheaper under load."""
 
     def __post_init__(self) -> None:
         # More rows never take less time: a point above a later one was slowed by something
@@ -59,6 +68,16 @@ class StepRateProfile:
         self.points = points
 
     def seconds(self, rows: int) -> float:
+        # Never below half the profiled time, whatever the offset learnt.
+        profiled = self.profiled_seconds(rows)
+        return max(profiled + self.offset, 0.5 * profiled)
+
+    def observe(self, rows: int, seconds: float, weight: float = 0.05) -> None:
+        """A real step of ``rows`` rows took ``seconds``: move the offset toward the gap
+        (an exponential moving average over about 1 / weight steps)."""
+        self.offset += weight * (seconds - self.profiled_seconds(rows) - self.offset)
+
+    def profiled_seconds(self, rows: int) -> float:
         xs = [r for r, _ in self.points]
         i = bisect.bisect_left(xs, rows)
         if i < len(xs) and xs[i] == rows:
@@ -157,8 +176,9 @@ class Calibration:
                     for j, c in enumerate(raw)]
         counts = self._requests.get(key)
         result = []
+        prior = 0.5
         for j in range(len(raw)):
-            prior = (self._accepted[j] + 1) / (self._tried[j] + 2)
+            prior = (self._accepted[j] + 4 * prior) / (self._tried[j] + 4)
             tried, accepted = counts[j] if counts is not None else (0, 0)
             result.append((accepted + 2 * prior) / (tried + 2))
         return result

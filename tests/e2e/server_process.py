@@ -85,3 +85,17 @@ def process_running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def metrics(base: str) -> dict[str, float]:
+    """A server's samples by name + [label value]... (leaving out model_name and engine)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + "".join(f"[{v}]" for k, v in sample.labels.items()
+                                        if k not in ("model_name", "engine"))
+            values[key] = sample.value
+    return values

@@ -15,8 +15,8 @@ import urllib.request
 import anthropic
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from server_process import MODEL, process_running
+from server_process import metrics as _metrics
 from server_process import start_server as _start
 
 from openinfer import LLM, SamplingParams
@@ -361,18 +361,6 @@ def test_api_key_body_size_and_queue_limits(qwen3_checkpoint):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-
-
-def _metrics(base: str) -> dict[str, float]:
-    """A server's samples by name + [label value]... (leaving out model_name and engine)."""
-    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name + "".join(f"[{v}]" for k, v in sample.labels.items()
-                                        if k not in ("model_name", "engine"))
-            values[key] = sample.value
-    return values
 
 
 @pytest.mark.slow

@@ -7,12 +7,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import urllib.request
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from server_process import MODEL, start_server, stop
+from server_process import MODEL, metrics, start_server, stop
 
 from openinfer import LLM, SamplingParams
 
@@ -54,23 +52,12 @@ def test_speculative_server_streams_plain_greedy_text(qwen3_checkpoint, tmp_path
                                                 temperature=0, stream=True,
                                                 extra_body={"ignore_eos": True})
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_expected
-        metrics = _metrics(base)
-        assert metrics["openinfer:spec_decode_num_draft_tokens_total"] > 0
-        assert metrics["openinfer:spec_decode_num_accepted_tokens_total"] > 0
-        assert metrics["openinfer:spec_decode_num_accepted_tokens_per_pos_total[0]"] > 0
+        values = metrics(base)
+        assert values["openinfer:spec_decode_num_draft_tokens_total"] > 0
+        assert values["openinfer:spec_decode_num_accepted_tokens_total"] > 0
+        assert values["openinfer:spec_decode_num_accepted_tokens_per_pos_total[0]"] > 0
     finally:
         stop(proc)
-
-
-def _metrics(base: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name + "".join(f"[{v}]" for k, v in sample.labels.items()
-                                        if k not in ("model_name", "engine"))
-            values[key] = sample.value
-    return values
 
 
 def test_a_bad_speculative_config_stops_the_server_with_the_reason(qwen3_checkpoint):

@@ -156,3 +156,24 @@ def test_ngram_confidence_is_the_requests_own_acceptance_rate():
     assert min(good) > 0.8 and bad[0] < 0.2
     fresh = calibration.confidences("fresh", [1.0, 1.0, 1.0])
     assert 0.3 < fresh[0] < 0.7  # all requests' rate at that position
+
+
+def test_a_position_never_verified_borrows_the_rate_of_the_one_before():
+    calibration = Calibration(3, per_request=True)
+    for i in range(40):  # only the first draft was ever verified, and always accepted
+        calibration.observe(i, [1.0, 1.0, 1.0], 1, 1)
+    c1, c2, c3 = calibration.confidences("fresh", [1.0, 1.0, 1.0])
+    assert c1 > 0.85 and c2 > 0.8 and c3 > 0.75  # not stuck at 0.5, so they get verified
+
+
+def test_real_step_times_correct_the_profile_by_an_offset():
+    profile = StepRateProfile([(1, 0.010), (8, 0.020)])
+    for _ in range(200):  # long contexts: every step takes 40 ms more than profiled
+        profile.observe(1, 0.050)
+        profile.observe(8, 0.060)
+    assert abs(profile.seconds(1) - 0.050) < 1e-3 and abs(profile.seconds(8) - 0.060) < 1e-3
+    # Extra rows are now relatively cheaper: 8 rows cost 1.2x one row, not 2x.
+    assert profile.steps_per_second(1) / profile.steps_per_second(8) < 1.25
+    for _ in range(400):  # a profile that overestimates never goes below half of it
+        profile.observe(1, 0.0)
+    assert profile.seconds(1) == 0.005
