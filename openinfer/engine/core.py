@@ -172,9 +172,9 @@ class EngineCore:
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         result = self.executor.execute_model(scheduled)
-        if self.scheduler.step_rates is not None and not scheduled.is_empty:
-            self.scheduler.step_rates.observe(scheduled.total_num_scheduled_tokens,
-                                              time.perf_counter() - start)
+        step_rates = self.scheduler.spec.step_rates if self.scheduler.spec else None
+        if step_rates is not None and not scheduled.is_empty:
+            step_rates.observe(scheduled.total_num_scheduled_tokens, time.perf_counter() - start)
         self._after_step(scheduled)
         if self.has_tiers and scheduled.is_empty and self.scheduler.num_waiting_for_kv:
             self._finish_kv_reads(wait_s=0.01)  # nothing else to do: let loads land
@@ -257,7 +257,7 @@ class EngineCore:
         if self.has_tiers or self.kv_server_address is not None:
             stats.update(self.executor.call("kv_io_stats"))
         if self.config.speculative is not None:
-            stats.update(s.spec_stats.as_dict())
+            stats.update(s.spec.stats.as_dict())
         if self.config.moe_expert_stats:
             stats["moe_expert_tokens"] = self.executor.call("expert_token_counts")
         return stats

@@ -51,9 +51,9 @@ from openinfer.engine.request import Request, RequestStatus
 from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.kv.kv_manager import KVCacheManager, PrefixHit
 from openinfer.kv.plan import BlockLoad
-from openinfer.spec.confidence import Calibration, StepRateProfile, choose_verify_counts
+from openinfer.spec.confidence import StepRateProfile
 from openinfer.spec.config import SpeculativeConfig
-from openinfer.spec.proposer import Draft
+from openinfer.spec.planner import SpeculationPlanner
 from openinfer.transfer.params import KVTransferParams
 
 
@@ -63,13 +63,10 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None,
                  step_rates: StepRateProfile | None = None) -> None:
         self.config = config
-        self.spec = speculative
-        self.step_rates = step_rates
+        self.spec = SpeculationPlanner(speculative, step_rates, config.max_num_batched_tokens
+                                       ) if speculative is not None else None
+        """Speculative decoding's bookkeeping (None: off)."""
         self.num_lookahead_tokens = speculative.num_lookahead_tokens if speculative else 0
-        self.calibration = Calibration(
-            speculative.num_speculative_tokens, per_request=speculative.method == "ngram"
-        ) if speculative else None
-        self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens if speculative else 0)
         self.kv = kv
         self.kv_load_failure_policy = kv_load_failure_policy
         self.new_holds: dict[str, dict[bytes, int]] = {}
@@ -136,7 +133,7 @@ class Scheduler:
         preempted = False
 
         self.running.sort(key=self._order)
-        verify = self._drafts_to_verify() if self.spec is not None else {}
+        verify = self.spec.drafts_to_verify(self.running) if self.spec is not None else {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -234,41 +231,6 @@ class Scheduler:
         if slots - num_drafts == req.num_tokens and self.num_lookahead_tokens:
             slots = min(slots + self.num_lookahead_tokens, req.max_num_tokens)
         return slots
-
-    def _drafts_to_verify(self) -> dict[str, int]:
-        """Per decoding request with a draft: how many of its drafts this step verifies
-        (never more than its output has room for after the token it samples)."""
-        candidates: dict[str, list[float]] = {}
-        base_rows = 0
-        for req in self.running:
-            remaining = req.num_tokens - req.num_computed_tokens
-            base_rows += remaining
-            if remaining != 1 or req.draft is None:
-                continue
-            room = req.max_tokens - len(req.output_token_ids) - 1
-            draft = req.draft.confidences[:room]
-            if draft:
-                candidates[req.request_id] = draft
-        if not candidates:
-            return {}
-        budget = self.config.max_num_batched_tokens
-        if self.spec.scheduler == "fixed" or self.step_rates is None:
-            return {rid: len(c) for rid, c in candidates.items()}
-        calibrated = {rid: self.calibration.confidences(rid, c) for rid, c in candidates.items()}
-        num_decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        return choose_verify_counts(calibrated, min(base_rows, budget), num_decoding,
-                                    self.step_rates.steps_per_second, budget)
-
-    def _settle_drafts(self, req: Request, num_drafts: int, num_sampled: int,
-                       proposal: Draft | None) -> None:
-        """After a step: account for the verified drafts and keep the next proposal."""
-        draft, req.draft = req.draft, proposal
-        if len(req.output_token_ids) > 0:  # a decode (not the prompt's first token)
-            self.spec_stats.num_decode_steps += 1
-        if num_drafts:
-            accepted = num_sampled - 1
-            self.spec_stats.record(num_drafts, accepted)
-            self.calibration.observe(req.request_id, draft.confidences, num_drafts, accepted)
 
     # ---- prefix cache and in-flight sharing --------------------------------------------
 
@@ -417,7 +379,7 @@ class Scheduler:
                 if num_rejected or self.num_lookahead_tokens:
                     self.kv.rollback(request_id, req.num_computed_tokens)
                 if sampled:
-                    self._settle_drafts(req, num_drafts, len(sampled), result.drafts.get(request_id))
+                    self.spec.settle(req, num_drafts, len(sampled), result.drafts.get(request_id))
             # A step may yield several tokens (verified drafts): a stop anywhere ends the
             # request there, and what follows it is dropped.
             new_tokens: list[int] = []
@@ -478,8 +440,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req in self.running:
             self.running.remove(req)
-        if self.calibration is not None:
-            self.calibration.forget(req.request_id)
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
         req.status = status
         self._waiting_for_kv.discard(req.request_id)
         self._settle_claims(req, release_all=True)
@@ -510,30 +472,3 @@ class Scheduler:
             "a request is lost (neither waiting nor running)")
         assert set(self._claim_owner.values()) <= running_ids, "a claim outlived its claimant"
 
-
-class SpecDecodeStats:
-    """Running totals of verification (vLLM's spec_decode counters)."""
-
-    def __init__(self, num_positions: int) -> None:
-        self.num_drafts = 0
-        """Verifications: requests that verified at least one draft in a step."""
-        self.num_decode_steps = 0
-        """(request, step) pairs of decoding requests, verifying drafts or not: a decode
-        step has 1 + num_draft_tokens / num_decode_steps rows per request on average."""
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.accepted_per_position = [0] * num_positions
-
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
-        for j in range(num_accepted):
-            self.accepted_per_position[j] += 1
-
-    def as_dict(self) -> dict:
-        return {"spec_num_drafts": self.num_drafts, "spec_num_decode_steps": self.num_decode_steps,
-                "spec_num_draft_tokens": self.num_draft_tokens,
-                "spec_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_accepted_per_position": {
-                    str(j): n for j, n in enumerate(self.accepted_per_position)}}
