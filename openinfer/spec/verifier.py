@@ -84,14 +84,13 @@ def verify(sampler: Sampler, logits: torch.Tensor,
                 a += 1
             num_accepted[i], final[i] = a, best[a]
             at += len(drafts) + 1
-    randoms = [i for i in range(len(requests)) if i not in set(greedy)]
+    greedy_set = set(greedy)
+    randoms = [i for i in range(len(requests)) if i not in greedy_set]
     if randoms:
         _verify_random(sampler, processed, requests, starts, randoms, num_accepted, final)
 
-    results = []
-    token_lists = []
-    for i, req in enumerate(requests):
-        token_lists.append(req.draft_token_ids[:num_accepted[i]] + [final[i]])
+    token_lists = [req.draft_token_ids[:num_accepted[i]] + [final[i]]
+                   for i, req in enumerate(requests)]
     wanted = [i for i, req in enumerate(requests) if req.rows[0].params.logprobs is not None]
     logprobs: dict[int, list[PositionLogprobs]] = {}
     if wanted:
@@ -103,9 +102,7 @@ def verify(sampler: Sampler, logits: torch.Tensor,
         for i in wanted:
             logprobs[i] = entries[at:at + len(token_lists[i])]
             at += len(token_lists[i])
-    for i, tokens in enumerate(token_lists):
-        results.append(VerifyResult(tokens, logprobs.get(i)))
-    return results
+    return [VerifyResult(tokens, logprobs.get(i)) for i, tokens in enumerate(token_lists)]
 
 
 def _verify_random(sampler: Sampler, processed: torch.Tensor, requests: list[VerifyRequest],

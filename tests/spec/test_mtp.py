@@ -47,14 +47,11 @@ def v3_with_mtp(tmp_path_factory, tokenizer):
     return path, mtp, n
 
 
-def _reference_first_draft(path, mtp: dict, n: int, prompt: list[int], sampled: int) -> int:
-    """The MTP module's prediction after the prompt, through transformers: the main model's
-    final (normed) hidden states, the tokens shifted by one (the sampled token last, the
-    embedding at position 0 zeroed), eh_proj, transformers' decoder layer, the shared head."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="sdpa").eval()
+def _reference_first_draft(model, mtp: dict, n: int, prompt: list[int], sampled: int) -> int:
+    """The MTP module's prediction after the prompt, through transformers (``model``): the
+    main model's final (normed) hidden states, the tokens shifted by one (the sampled token
+    last, the embedding at position 0 zeroed), eh_proj, transformers' decoder layer, the
+    shared head."""
     config = model.config
     block = model.model.layers[n - 1]  # the MTP block's weights are a copy of it
     prefix = f"model.layers.{n}."
@@ -103,9 +100,13 @@ def test_mtp_drafts_match_the_module_and_greedy_tokens_match_plain_decoding(v3_w
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = core.stats()
     assert stats["spec_num_draft_tokens"] > 0
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="sdpa").eval()
     for prompt in prompts[:2]:
         sampled, draft = first_drafts[tuple(prompt)]
-        assert draft == _reference_first_draft(path, mtp, n, prompt, sampled)
+        assert draft == _reference_first_draft(hf, mtp, n, prompt, sampled)
     llm.engine.check_integrity()
 
 
