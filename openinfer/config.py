@@ -222,6 +222,8 @@ class EngineConfig:
     see openinfer/attention/selector.py)."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (``--speculative-config``); None: off."""
+    grammar_cache_size: int = 256
+    """Structured outputs: compiled grammars kept (LRU), keyed by the grammar."""
     moe_expert_stats: bool = False
     """Count the tokens routed to each expert of each MoE layer (the stats'
     ``moe_expert_tokens`` and the ``moe_expert_tokens`` metric; off: no per-step cost)."""

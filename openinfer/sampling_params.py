@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from openinfer.structured.params import StructuredOutputsParams
 from openinfer.transfer.params import KVTransferParams
 
 # Temperatures below this are treated as greedy decoding.
@@ -78,6 +79,10 @@ class SamplingParams:
     -1 means as many as leave room for max_tokens (max_model_len - max_tokens, or
     max_model_len - 1 when max_tokens is None). The truncated prompt is the one the engine,
     ``prompt_token_ids`` and usage see."""
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    """Constrain the output to a JSON schema, a regex, a choice of strings or a grammar
+    (vLLM's field; see openinfer/structured). Parsed at construction; the input processor
+    compiles it, so an invalid grammar is refused before the request is queued."""
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
     _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
@@ -143,6 +148,7 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         require(_is_int(self.priority), "priority", f"must be an integer, got {self.priority!r}")
         self.kv_transfer_params = KVTransferParams.parse(self.kv_transfer_params)
+        self.structured_outputs = StructuredOutputsParams.parse(self.structured_outputs)
         require(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
                 "cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
         if self.logit_bias is not None:
@@ -221,6 +227,8 @@ class SamplingParams:
             wire["kv_transfer_params"] = self.kv_transfer_params.to_dict()
         if self.logit_bias is not None:
             wire["logit_bias"] = {str(token): bias for token, bias in self.logit_bias.items()}
+        if self.structured_outputs is not None:
+            wire["structured_outputs"] = self.structured_outputs.to_wire()
         wire["_bad_words_token_ids"] = self._bad_words_token_ids
         return wire
 

@@ -1,6 +1,9 @@
 """The engine core: model + KV cache + scheduler, driven one step at a time.
 
-    step():  scheduler.schedule() -> executor.execute_model() -> scheduler.update_from_output()
+    step():  scheduler.schedule() -> executor.execute_model() -> executor.sample_tokens()
+             -> scheduler.update_from_output()
+
+(with structured outputs, the step's grammar masks are computed between the first two)
 
 It speaks token ids only; text lives in the front end (offline LLM or API server), and
 tensors in the workers behind the executor (engine/executor.py, engine/worker.py).
@@ -18,6 +21,7 @@ import torch
 from openinfer.config import DEFAULT_KV_HOST_MEMORY_WITH_STORE, EngineConfig
 from openinfer.cpu_features import cpu_model_name
 from openinfer.engine.executor import make_executor
+from openinfer.engine.input_processor import load_tokenizer
 from openinfer.engine.outputs import EngineCoreOutput, SchedulerOutput
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
@@ -27,6 +31,7 @@ from openinfer.kv.kv_manager import KVCacheManager, KVEvent
 from openinfer.kv.spec import BlockLayout, LayerGroup, SlidingWindowSpec, group_layers, page_bytes
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.confidence import PROFILE_ROWS, StepRateProfile
+from openinfer.structured.manager import StructuredOutputManager
 from openinfer.transfer.file_store import model_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -71,6 +76,9 @@ class EngineCore:
         self._layout: BlockLayout | None = None
         self.has_tiers = self._attach_kv_tiers(groups)
         self.kv_server_address = self._attach_kv_transfer(groups)
+        self.structured: StructuredOutputManager | None = None
+        self._refused: list[EngineCoreOutput] = []
+        """Outputs of requests refused at add_request, sent with the next step's."""
         self.event_sink: Callable[[list[KVEvent]], None] | None = None
         """Receives the KV events of each step (else they are dropped)."""
         self.publisher = None
@@ -158,20 +166,43 @@ class EngineCore:
         req = Request(request_id, prompt_token_ids, params, max_tokens,
                       frozenset(self.config.model.eos_token_ids),
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        if params.structured_outputs is not None:
+            try:
+                req.grammar = self._structured_outputs().grammar(params.structured_outputs)
+            except ValueError as e:  # the front end checked it: only a direct caller gets here
+                logger.warning("request %s refused: %s", request_id, e)
+                self._refused.append(EngineCoreOutput(
+                    request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value,
+                    stop_reason=f"invalid structured_outputs: {e}"))
+                return
         self.scheduler.add_request(req)
+
+    def _structured_outputs(self) -> StructuredOutputManager:
+        """Built at the first constrained request (it loads the tokenizer)."""
+        if self.structured is None:
+            if self.config.skip_tokenizer_init:
+                raise ValueError("structured_outputs need a tokenizer (skip_tokenizer_init)")
+            mc = self.config.model
+            self.structured = StructuredOutputManager(
+                load_tokenizer(self.config.tokenizer or mc.path), mc.vocab_size,
+                list(mc.eos_token_ids), self.config.grammar_cache_size)
+        return self.structured
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self._release_if_idle()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self._refused) or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
         self._finish_kv_reads()
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        result = self.executor.execute_model(scheduled)
+        masks = (self.structured.submit(scheduled, self.scheduler.requests)
+                 if self.structured is not None else None)
+        self.executor.execute_model(scheduled)  # the masks are computed meanwhile
+        result = self.executor.sample_tokens(masks.result() if masks is not None else None)
         step_rates = self.scheduler.spec.step_rates if self.scheduler.spec else None
         if step_rates is not None and not scheduled.is_empty:
             step_rates.observe(scheduled.total_num_scheduled_tokens, time.perf_counter() - start)
@@ -179,6 +210,8 @@ class EngineCore:
         if self.has_tiers and scheduled.is_empty and self.scheduler.num_waiting_for_kv:
             self._finish_kv_reads(wait_s=0.01)  # nothing else to do: let loads land
         outputs = self.scheduler.update_from_output(scheduled, result)
+        if self._refused:
+            outputs, self._refused = self._refused + outputs, []
         outputs += self._settle_kv_transfers(outputs)
         self._release_if_idle()
         self._flush_events()
@@ -277,6 +310,8 @@ class EngineCore:
             self._finish_kv_reads(wait_s=0.05)
 
     def shutdown(self) -> None:
+        if self.structured is not None:
+            self.structured.shutdown()
         self.executor.collective_rpc("close_kv_server")
         self.drain_file_io()
         self.executor.shutdown()
@@ -290,6 +325,7 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             scheduled = self.scheduler.schedule()
             self.executor.execute_model(scheduled)
+            self.executor.sample_tokens(None)
             self._after_step(scheduled)
 
     def check_integrity(self) -> None:

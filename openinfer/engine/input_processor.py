@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from openinfer.config import EngineConfig
 from openinfer.engine.output_processor import OutputProcessor
 from openinfer.sampling_params import SamplingParams
+from openinfer.structured.grammar import GrammarCompiler
 
 PromptInput = str | Sequence[int] | dict
 
@@ -24,6 +25,7 @@ class InputProcessor:
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
             config.tokenizer or config.model.path)
         self.vocab_size = config.model.vocab_size
+        self._grammar_compiler: GrammarCompiler | None = None
 
     def process(self, prompt: PromptInput, params: SamplingParams) -> tuple[str | None, list[int]]:
         """One request, ready to queue: tokenized, truncated to ``params.truncate_prompt_tokens``
@@ -38,6 +40,16 @@ class InputProcessor:
         token_ids = self.truncate(token_ids, params)
         self.validate(token_ids, params)
         return text, token_ids
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured outputs' grammars to check them (built on first use)."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer (skip_tokenizer_init is set)")
+            model = self.config.model
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, model.vocab_size,
+                                                     list(model.eos_token_ids))
+        return self._grammar_compiler
 
     def truncate(self, token_ids: list[int], params: SamplingParams) -> list[int]:
         """The last ``params.truncate_prompt_tokens`` tokens of the prompt (vLLM's left
@@ -109,6 +121,8 @@ class InputProcessor:
             self._check_in_vocabulary("logit_bias", params.logit_bias)
         if params.allowed_token_ids:
             self._check_in_vocabulary("allowed_token_ids", params.allowed_token_ids)
+        if params.structured_outputs is not None:
+            self.grammar_compiler().validate(params.structured_outputs)
         if params.bad_words:
             if self.tokenizer is not None:
                 params.set_bad_words_token_ids(bad_words_token_ids(self.tokenizer, params.bad_words))

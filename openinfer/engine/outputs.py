@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from openinfer.kv.plan import KVPlan
 from openinfer.outputs import PositionLogprobs
 from openinfer.sampling_params import SamplingParams
@@ -61,6 +63,18 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
+
+
+@dataclass
+class GrammarBitmask:
+    """Structured outputs: a step's token masks (bit ``t`` of row ``r`` set = token ``t``
+    allowed). The one tensor in these messages: a packed bitmask, built on the core's side
+    by llguidance, that the runner applies to the logits."""
+
+    rows: dict[str, int]
+    """Request id -> its first row (it has 1 + its verified drafts rows)."""
+    bitmask: torch.Tensor
+    """[rows, ceil(V / 32)] int32, on the CPU."""
 
 
 @dataclass

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.proposer import Draft
 from openinfer.transfer.params import KVTransferParams
+
+if TYPE_CHECKING:
+    from openinfer.structured.grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +58,9 @@ class Request:
     num_blocks_from_remote: int = 0
     draft: Draft | None = None
     """Speculative decoding: the drafter's proposal to follow the last sampled token."""
+    grammar: RequestGrammar | None = None
+    """Structured outputs: the matcher its output tokens advance (kept across preemption:
+    the output tokens are kept too)."""
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +108,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def check_stop(self) -> RequestStatus | None:
         """Whether the last appended token ends the request (and why)."""
@@ -111,6 +120,12 @@ class Request:
             # As in vLLM: stop_reason names a stop token the user asked for; EOS leaves it None.
             self.stop_reason = last if last in (params.stop_token_ids or ()) else None
             return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.active:
+            if self.grammar.error is not None:  # a token the mask allowed was refused
+                self.stop_reason = "grammar_error"
+                return RequestStatus.FINISHED_ERROR
+            if self.grammar.is_terminated:  # complete: only EOS could follow
+                return RequestStatus.FINISHED_STOPPED
         if num_out >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

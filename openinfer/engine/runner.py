@@ -20,7 +20,12 @@ from torch import nn
 
 from openinfer.attention.backend import AttentionBackend
 from openinfer.engine.kv_cache import per_layer_views
-from openinfer.engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from openinfer.engine.outputs import (
+    GrammarBitmask,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from openinfer.kv.spec import LayerGroup
 from openinfer.layers.sampler import Sampler, SamplingRow, compute_logprobs
 from openinfer.sampling_params import SamplingParams
@@ -55,6 +60,14 @@ class RunnerRequest:
         )
 
 
+@dataclass
+class _ForwardStep:
+    """A step whose forward pass ran and whose tokens are not sampled yet."""
+
+    sched: SchedulerOutput
+    batch: StepBatch
+
+
 class ModelRunner:
     """Turns the scheduler's diff into the step's tensors, runs the model and samples.
 
@@ -83,6 +96,7 @@ class ModelRunner:
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter = drafter
         """A model drafter (its layers follow the target's in ``layer_caches``)."""
+        self._step: _ForwardStep | None = None
 
     def _apply_diff(self, sched: SchedulerOutput) -> None:
         for request_id in sched.finished_request_ids:
@@ -101,10 +115,13 @@ class ModelRunner:
             req.num_computed_tokens = data.num_computed_tokens
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput) -> None:
+        """The step's forward pass; ``sample`` then takes the tokens (between the two the
+        engine core may finish the step's grammar masks)."""
         self._apply_diff(sched)
+        self._step = None
         if sched.is_empty:
-            return ModelRunnerOutput()
+            return
         counts = sched.num_scheduled_tokens
         # Decodes (one query token) first: attention batches them together.
         order = sorted(counts, key=lambda rid: counts[rid] != 1)
@@ -131,11 +148,22 @@ class ModelRunner:
         metas = [group_metas[g] for g in self.layer_group]
         input_ids_t, positions_t = self._long(input_ids), self._long(positions)
         hidden = self.model(input_ids_t, positions_t, self.layer_caches, metas)
-        starts = [r.num_computed_tokens for r in batch]
+        self._step = _ForwardStep(sched, StepBatch(
+            batch, query_lens, [r.num_computed_tokens for r in batch], input_ids_t,
+            positions_t, metas, hidden))
 
+    @torch.inference_mode()
+    def sample(self, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """Tokens for the forward pass ``execute`` ran (under the step's grammar masks),
+        then the drafts for the next step."""
         out = ModelRunnerOutput()
-        self._prompt_logprobs(batch, counts, hidden, out)
-        sampled = self._sample(batch, counts, drafts, hidden, out)
+        if self._step is None:
+            return out
+        sched, step = self._step.sched, self._step.batch
+        self._step = None
+        batch, counts, drafts = step.requests, sched.num_scheduled_tokens, sched.spec_token_ids
+        self._prompt_logprobs(batch, counts, step.hidden, out)
+        sampled = self._sample(batch, counts, drafts, step.hidden, grammar, out)
         for req in batch:
             num_drafts = len(drafts.get(req.request_id, ()))
             num_rejected = num_drafts + 1 - len(out.sampled_token_ids[req.request_id]) if num_drafts else 0
@@ -146,13 +174,12 @@ class ModelRunner:
                     req.request_id, req.token_ids, req.num_prompt_tokens,
                     self.num_speculative_tokens)
         if self.drafter is not None:
-            step = StepBatch(batch, query_lens, starts, input_ids_t, positions_t, metas, hidden)
             out.drafts.update(self.drafter.propose(self, step, sampled))
         return out
 
     def _sample(self, batch: list[RunnerRequest], counts: dict[str, int],
                 drafts: dict[str, list[int]], hidden: torch.Tensor,
-                out: ModelRunnerOutput) -> list[RunnerRequest]:
+                grammar: GrammarBitmask | None, out: ModelRunnerOutput) -> list[RunnerRequest]:
         """Sample (or verify drafts and sample) for every request whose scheduled tokens
         reach its end; returns those requests."""
         rows: list[SamplingRow] = []
@@ -167,9 +194,12 @@ class ModelRunner:
                 sampling.append(req)
                 output = req.token_ids[req.num_prompt_tokens:]
                 prompt = req.token_ids[:req.num_prompt_tokens]
+                first_mask = grammar.rows.get(req.request_id) if grammar is not None else None
                 req_rows = [SamplingRow(params=req.params, prompt_token_ids=prompt,
                                         output_token_ids=output + draft[:j],
-                                        stop_token_ids=req.stop_token_ids)
+                                        stop_token_ids=req.stop_token_ids,
+                                        grammar_mask=None if first_mask is None
+                                        else grammar.bitmask[first_mask + j])
                             for j in range(len(draft) + 1)]
                 last_positions.extend(range(offset + n - 1 - len(draft), offset + n))
                 rows.extend(req_rows)

@@ -27,7 +27,7 @@ from openinfer.config import (
 )
 from openinfer.cpu_features import cpu_capability
 from openinfer.engine.kv_cache import allocate_caches
-from openinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from openinfer.engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from openinfer.engine.runner import ModelRunner
 from openinfer.huge_pages import huge_pages_in_use, system_mode
 from openinfer.kernels.cpu_attention import load_cpu_attention
@@ -198,7 +198,7 @@ class Worker:
 
     # ---- steps ------------------------------------------------------------------------
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> None:
         """The step's KV plan (stores, then loads, before the forward pass may overwrite a
         block; reads and releases queued on I/O threads), then the forward pass."""
         plan = sched.kv
@@ -212,7 +212,11 @@ class Worker:
                 self.mover.submit_load(load)
             for source in plan.releases:
                 self.mover.submit_release(source)
-        return self.runner.execute(sched)
+        self.runner.execute(sched)
+
+    def sample_tokens(self, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
+        """The tokens of the step ``execute_model`` ran, under its grammar masks."""
+        return self.runner.sample(grammar)
 
     def finished_kv_reads(self, wait_s: float = 0.0) -> list[tuple[BlockLoad, int]]:
         """Reads (file store, pulls) that finished: (load, blocks that arrived)."""

@@ -5,9 +5,9 @@ The semantics follow vLLM v1:
 
 1. Logprobs, when requested, are read from the *raw* model logits (before any processing):
    constraints, penalties and temperature never change them.
-2. Token constraints (``apply_token_constraints``): tokens outside ``allowed_token_ids`` get
-   -inf, so do the tokens that would complete one of the ``bad_words``, then ``logit_bias`` is
-   added.
+2. Token constraints (``apply_token_constraints``): tokens outside ``allowed_token_ids`` or
+   outside the row's grammar mask (structured outputs) get -inf, so do the tokens that would
+   complete one of the ``bad_words``, then ``logit_bias`` is added.
 3. ``min_tokens``: the row's stop tokens are masked (-inf) until enough tokens were generated.
    (vLLM masks these before adding the bias; -inf masks and a finite bias commute.)
 4. Repetition penalty over prompt + output tokens (positive logits divided, negative multiplied),
@@ -50,6 +50,9 @@ class SamplingRow:
     stop_token_ids: frozenset[int]
     """EOS ids (unless ignore_eos) + params.stop_token_ids; masked while the output is shorter
     than params.min_tokens."""
+    grammar_mask: torch.Tensor | None = None
+    """Structured outputs: the tokens the row's grammar allows next, as a packed bitmask
+    ([ceil(V / 32)] int32, bit t of word t // 32); None: unconstrained."""
 
 
 @dataclass
@@ -198,11 +201,18 @@ def apply_token_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> to
     tensor work); otherwise a new tensor. The input is never modified, so it can still serve
     for the raw logprobs. Token ids must lie in [0, V) (the input processor checks them).
     """
-    edited = [i for i, row in enumerate(rows) if row.params.edits_logits]
+    edited = [i for i, row in enumerate(rows)
+              if row.params.edits_logits or row.grammar_mask is not None]
     if not edited:
         return logits
     logits = logits.clone()
     device = logits.device
+    constrained = [i for i in edited if rows[i].grammar_mask is not None]
+    if constrained:
+        packed = torch.stack([rows[i].grammar_mask for i in constrained])
+        index = torch.tensor(constrained, device=device)
+        logits[index] = logits[index].masked_fill_(
+            ~unpack_bitmask(packed, logits.shape[1]).to(device, non_blocking=True), -math.inf)
     allowed = [i for i in edited if rows[i].params.allowed_token_ids]
     if allowed:
         row_index, token_index = _row_token_pairs(
@@ -225,6 +235,17 @@ def apply_token_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> to
                               dtype=logits.dtype).to(device, non_blocking=True)
         logits.index_put_((row_index, token_index), values, accumulate=True)
     return logits
+
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 packed masks -> [R, vocab_size] bool (bit t of word t // 32, little-endian
+    as llguidance writes them). Goes through bytes: an [R, V] uint8 temporary, not int32."""
+    as_bytes = packed.contiguous().view(torch.uint8)  # [R, 4W], little-endian words
+    bits = (as_bytes.unsqueeze(-1) >> _BIT_SHIFTS) & 1  # [R, 4W, 8]
+    return bits.view(packed.shape[0], -1)[:, :vocab_size].bool()
 
 
 def bad_word_bans(row: SamplingRow) -> list[int]:

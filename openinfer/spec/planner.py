@@ -68,6 +68,8 @@ class SpeculationPlanner:
             if req.draft is None:
                 continue
             room = req.max_tokens - len(req.output_token_ids) - 1
+            if req.grammar is not None:  # drafts the grammar refuses are never verified
+                room = req.grammar.valid_prefix_len(req.draft.token_ids[:room])
             draft = req.draft.confidences[:room]
             if draft:
                 candidates[req.request_id] = draft
