@@ -13,6 +13,8 @@ from pathlib import Path
 import openinfer
 from openinfer.attention.selector import ATTENTION_BACKENDS
 from openinfer.logger import configure_logging
+from openinfer.server.reasoning import REASONING_PARSERS as REASONING_PARSER_NAMES
+from openinfer.server.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 
 logger = logging.getLogger(__name__)
 HelpFormatter = argparse.ArgumentDefaultsHelpFormatter
@@ -173,6 +175,8 @@ def warn_if_demo_model(model: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     args.api_key = args.api_key or os.environ.get("OPENINFER_API_KEY") or None
     args.admin_api_key = args.admin_api_key or os.environ.get("OPENINFER_ADMIN_API_KEY") or None
     if args.data_parallel_size > 1 or args.backend == "ray" or args.disaggregate:
@@ -202,7 +206,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     on_ready=lambda: logger.info("serving %s as %r on %s", llm.config.model.path,
                                                  name, url),
                     metrics_prefix=args.metrics_prefix,
-                    metrics_engine=str(args.metrics_engine_index))
+                    metrics_engine=str(args.metrics_engine_index),
+                    tool_call_parser=args.tool_call_parser,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    reasoning_parser=args.reasoning_parser)
     # SIGINT/SIGTERM: uvicorn stops accepting, waits for in-flight requests (bounded), then
     # the app's lifespan shuts the engine-core process down.
     serve(app, sock, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
@@ -278,6 +285,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                "they are refused")
     serve.add_argument("--chat-template", help="a Jinja chat template, or a file holding one, "
                                                "instead of the model's")
+    serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSER_NAMES),
+                       help="how tool calls are read from the model's output under tool_choice "
+                            "auto (vLLM's names): hermes (Qwen), deepseek_v3, deepseek_v31, "
+                            "llama3_json, mistral")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="let the model decide when to call tools (tool_choice auto); "
+                            "needs --tool-call-parser")
+    serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSER_NAMES),
+                       help="split <think>...</think> into reasoning_content: deepseek_r1, "
+                            "qwen3; structured outputs then apply after the reasoning")
     serve.add_argument("--generation-config", default="auto",
                        help="sampling defaults for fields a request leaves unset: auto (the "
                             "model's generation_config.json), vllm (none: OpenAI's), or a folder "

@@ -73,9 +73,9 @@ class AsyncLLM:
                 item = await stream.get()
                 if isinstance(item, Exception):
                     raise item
-                if item.finished and any(c.finish_reason == "error" for c in item.outputs):
-                    raise RequestFailedError("the request's KV could not be pulled from its "
-                                             "prefill instance (kv load failure policy: fail)")
+                failed = [c for c in item.outputs if c.finish_reason == "error"] if item.finished else []
+                if failed:
+                    raise RequestFailedError(_failure(failed[0].stop_reason))
                 yield item
                 if item.finished:
                     return
@@ -117,3 +117,11 @@ class AsyncLLM:
                     stream.put_nowait(delta)
                     if delta.finished:
                         del self._streams[delta.request_id]
+
+
+def _failure(stop_reason: object) -> str:
+    """Why the engine ended a request with finish_reason "error"."""
+    if stop_reason == "kv_transfer_failed":
+        return ("the request's KV could not be pulled from its prefill instance (kv load "
+                "failure policy: fail)")
+    return f"the request failed in the engine: {stop_reason}"

@@ -122,7 +122,7 @@ class Request:
             return RequestStatus.FINISHED_STOPPED
         if self.grammar is not None and self.grammar.active:
             if self.grammar.error is not None:  # a token the mask allowed was refused
-                self.stop_reason = "grammar_error"
+                self.stop_reason = f"grammar error: {self.grammar.error.splitlines()[0]}"
                 return RequestStatus.FINISHED_ERROR
             if self.grammar.is_terminated:  # complete: only EOS could follow
                 return RequestStatus.FINISHED_STOPPED

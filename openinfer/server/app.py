@@ -20,6 +20,7 @@ from openinfer.engine.core_client import EngineDeadError
 from openinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.anthropic_api import install_anthropic_routes
+from openinfer.server.chat_output import ChatOutput, plan_tools
 from openinfer.server.errors import APIError, error_body, install_error_handlers
 from openinfer.server.limits import ServerLimits, install_limits
 from openinfer.server.metrics import ServerMetrics
@@ -29,18 +30,26 @@ from openinfer.server.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     kv_transfer_field,
+    structured_error,
+    structured_param,
 )
 from openinfer.server.prompt import PromptRenderer
+from openinfer.server.reasoning import get_reasoning_parser
+from openinfer.server.tool_parsers import get_tool_parser
 
 
 def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None = None, *,
               sampling_defaults: dict[str, Any] | None = None,
               on_ready: Callable[[], None] | None = None, metrics_prefix: str = "openinfer",
-              metrics_engine: str = "0") -> FastAPI:
+              metrics_engine: str = "0", tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The API over ``llm``. ``sampling_defaults`` fill the sampling fields a request leaves
     unset (the model's generation config under ``--generation-config auto``); ``on_ready``
     runs once the engine has loaded and requests are served. /metrics names its series
-    ``<metrics_prefix>:...`` and labels them ``engine=metrics_engine`` (server/metrics.py)."""
+    ``<metrics_prefix>:...`` and labels them ``engine=metrics_engine`` (server/metrics.py).
+    ``tool_call_parser``, ``enable_auto_tool_choice`` and ``reasoning_parser`` are vLLM's
+    serve options of those names (server/chat_output.py)."""
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await llm.start()
@@ -126,10 +135,19 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary", "tokens")
         return {"prompt": llm.tokenizer.decode(body.tokens)}
 
-    def tokenized(prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+    def tokenized(prompt: str | list[int], params: SamplingParams,
+                  constraint_source: str | None = None) -> tuple[str | None, list[int]]:
+        """The prompt as the engine runs it; checks it and ``params`` (400s). The output
+        constraint is compiled here: an invalid one is a 400 naming
+        ``constraint_source``, the field the client used."""
         if llm.client.dead_reason is not None:  # fail before a stream sends its 200
             raise EngineDeadError(llm.client.dead_reason)
-        text, token_ids = llm.inputs.process(prompt, params)  # tokenized, truncated, checked
+        try:  # tokenized, truncated, checked
+            text, token_ids = llm.inputs.process(prompt, params)
+        except ValueError as e:
+            if str(e).startswith("structured_outputs"):
+                raise structured_error(e, constraint_source) from None
+            raise
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_model_len:
             raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; "
                            f"the prompt has {len(token_ids)} and max_tokens asks for "
@@ -143,7 +161,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
         score_prompt = body.echo and body.logprobs is not None
         params = body.sampling_params(body.max_tokens, body.logprobs, sampling_defaults,
                                       prompt_logprobs=body.logprobs if score_prompt else None)
-        prompts = [(p.text, tokenized(p.token_ids, params)[1])
+        source = body.structured_outputs_params()[1]
+        prompts = [(p.text, tokenized(p.token_ids, params, source)[1])
                    for p in renderer.completion(body.prompt, body.add_special_tokens)]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -199,35 +218,79 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
         return JSONResponse({**header, "choices": choices, "usage": usage,
                              **kv_transfer_field(finals[0])})
 
+    tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+    reasoning = (get_reasoning_parser(reasoning_parser, llm.tokenizer)
+                 if reasoning_parser else None)
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest):
         check_model(body.model)
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = body.top_logprobs or 0
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                          tool_call_parser, enable_auto_tool_choice)
+        token_ids = renderer.openai_chat(body, tools=plan.tools or None)
+        # What the prompt's end says about reasoning (did the template open or close it?).
+        prompt_tail = (llm.tokenizer.decode(token_ids[-16:]) if reasoning is not None
+                       else None)
+        fields, source = body.structured_outputs_params()
+        if plan.constraint is not None:
+            if fields is not None:
+                raise APIError(400, f"{source} cannot be combined with a forced tool call "
+                               f"(tool_choice {body.tool_choice!r})", source)
+            fields, source = dict(plan.constraint), "tools"
+        if fields is not None and reasoning is not None and not reasoning.prompt_closes_reasoning(
+                prompt_tail):
+            fields["start_after_token_ids"] = reasoning.end_token_ids()
         params = body.sampling_params(max_tokens, top if body.logprobs else None,
-                                      sampling_defaults)
-        _, token_ids = tokenized(renderer.openai_chat(body), params)
+                                      sampling_defaults,
+                                      structured_outputs=structured_param(fields, source))
+        if plan.mode == "auto" and tool_parser is not None and llm.tokenizer is not None:
+            # Markers that are special tokens (DeepSeek's, Mistral's) must reach the parser.
+            params.skip_special_tokens = not _is_special(llm.tokenizer, tool_parser.start)
+        _, token_ids = tokenized(token_ids, params, source)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                   "model": served_model_name}
         stream = llm.generate(token_ids, params, request_id)
 
+        def output() -> ChatOutput:
+            return ChatOutput(plan, tool_parser, reasoning, prompt_tail)
+
+        def finish_reason(c: CompletionOutput, out: ChatOutput) -> str | None:
+            if c.finish_reason == "stop" and out.has_tool_calls and plan.mode != "named":
+                return "tool_calls"
+            return c.finish_reason
+
         if body.stream:
             async def events() -> AsyncIterator[str]:
                 chunk = {**header, "object": "chat.completion.chunk"}
-                started: set[int] = set()
+                outs: dict[int, ChatOutput] = {}
                 completion_tokens = cached = 0
+
+                def event(index: int, delta: dict, finish: str | None = None,
+                          logprobs: dict | None = None) -> str:
+                    return _sse({**chunk, "choices": [{"index": index, "delta": delta,
+                                                       "finish_reason": finish,
+                                                       "logprobs": logprobs}]})
                 async for _, delta in _merged([stream]):
                     cached = delta.num_cached_tokens
                     for c in delta.outputs:
                         completion_tokens += len(c.token_ids)
-                        message = {"content": c.text}
-                        if c.index not in started:
-                            started.add(c.index)
-                            message["role"] = "assistant"
-                        yield _sse({**chunk, "choices": [{
-                            "index": c.index, "delta": message, "finish_reason": c.finish_reason,
-                            "logprobs": _chat_logprobs(c, top) if body.logprobs else None}]})
+                        if c.index not in outs:
+                            outs[c.index] = output()
+                            yield event(c.index, {"role": "assistant", "content": ""})
+                        out = outs[c.index]
+                        pieces = out.feed(c.text)
+                        if c.finish_reason is not None:
+                            pieces += out.finish()
+                        logprobs = _chat_logprobs(c, top) if body.logprobs else None
+                        if logprobs is not None and not pieces:
+                            pieces = [{"content": ""}]
+                        for i, piece in enumerate(pieces):
+                            yield event(c.index, piece, None, logprobs if i == 0 else None)
+                        if c.finish_reason is not None:
+                            yield event(c.index, {}, finish_reason(c, out))
                 if body.include_usage:
                     yield _sse({**chunk, "choices": [],
                                 "usage": _usage(len(token_ids), completion_tokens, cached)})
@@ -235,9 +298,12 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
             return StreamingResponse(_with_error_event(events()), media_type="text/event-stream")
 
         final = await _final(stream)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c, top) if body.logprobs else None,
-                    "finish_reason": c.finish_reason} for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            out = output()
+            choices.append({"index": c.index, "message": out.message(c.text),
+                            "logprobs": _chat_logprobs(c, top) if body.logprobs else None,
+                            "finish_reason": finish_reason(c, out)})
         usage = _usage(len(token_ids), sum(len(c.token_ids) for c in final.outputs),
                        final.num_cached_tokens)
         return JSONResponse({**header, "choices": choices, "usage": usage,
@@ -315,6 +381,14 @@ async def _with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
         except RequestFailedError as e:
             yield _sse(error_body(str(e), "service_unavailable", code="request_failed"))
             yield "data: [DONE]\n\n"
+
+
+def _is_special(tokenizer, text: str) -> bool:
+    """Whether ``text`` is one of the tokenizer's special tokens (dropped from output text
+    unless skip_special_tokens is off)."""
+    return text in getattr(tokenizer, "all_special_tokens", ()) or any(
+        token.content == text and token.special
+        for token in getattr(tokenizer, "added_tokens_decoder", {}).values())
 
 
 def _sse(payload: dict) -> str:

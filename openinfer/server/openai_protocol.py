@@ -5,10 +5,10 @@ Every field a request may carry is declared here, and each is one of three kinds
 * honoured: it changes what the engine does (sampling fields, vLLM's extras);
 * accepted with no effect on the output, because it has none here (``user``,
   ``metadata``, ``service_tier``, ``prompt_cache_key`` — prefix caching is always on);
-* refused with a 400 naming it when set to a value we cannot honour (``tools``,
-  ``response_format`` other than text, ``best_of`` > 1, guided decoding, ...), see
-  :data:`REFUSED`. A field nobody declared is refused too, as OpenAI does
-  ("Unrecognized request argument supplied"), so nothing is silently ignored.
+* refused with a 400 naming it when set to a value we cannot honour (``functions``,
+  ``best_of`` > 1, beam search, ...), see :data:`REFUSED`. A field nobody declared is
+  refused too, as OpenAI does ("Unrecognized request argument supplied"), so nothing is
+  silently ignored.
 
 Sampling fields a request leaves unset take the server's defaults (the model's
 ``generation_config.json`` with ``--generation-config auto``), then OpenAI's.
@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.errors import APIError
+from openinfer.structured.params import StructuredOutputsParams
 from openinfer.transfer.params import KVTransferParams
 
 
@@ -33,19 +34,9 @@ def _unset(value: Any) -> bool:
 
 # Field -> (is this value one we can honour?, why not). Checked before a request is queued.
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (_unset, "tool calling is not supported yet"),
-    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not supported yet"),
-    "functions": (_unset, "function calling is not supported yet"),
-    "function_call": (lambda v: v in (None, "none", "auto"), "function calling is not supported yet"),
-    "response_format": (lambda v: v is None or v.get("type") == "text",
-                        "structured outputs (json_object, json_schema) are not supported yet"),
-    "structured_outputs": (_unset, "structured outputs are not supported yet"),
-    "guided_json": (_unset, "guided decoding is not supported yet"),
-    "guided_regex": (_unset, "guided decoding is not supported yet"),
-    "guided_choice": (_unset, "guided decoding is not supported yet"),
-    "guided_grammar": (_unset, "guided decoding is not supported yet"),
-    "guided_decoding_backend": (_unset, "guided decoding is not supported yet"),
-    "guided_whitespace_pattern": (_unset, "guided decoding is not supported yet"),
+    "functions": (_unset, "the deprecated functions field is not supported; use tools"),
+    "function_call": (_unset, "the deprecated function_call field is not supported; use "
+                              "tool_choice"),
     "best_of": (lambda v: v in (None, 1), "best_of > 1 is not supported (as in vLLM V1); use n"),
     "use_beam_search": (_unset, "beam search is not supported"),
     "length_penalty": (lambda v: v in (None, 1.0), "length_penalty needs beam search, "
@@ -99,7 +90,6 @@ class SamplingFields(BaseModel):
     prompt_cache_key: str | None = None
     """OpenAI's cache-routing hint: prefix caching here is automatic, keyed by content."""
     safety_identifier: str | None = None
-    parallel_tool_calls: bool | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -120,11 +110,8 @@ class SamplingFields(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     """Disaggregation (vLLM's field): {"do_remote_decode": true} to a prefill instance;
     the kv_transfer_params of its answer to a decode instance."""
-    # Declared so that they are refused by name (see REFUSED), not as unknown.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (one of them per request; see structured_outputs_params).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
@@ -133,6 +120,9 @@ class SamplingFields(BaseModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    # Declared so that they are refused by name (see REFUSED), not as unknown.
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
     best_of: int | None = None
     use_beam_search: bool = False
     length_penalty: float | None = None
@@ -158,13 +148,51 @@ class SamplingFields(BaseModel):
             raise APIError(400, "spaces_between_special_tokens: false is not supported",
                            "spaces_between_special_tokens", code="unsupported_parameter")
 
+    def structured_outputs_params(self) -> tuple[dict[str, Any] | None, str | None]:
+        """The output constraint the request asks for, as ``StructuredOutputsParams``
+        fields, and the field that asked (to name it in errors)."""
+        forms: list[tuple[dict[str, Any], str]] = []
+        rf = self.response_format
+        if rf is not None and rf.get("type") != "text":
+            forms.append((_response_format(rf), "response_format"))
+        if self.structured_outputs:
+            forms.append((dict(self.structured_outputs), "structured_outputs"))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                forms.append(({key: getattr(self, name)}, name))
+        if self.guided_decoding_backend not in (None, "auto", "llguidance", "guidance"):
+            raise APIError(400, f"guided_decoding_backend: {self.guided_decoding_backend!r} is "
+                           "not available; this server constrains outputs with llguidance",
+                           "guided_decoding_backend", code="unsupported_parameter")
+        if len(forms) > 1:
+            names = ", ".join(source for _, source in forms)
+            raise APIError(400, f"give one output constraint, not several ({names})",
+                           forms[1][1])
+        if not forms:
+            if self.guided_whitespace_pattern is not None:
+                raise APIError(400, "guided_whitespace_pattern needs a JSON constraint",
+                               "guided_whitespace_pattern")
+            return None, None
+        fields, source = forms[0]
+        if self.guided_whitespace_pattern is not None:
+            fields["whitespace_pattern"] = self.guided_whitespace_pattern
+        return fields, source
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any] | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        ) -> SamplingParams:
         """The engine's parameters: the request's fields, then ``defaults`` (the server's
-        sampling defaults, e.g. the model's generation config), then OpenAI's."""
+        sampling defaults, e.g. the model's generation config), then OpenAI's.
+        ``structured_outputs``: a constraint of the server's own (a forced tool call),
+        instead of the request's."""
         self.refuse_unsupported()
         defaults = defaults or {}
+        if structured_outputs is None:
+            fields, source = self.structured_outputs_params()
+            structured_outputs = structured_param(fields, source)
 
         def pick(name: str, value: Any, fallback: Any) -> Any:
             return value if value is not None else defaults.get(name, fallback)
@@ -185,11 +213,46 @@ class SamplingFields(BaseModel):
             bad_words=self.bad_words, truncate_prompt_tokens=self.truncate_prompt_tokens,
             priority=self.priority, cache_salt=self.cache_salt,
             kv_transfer_params=KVTransferParams.parse(self.kv_transfer_params),
+            structured_outputs=structured_outputs,
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _response_format(rf: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``response_format`` (json_object, json_schema) as constraint fields."""
+    kind = rf.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict | bool):
+            raise APIError(400, "response_format.json_schema.schema: a JSON schema object is "
+                           "required", "response_format")
+        return {"json": spec["schema"]}
+    raise APIError(400, f"response_format.type: {kind!r} is not supported (text, json_object, "
+                   "json_schema)", "response_format")
+
+
+def structured_param(fields: dict[str, Any] | None,
+                     source: str | None) -> StructuredOutputsParams | None:
+    """Checked constraint fields; a 400 naming ``source`` (the request's field) if not."""
+    if fields is None:
+        return None
+    try:
+        return StructuredOutputsParams.parse(fields)
+    except (TypeError, ValueError) as e:
+        raise structured_error(e, source) from None
+
+
+def structured_error(e: Exception, source: str | None) -> APIError:
+    """A constraint the engine refused, as a 400 naming the field the client used."""
+    message = str(e)
+    if source and source != "structured_outputs" and message.startswith("structured_outputs"):
+        message = source + message[len("structured_outputs"):]
+    return APIError(400, message, source or "structured_outputs")
 
 
 def kv_transfer_field(out: RequestOutput) -> dict:
@@ -221,6 +284,11 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI function tools; the chat template receives them (server/chat_output.py)."""
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    """False: at most one call (enforced under tool_choice "required")."""
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

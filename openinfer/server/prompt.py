@@ -59,7 +59,8 @@ class PromptRenderer:
     def chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template: str | None = None,
              chat_template_kwargs: Mapping[str, Any] | None = None,
-             add_special_tokens: bool = False) -> list[int]:
+             add_special_tokens: bool = False,
+             tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Chat messages through the chat template, then the tokenizer.
 
         ``add_special_tokens`` is off by default because the rendered template already
@@ -75,13 +76,15 @@ class PromptRenderer:
             text = self.tokenizer.apply_chat_template(
                 list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=template,
-                **(chat_template_kwargs or {}))
+                tools=tools, **(chat_template_kwargs or {}))
         except Exception as e:  # a template that rejects these messages
             raise PromptError(f"chat template failed: {e}", "messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def openai_chat(self, request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        """``/v1/chat/completions`` (and ``/tokenize`` with messages)."""
+    def openai_chat(self, request: ChatCompletionRequest | TokenizeRequest,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """``/v1/chat/completions`` (and ``/tokenize`` with messages); ``tools`` as the
+        template receives them (none under tool_choice "none")."""
         return self.chat(
             [m.model_dump(exclude_none=True) for m in request.messages or ()],
             add_generation_prompt=request.add_generation_prompt,
@@ -89,7 +92,7 @@ class PromptRenderer:
             chat_template=request.chat_template,
             chat_template_kwargs=request.chat_template_kwargs,
             # /tokenize leaves it unset (None): no, as for chat completions.
-            add_special_tokens=bool(request.add_special_tokens))
+            add_special_tokens=bool(request.add_special_tokens), tools=tools)
 
     def anthropic_messages(self, request: MessagesRequest) -> list[int]:
         """``/v1/messages``: the system prompt becomes a leading system message, and content

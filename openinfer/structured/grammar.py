@@ -22,6 +22,10 @@ from openinfer.structured.params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE = 256
+BOUNDED_JSON_WHITESPACE = r"[\x20\x09]{0,8}(\r?\n[\x20\x09]{0,48})?"
+"""JSON's whitespace between tokens, by default: pretty-printing fits (one line break and
+its indentation), but not an unbounded run, which a small or unsure model can fall into and
+never leave until max_tokens."""
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -29,8 +33,8 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     if params.kind in ("json", "json_object"):
         schema = params.json if params.json is not None else {"type": "object"}
         options: dict = {"whitespace_flexible": not params.disable_any_whitespace}
-        if params.whitespace_pattern is not None:
-            options["whitespace_pattern"] = params.whitespace_pattern
+        if not params.disable_any_whitespace:
+            options["whitespace_pattern"] = params.whitespace_pattern or BOUNDED_JSON_WHITESPACE
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         except ValueError as e:
