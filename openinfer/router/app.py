@@ -33,7 +33,7 @@ from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.router.metrics import cluster_exposition, replica_load
 from openinfer.router.pd import prefill_first
 from openinfer.router.policies import Router, RouterConfig, Worker
-from openinfer.server.anthropic_api import MessagesRequest
+from openinfer.server.anthropic_api import MessagesRequest, openai_tools
 from openinfer.server.errors import error_body
 from openinfer.server.limits import admin_refusal
 from openinfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -235,9 +235,14 @@ def prompt_ids(renderer: PromptRenderer, path: str, body: dict) -> list[int]:
         ids, limit = prompts[0].token_ids, completion.truncate_prompt_tokens
     elif path == "/v1/chat/completions":
         chat = ChatCompletionRequest.model_validate(body)
-        ids, limit = renderer.openai_chat(chat), chat.truncate_prompt_tokens
+        # The server shows the template the tools unless tool_choice is "none".
+        tools = chat.tools if chat.tool_choice != "none" else None
+        ids, limit = renderer.openai_chat(chat, tools=tools), chat.truncate_prompt_tokens
     elif path == "/v1/messages":
-        ids = renderer.anthropic_messages(MessagesRequest.model_validate(body))
+        messages = MessagesRequest.model_validate(body)
+        none = (messages.tool_choice or {}).get("type") == "none"
+        ids = renderer.anthropic_messages(
+            messages, tools=None if none else openai_tools(messages) or None)
     else:
         raise ValueError(f"no prompt on {path}")
     if limit is not None and limit >= 1:  # -1 depends on max_model_len: not known here

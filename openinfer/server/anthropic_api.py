@@ -16,9 +16,11 @@ from openinfer.engine.async_llm import AsyncLLM, RequestFailedError
 from openinfer.engine.core_client import EngineDeadError
 from openinfer.outputs import CompletionOutput
 from openinfer.sampling_params import SamplingParams
+from openinfer.server.chat_output import ChatOutput, ToolPlan, plan_tools
 from openinfer.server.errors import APIError, anthropic_error_body
-from openinfer.server.openai_protocol import kv_transfer_field
-from openinfer.server.prompt import PromptRenderer
+from openinfer.server.openai_protocol import kv_transfer_field, structured_param
+from openinfer.server.prompt import PromptRenderer, is_special_token
+from openinfer.server.tool_parsers import ToolParser
 from openinfer.transfer.params import KVTransferParams
 
 
@@ -31,7 +33,7 @@ class AnthropicMessage(BaseModel):
 
 class MessagesRequest(BaseModel):
     """Anthropic's request body. A field nobody declared is refused (400), and so is a
-    declared one set to what we cannot honour (tools, extended thinking, ...)."""
+    declared one set to what we cannot honour (extended thinking, containers, ...)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -58,10 +60,6 @@ class MessagesRequest(BaseModel):
 
     def refuse_unsupported(self) -> None:
         refused = {
-            "tools": (not self.tools, "tool use is not supported yet"),
-            "tool_choice": (self.tool_choice is None
-                            or self.tool_choice.get("type") in ("auto", "none"),
-                            "tool use is not supported yet"),
             "thinking": (self.thinking is None or self.thinking.get("type") == "disabled",
                          "extended thinking is not supported yet"),
             "container": (self.container is None, "containers are not supported"),
@@ -72,7 +70,60 @@ class MessagesRequest(BaseModel):
                 raise APIError(400, f"{name}: {why}", name, code="unsupported_parameter")
 
 
-def _stop(c: CompletionOutput) -> tuple[str, str | None]:
+def openai_tools(body: MessagesRequest) -> list[dict[str, Any]]:
+    """Anthropic's client tools in OpenAI's shape (what chat templates take)."""
+    tools = []
+    for i, tool in enumerate(body.tools or ()):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or tool.get(
+                "type", "custom") not in ("custom", None):
+            raise APIError(400, f"tools[{i}]: a client tool is {{\"name\", \"description\", "
+                           "\"input_schema\"}} (server tools are not supported)", f"tools.{i}")
+        tools.append({"type": "function", "function": {
+            "name": tool["name"], "description": tool.get("description", ""),
+            "parameters": tool.get("input_schema") or {"type": "object"}}})
+    return tools
+
+
+def tool_plan(body: MessagesRequest, parser_name: str | None, auto_enabled: bool) -> ToolPlan:
+    """Anthropic's tools and tool_choice as the OpenAI route plans them: auto, any
+    (= required), tool (= a named function), none."""
+    tools = openai_tools(body)
+    choice = body.tool_choice or {"type": "auto"}
+    kind = choice.get("type")
+    openai_choice: str | dict = {"auto": "auto", "any": "required", "none": "none"}.get(kind, "")
+    if kind == "tool":
+        openai_choice = {"type": "function", "function": {"name": choice.get("name")}}
+    elif not openai_choice:
+        raise APIError(400, f"tool_choice.type must be auto, any, tool or none, got {kind!r}",
+                       "tool_choice")
+    if not tools:
+        openai_choice = "none"
+    try:
+        return plan_tools(tools, openai_choice, not choice.get("disable_parallel_tool_use"),
+                          parser_name, auto_enabled)
+    except APIError as e:
+        e.message = e.message.replace('"required"', '"any"')
+        raise
+
+
+def _content_blocks(message: dict) -> list[dict]:
+    """An OpenAI-shaped assistant message (chat_output.ChatOutput) as Anthropic blocks."""
+    blocks: list[dict] = []
+    if message.get("content"):
+        blocks.append({"type": "text", "text": message["content"]})
+    for call in message.get("tool_calls", ()):
+        blocks.append(_tool_use_block(call, json.loads(call["function"]["arguments"])))
+    return blocks or [{"type": "text", "text": ""}]
+
+
+def _tool_use_block(call: dict, tool_input: dict) -> dict:
+    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
+            "name": call["function"]["name"], "input": tool_input}
+
+
+def _stop(c: CompletionOutput, tool_use: bool = False) -> tuple[str, str | None]:
+    if c.finish_reason == "stop" and tool_use:
+        return "tool_use", None
     if c.finish_reason == "length":
         return "max_tokens", None
     if isinstance(c.stop_reason, str):
@@ -93,12 +144,16 @@ def _event(kind: str, payload: dict) -> str:
 def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str,
                              check_model: Callable, renderer: PromptRenderer,
                              tokenized: Callable, final: Callable,
-                             sampling_defaults: dict[str, Any]) -> None:
+                             sampling_defaults: dict[str, Any],
+                             tool_parser: ToolParser | None = None,
+                             enable_auto_tool_choice: bool = False) -> None:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest):
         check_model(body.model)
         body.refuse_unsupported()
-        token_ids = renderer.anthropic_messages(body)
+        plan = tool_plan(body, tool_parser.name if tool_parser else None,
+                         enable_auto_tool_choice)
+        token_ids = renderer.anthropic_messages(body, tools=plan.tools or None)
 
         def pick(name: str, value: Any, fallback: Any) -> Any:
             return value if value is not None else sampling_defaults.get(name, fallback)
@@ -108,16 +163,21 @@ def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str
             top_p=pick("top_p", body.top_p, 1.0), top_k=pick("top_k", body.top_k, 0),
             min_p=pick("min_p", None, 0.0),
             repetition_penalty=pick("repetition_penalty", None, 1.0), stop=body.stop_sequences,
-            kv_transfer_params=KVTransferParams.parse(body.kv_transfer_params))
-        _, token_ids = tokenized(token_ids, params)
+            kv_transfer_params=KVTransferParams.parse(body.kv_transfer_params),
+            structured_outputs=structured_param(plan.constraint, "tools"))
+        if plan.mode == "auto" and tool_parser is not None and llm.tokenizer is not None:
+            params.skip_special_tokens = not is_special_token(llm.tokenizer, tool_parser.start)
+        _, token_ids = tokenized(token_ids, params, "tools")
         message_id = f"msg_{uuid.uuid4().hex}"
         stream = llm.generate(token_ids, params, message_id)
         message = {"id": message_id, "type": "message", "role": "assistant",
                    "model": served_model_name}
+        output = ChatOutput(plan, tool_parser, None, None)
 
         if body.stream:
             async def events() -> AsyncIterator[str]:
                 output_tokens, last, started = 0, None, False
+                index, in_tool_block = 0, False  # the open content block
                 try:
                     async with contextlib.aclosing(stream):
                         async for delta in stream:
@@ -134,17 +194,37 @@ def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str
                             for c in delta.outputs:
                                 output_tokens += len(c.token_ids)
                                 last = c
-                                if c.text:
-                                    yield _event("content_block_delta", {"index": 0, "delta": {
-                                        "type": "text_delta", "text": c.text}})
+                                pieces = output.feed(c.text)
+                                if c.finish_reason is not None:
+                                    pieces += output.finish()
+                                for piece in pieces:
+                                    if piece.get("content"):
+                                        if in_tool_block:  # text after a call: a block of its own
+                                            yield _event("content_block_stop", {"index": index})
+                                            index, in_tool_block = index + 1, False
+                                            yield _event("content_block_start", {
+                                                "index": index,
+                                                "content_block": {"type": "text", "text": ""}})
+                                        yield _event("content_block_delta", {"index": index, "delta": {
+                                            "type": "text_delta", "text": piece["content"]}})
+                                    for call in piece.get("tool_calls", ()):
+                                        yield _event("content_block_stop", {"index": index})
+                                        index, in_tool_block = index + 1, True
+                                        yield _event("content_block_start", {
+                                            "index": index,
+                                            "content_block": _tool_use_block(call, {})})
+                                        yield _event("content_block_delta", {
+                                            "index": index, "delta": {
+                                                "type": "input_json_delta",
+                                                "partial_json": call["function"]["arguments"]}})
                 except (EngineDeadError, RequestFailedError) as e:  # reported in-band
                     reason = str(e) if isinstance(e, RequestFailedError) else (
                         f"the engine is unavailable: {e}")
                     body = anthropic_error_body(503, reason)
                     yield _event("error", {"error": body["error"]})
                     return
-                yield _event("content_block_stop", {"index": 0})
-                stop_reason, stop_sequence = _stop(last)
+                yield _event("content_block_stop", {"index": index})
+                stop_reason, stop_sequence = _stop(last, output.has_tool_calls)
                 yield _event("message_delta", {
                     "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                     "usage": {"output_tokens": output_tokens}})
@@ -153,8 +233,9 @@ def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str
 
         whole = await final(stream)
         out = whole.outputs[0]
-        stop_reason, stop_sequence = _stop(out)
-        return JSONResponse({**message, "content": [{"type": "text", "text": out.text}],
+        content = _content_blocks(output.message(out.text))
+        stop_reason, stop_sequence = _stop(out, output.has_tool_calls)
+        return JSONResponse({**message, "content": content,
                              "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                              "usage": {**_input_usage(len(token_ids), whole.num_cached_tokens),
                                        "output_tokens": len(out.token_ids)},

@@ -33,7 +33,7 @@ from openinfer.server.openai_protocol import (
     structured_error,
     structured_param,
 )
-from openinfer.server.prompt import PromptRenderer
+from openinfer.server.prompt import PromptRenderer, is_special_token
 from openinfer.server.reasoning import get_reasoning_parser
 from openinfer.server.tool_parsers import get_tool_parser
 
@@ -247,7 +247,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
                                       structured_outputs=structured_param(fields, source))
         if plan.mode == "auto" and tool_parser is not None and llm.tokenizer is not None:
             # Markers that are special tokens (DeepSeek's, Mistral's) must reach the parser.
-            params.skip_special_tokens = not _is_special(llm.tokenizer, tool_parser.start)
+            params.skip_special_tokens = not is_special_token(llm.tokenizer, tool_parser.start)
         _, token_ids = tokenized(token_ids, params, source)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
@@ -310,7 +310,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
                              **kv_transfer_field(final)})
 
     install_anthropic_routes(app, llm, served_model_name, check_model, renderer,
-                             tokenized, _final, sampling_defaults or {})
+                             tokenized, _final, sampling_defaults or {}, tool_parser,
+                             enable_auto_tool_choice)
     return app
 
 
@@ -381,14 +382,6 @@ async def _with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
         except RequestFailedError as e:
             yield _sse(error_body(str(e), "service_unavailable", code="request_failed"))
             yield "data: [DONE]\n\n"
-
-
-def _is_special(tokenizer, text: str) -> bool:
-    """Whether ``text`` is one of the tokenizer's special tokens (dropped from output text
-    unless skip_special_tokens is off)."""
-    return text in getattr(tokenizer, "all_special_tokens", ()) or any(
-        token.content == text and token.special
-        for token in getattr(tokenizer, "added_tokens_decoder", {}).values())
 
 
 def _sse(payload: dict) -> str:

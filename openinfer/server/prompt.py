@@ -14,6 +14,7 @@ which the server answers with a 400 naming ``param``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -94,13 +95,18 @@ class PromptRenderer:
             # /tokenize leaves it unset (None): no, as for chat completions.
             add_special_tokens=bool(request.add_special_tokens), tools=tools)
 
-    def anthropic_messages(self, request: MessagesRequest) -> list[int]:
-        """``/v1/messages``: the system prompt becomes a leading system message, and content
-        blocks are reduced to their text (the only kind served; tools are refused)."""
-        chat = [{"role": m.role, "content": content_text(m.content)} for m in request.messages]
+    def anthropic_messages(self, request: MessagesRequest,
+                           tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """``/v1/messages``: the system prompt becomes a leading system message; text blocks
+        become content, ``tool_use`` blocks an assistant's ``tool_calls`` and
+        ``tool_result`` blocks ``tool`` messages, as chat templates take them (OpenAI's
+        shape). ``tools``: OpenAI-shaped, for the template."""
+        chat: list[dict[str, Any]] = []
         if request.system is not None:
-            chat.insert(0, {"role": "system", "content": content_text(request.system)})
-        return self.chat(chat, add_generation_prompt=True)
+            chat.append({"role": "system", "content": content_text(request.system)})
+        for m in request.messages:
+            chat.extend(_anthropic_to_chat(m.role, m.content))
+        return self.chat(chat, add_generation_prompt=True, tools=tools)
 
     def completion(self, prompt: CompletionPrompt,
                    add_special_tokens: bool = True) -> list[RenderedPrompt]:
@@ -124,6 +130,31 @@ class PromptRenderer:
                     raise PromptError("prompt must not be empty", "prompt")
                 rendered.append(RenderedPrompt(None, list(one)))
         return rendered
+
+
+def _anthropic_to_chat(role: str, content: str | Sequence[Mapping[str, Any]]) -> list[dict]:
+    """One Anthropic message as chat-template messages (tool results are messages of their
+    own, after the rest of the turn's text)."""
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    message: dict[str, Any] = {"role": role, "content": content_text(content)}
+    calls = [{"id": b.get("id"), "type": "function", "function": {
+        "name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}}
+        for b in content if b.get("type") == "tool_use"]
+    if calls:
+        message["tool_calls"] = calls
+    results = [{"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                "content": content_text(b.get("content") or "")}
+               for b in content if b.get("type") == "tool_result"]
+    return ([message] if message["content"] or calls or not results else []) + results
+
+
+def is_special_token(tokenizer: Any, text: str) -> bool:
+    """Whether ``text`` is one of the tokenizer's special tokens (dropped from output text
+    unless skip_special_tokens is off)."""
+    return text in getattr(tokenizer, "all_special_tokens", ()) or any(
+        token.content == text and token.special
+        for token in getattr(tokenizer, "added_tokens_decoder", {}).values())
 
 
 def content_text(content: str | Sequence[Mapping[str, Any]]) -> str:

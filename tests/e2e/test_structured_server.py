@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -193,6 +194,39 @@ def test_tools_reach_the_chat_template(client):
     without = _chat(client, tools=[WEATHER, TIME], tool_choice="none", max_tokens=1,
                     extra_body={"chat_template": template})
     assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens
+
+
+def test_anthropic_tool_use(client):
+    messages = anthropic.Anthropic(base_url=str(client.base_url).rstrip("/").removesuffix("/v1"),
+                                   api_key="unused", max_retries=0).messages
+    tools = [{"name": t["function"]["name"], "description": "",
+              "input_schema": t["function"]["parameters"]} for t in (WEATHER, TIME)]
+    ask = [{"role": "user", "content": "Weather in Rome?"}]
+    named = messages.create(model=MODEL, max_tokens=120, messages=ask, tools=tools,
+                            tool_choice={"type": "tool", "name": "get_weather"})
+    uses = [b for b in named.content if b.type == "tool_use"]
+    assert named.stop_reason == "tool_use" and [b.name for b in uses] == ["get_weather"]
+    jsonschema.validate(uses[0].input, WEATHER["function"]["parameters"])
+    # Streamed: the call arrives as a tool_use block and its input_json_delta.
+    with messages.stream(model=MODEL, max_tokens=200, messages=ask, tools=tools,
+                         tool_choice={"type": "any", "disable_parallel_tool_use": True}) as stream:
+        final = stream.get_final_message()
+    uses = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and len(uses) == 1
+    jsonschema.validate(uses[0].input, {t["name"]: t["input_schema"] for t in tools}[uses[0].name])
+    # A conversation that carries the call and its result reaches the template.
+    history = ask + [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": uses[0].id, "name": uses[0].name, "input": uses[0].input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                      "content": "Sunny, 24 degrees, light wind from the sea"}]}]
+    short = messages.create(model=MODEL, max_tokens=2, messages=ask, tools=tools,
+                            tool_choice={"type": "none"})
+    long = messages.create(model=MODEL, max_tokens=2, messages=history, tools=tools,
+                           tool_choice={"type": "none"})
+    assert long.usage.input_tokens > short.usage.input_tokens + 10
+    with pytest.raises(anthropic.BadRequestError):
+        messages.create(model=MODEL, max_tokens=2, messages=ask, tools=tools,
+                        tool_choice={"type": "tool", "name": "nope"})
 
 
 @pytest.mark.slow
