@@ -11,6 +11,7 @@ import re
 import jsonschema
 import llguidance
 import pytest
+from conftest import run_disaggregated
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -159,6 +160,18 @@ def test_fast_paths_give_the_plain_paths_tokens(qwen3_checkpoint, llm):
         got = [o.outputs[0].token_ids for o in spec.generate(prompts, _greedy_json())]
         assert got == plain, method
         assert spec.engine.core.stats()["spec_num_draft_tokens"] > 0, method
+
+
+def test_disaggregated_decode_builds_the_matcher_from_the_prompt(qwen3_checkpoint, llm):
+    """The decode instance gets the prompt's KV and the constraint: its matcher starts at
+    the output's first token, as a colocated run's does."""
+    so = {"json": SCHEMA, "disable_any_whitespace": True}
+    prompts = [[(7 * i + 3 * j) % 900 + 10 for j in range(40)] for i in range(3)]  # 2+ blocks
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy_json())]
+    tokens, _, decode = run_disaggregated(qwen3_checkpoint, prompts, dict(
+        temperature=0, max_tokens=60, structured_outputs=so))
+    assert tokens == plain
+    assert decode.engine.core.scheduler.num_remote_blocks_pulled == 3 * 2  # pulled, not recomputed
 
 
 def test_seeded_samples_are_batch_independent_with_n(llm):
