@@ -39,9 +39,11 @@ import torch
 logger = logging.getLogger("openinfer.kernels.cpu_attention")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "rms_norm.cpp", "small_gemm.cpp")]
-"""The extension: paged attention, the float32 RMSNorm the norm layers use with it, and the
-few-row float32 GEMM the GEMM planner may choose for decode."""
+           for name in ("paged_attention.cpp", "rms_norm.cpp", "small_gemm.cpp",
+                        "token_mask.cpp")]
+"""The extension: paged attention, the float32 RMSNorm the norm layers use with it, the
+few-row float32 GEMM the GEMM planner may choose for decode, and structured outputs' token
+masking."""
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-Wno-psabi")
 
 _lock = threading.Lock()

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.outputs import Logprob, PositionLogprobs
 from openinfer.sampling_params import SamplingParams
 
@@ -209,10 +210,8 @@ def apply_token_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> to
     device = logits.device
     constrained = [i for i in edited if rows[i].grammar_mask is not None]
     if constrained:
-        packed = torch.stack([rows[i].grammar_mask for i in constrained])
-        index = torch.tensor(constrained, device=device)
-        logits[index] = logits[index].masked_fill_(
-            ~unpack_bitmask(packed, logits.shape[1]).to(device, non_blocking=True), -math.inf)
+        apply_grammar_masks(logits, torch.stack([rows[i].grammar_mask for i in constrained]),
+                            constrained)
     allowed = [i for i in edited if rows[i].params.allowed_token_ids]
     if allowed:
         row_index, token_index = _row_token_pairs(
@@ -237,15 +236,33 @@ def apply_token_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> to
     return logits
 
 
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+def apply_grammar_masks(logits: torch.Tensor, packed: torch.Tensor, row_ids: list[int]) -> None:
+    """Set ``logits[row_ids[r], t]`` to -inf where bit t of ``packed[r]`` is clear, in place:
+    the CPU extension's kernel for float32 CPU logits (a word of allowed tokens costs one
+    compare), else unpacked with torch."""
+    kernels = load_cpu_attention() if logits.device.type == "cpu" else None
+    if kernels is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        kernels.apply_token_bitmask(logits, packed.contiguous(),
+                                    torch.tensor(row_ids, dtype=torch.long))
+        return
+    refused = refused_tokens(packed, logits.shape[1]).to(logits.device, non_blocking=True)
+    if len(row_ids) == logits.shape[0]:  # every row, in order: no gather and scatter
+        logits.masked_fill_(refused, -math.inf)
+        return
+    index = torch.tensor(row_ids, device=logits.device)
+    logits[index] = logits[index].masked_fill_(refused, -math.inf)
 
 
-def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, W] int32 packed masks -> [R, vocab_size] bool (bit t of word t // 32, little-endian
-    as llguidance writes them). Goes through bytes: an [R, V] uint8 temporary, not int32."""
-    as_bytes = packed.contiguous().view(torch.uint8)  # [R, 4W], little-endian words
-    bits = (as_bytes.unsqueeze(-1) >> _BIT_SHIFTS) & 1  # [R, 4W, 8]
-    return bits.view(packed.shape[0], -1)[:, :vocab_size].bool()
+# Byte value -> which of its 8 bits are clear (little-endian bit order, as llguidance packs).
+_CLEAR_BITS = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1 == 0
+
+
+def refused_tokens(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 packed masks (bit t of word t // 32 set: token t allowed) -> [R, V] bool,
+    True where the token is refused. One table lookup per mask byte."""
+    as_bytes = packed.contiguous().view(torch.uint8).flatten()  # little-endian words
+    refused = _CLEAR_BITS.index_select(0, as_bytes.long())  # [R * 4W, 8]
+    return refused.view(packed.shape[0], -1)[:, :vocab_size]
 
 
 def bad_word_bans(row: SamplingRow) -> list[int]:

@@ -11,6 +11,7 @@ import re
 import jsonschema
 import llguidance
 import pytest
+import torch
 from conftest import run_disaggregated
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -213,3 +214,25 @@ def test_grammar_text_kinds():
                {"grammar": "start: \"a\""}, {"json_object": True}):
         text = grammar_text(StructuredOutputsParams(**so))
         assert llguidance.LLMatcher.validate_grammar(text) == ""
+
+
+@pytest.mark.parametrize("vocab, rows", [(1000, [0, 1, 2, 3]), (49152, [1, 3]), (77, [2])])
+def test_mask_kernel_equals_the_torch_unpacking(vocab, rows):
+    """The CPU kernel and the torch formulation refuse the same logits: random words, and
+    words all set / all clear (the kernel's two shortcuts)."""
+    from openinfer.kernels.cpu_attention import load_cpu_attention
+    from openinfer.layers.sampler import refused_tokens
+
+    kernels = load_cpu_attention()
+    if kernels is None:
+        pytest.skip("the CPU extension does not build here")
+    g = torch.Generator().manual_seed(vocab)
+    words = -(-vocab // 32)
+    packed = torch.randint(-2**31, 2**31 - 1, (len(rows), words), generator=g, dtype=torch.int32)
+    packed[:, ::3] = -1
+    packed[:, 1::5] = 0
+    logits = torch.randn(4, vocab, generator=g)
+    expected = logits.clone()
+    expected[rows] = expected[rows].masked_fill(refused_tokens(packed, vocab), float("-inf"))
+    kernels.apply_token_bitmask(logits, packed, torch.tensor(rows))
+    assert torch.equal(logits, expected)
