@@ -10,9 +10,12 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace {
+
+constexpr uint32_t kRefusedBits = 0xFF800000u;  // -inf
 
 // logits: [B, V] float32, contiguous. bitmask: [R, W] int32 (bit t % 32 of word t / 32 set:
 // token t allowed), contiguous. rows: [R] int64, the logits row each mask row applies to.
@@ -40,9 +43,18 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at
         const int64_t base = w * 32, n = std::min<int64_t>(32, V - base);
         if (word == 0) {
           for (int64_t b = 0; b < n; ++b) row[base + b] = refused;
-        } else {  // branch-free: the compiler vectorises the select
+        } else if (n == 32) {  // a fixed-length, branch-free blend the compiler vectorises
+          float* __restrict x = row + base;
+          for (int b = 0; b < 32; ++b) {
+            const uint32_t keep = 0u - ((word >> b) & 1u);  // all ones: allowed
+            uint32_t bits;
+            std::memcpy(&bits, &x[b], 4);
+            bits = (bits & keep) | (kRefusedBits & ~keep);
+            std::memcpy(&x[b], &bits, 4);
+          }
+        } else {
           for (int64_t b = 0; b < n; ++b)
-            row[base + b] = ((word >> b) & 1u) ? row[base + b] : refused;
+            if (!((word >> b) & 1u)) row[base + b] = refused;
         }
       }
     }
