@@ -210,14 +210,14 @@ class ModelRunner:
             return sampling
         logits = self.model.compute_logits(hidden[self._long(last_positions)])
         if not drafts:
-            result = self.sampler(logits, rows)
+            result = self.sampler(logits, rows, in_place=True)
             for req, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
                 req.token_ids.append(token)
                 out.sampled_token_ids[req.request_id] = [token]
                 if logprobs is not None:
                     out.logprobs[req.request_id] = [logprobs]
             return sampling
-        for req, result in zip(sampling, verify(self.sampler, logits, verifying)):
+        for req, result in zip(sampling, verify(self.sampler, logits, verifying, in_place=True)):
             req.token_ids.extend(result.token_ids)
             out.sampled_token_ids[req.request_id] = result.token_ids
             if result.logprobs is not None:

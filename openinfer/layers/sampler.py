@@ -79,14 +79,19 @@ class Sampler:
         self._engine_generators: dict[torch.device, torch.Generator] = {}
         self._row_generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], *,
+                 in_place: bool = False) -> SamplerOutput:
+        """One token per row. ``in_place``: the caller never reads ``logits`` again, so
+        they may be edited instead of copied (a [B, V] copy saved per step)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             shape = tuple(logits.shape)
             raise ValueError(f"expected logits of shape [{len(rows)}, V], got {shape}")
         raw_logits = logits.float()
-        logits = apply_token_constraints(raw_logits, rows)
-        # Constraints returned a tensor of their own (or the raw one): penalties may work in place.
-        logits = apply_penalties(logits, rows, copy=logits is raw_logits)
+        # The raw logits must survive for rows that return logprobs, and for a caller that
+        # reads them again; otherwise constraints and penalties edit them in place.
+        keep_raw = not in_place or any(row.params.logprobs is not None for row in rows)
+        logits = apply_token_constraints(raw_logits, rows, copy=keep_raw)
+        logits = apply_penalties(logits, rows, copy=keep_raw and logits is raw_logits)
         token_ids = self._sample(logits, rows)
         return SamplerOutput(
             token_ids=token_ids.tolist(),
@@ -194,19 +199,23 @@ class Sampler:
 # --------------------------------------------------------------------------------------------
 
 
-def apply_token_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Tokens outside a row's ``allowed_token_ids`` and tokens that would complete one of its bad
-    words get -inf; then its ``logit_bias`` is added. One batched write per kind, for all rows.
+def apply_token_constraints(logits: torch.Tensor, rows: list[SamplingRow], *,
+                            copy: bool = True) -> torch.Tensor:
+    """Tokens outside a row's ``allowed_token_ids`` or its grammar mask, and tokens that would
+    complete one of its bad words, get -inf; then its ``logit_bias`` is added. One batched
+    write per kind, for all rows.
 
     Returns ``logits`` itself when no row uses any of them (one attribute check per row, no
-    tensor work); otherwise a new tensor. The input is never modified, so it can still serve
-    for the raw logprobs. Token ids must lie in [0, V) (the input processor checks them).
+    tensor work). Otherwise, with ``copy``, a new tensor, and the input is never modified (it
+    can still serve for the raw logprobs); without, ``logits`` edited in place. Token ids must
+    lie in [0, V) (the input processor checks them).
     """
     edited = [i for i, row in enumerate(rows)
               if row.params.edits_logits or row.grammar_mask is not None]
     if not edited:
         return logits
-    logits = logits.clone()
+    if copy:
+        logits = logits.clone()
     device = logits.device
     constrained = [i for i in edited if rows[i].grammar_mask is not None]
     if constrained:

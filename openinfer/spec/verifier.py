@@ -54,15 +54,18 @@ class VerifyResult:
     logprobs: list[PositionLogprobs] | None
 
 
-def verify(sampler: Sampler, logits: torch.Tensor,
-           requests: list[VerifyRequest]) -> list[VerifyResult]:
-    """``logits``: [sum(k_r + 1), V] raw target logits, the requests' rows in order."""
+def verify(sampler: Sampler, logits: torch.Tensor, requests: list[VerifyRequest], *,
+           in_place: bool = False) -> list[VerifyResult]:
+    """``logits``: [sum(k_r + 1), V] raw target logits, the requests' rows in order;
+    ``in_place``: the caller never reads them again (they may be edited, not copied)."""
     rows = [row for req in requests for row in req.rows]
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"expected logits of shape [{len(rows)}, V], got {tuple(logits.shape)}")
     raw = logits.float()
-    processed = apply_token_constraints(raw, rows)
-    processed = apply_penalties(processed, rows, copy=processed is raw)
+    # Edits go in place unless the raw logits are read again (logprobs, or the caller).
+    keep_raw = not in_place or any(row.params.logprobs is not None for row in rows)
+    processed = apply_token_constraints(raw, rows, copy=keep_raw)
+    processed = apply_penalties(processed, rows, copy=keep_raw and processed is raw)
     starts = []
     offset = 0
     for req in requests:
