@@ -166,7 +166,8 @@ def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str
             kv_transfer_params=KVTransferParams.parse(body.kv_transfer_params),
             structured_outputs=structured_param(plan.constraint, "tools"))
         if plan.mode == "auto" and tool_parser is not None and llm.tokenizer is not None:
-            params.skip_special_tokens = not is_special_token(llm.tokenizer, tool_parser.start)
+            special = is_special_token(llm.tokenizer, tool_parser.start)
+            params.skip_special_tokens = params.skip_special_tokens and not special
         _, token_ids = tokenized(token_ids, params, "tools")
         message_id = f"msg_{uuid.uuid4().hex}"
         stream = llm.generate(token_ids, params, message_id)

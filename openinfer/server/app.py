@@ -247,7 +247,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
                                       structured_outputs=structured_param(fields, source))
         if plan.mode == "auto" and tool_parser is not None and llm.tokenizer is not None:
             # Markers that are special tokens (DeepSeek's, Mistral's) must reach the parser.
-            params.skip_special_tokens = not is_special_token(llm.tokenizer, tool_parser.start)
+            special = is_special_token(llm.tokenizer, tool_parser.start)
+            params.skip_special_tokens = params.skip_special_tokens and not special
         _, token_ids = tokenized(token_ids, params, source)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
