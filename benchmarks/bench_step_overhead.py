@@ -72,8 +72,8 @@ def measure(model: str, batch: int, prompt_len: int, steps: int) -> dict[str, fl
     clock.wrap(Scheduler, "schedule", "schedule")
     clock.wrap(Scheduler, "update_from_output", "update")
     clock.wrap(OutputProcessor, "process", "output")
-    clock.wrap(ModelRunner, "execute", "runner")
-    clock.wrap(ModelRunner, "_sample", "sample")
+    clock.wrap(ModelRunner, "execute", "execute")
+    clock.wrap(ModelRunner, "sample", "sample")
     clock.wrap(LLMEngine, "step", "step")
     llm = LLM(model, progress=False, enable_prefix_caching=False)
     runner = llm.engine.core.executor.worker.runner
@@ -98,7 +98,7 @@ def measure(model: str, batch: int, prompt_len: int, steps: int) -> dict[str, fl
     s = {k: v / steps for k, v in clock.seconds.items()}
     parts = {
         "schedule": s["schedule"],
-        "prepare": s["runner"] - s["forward"] - s["sample"],
+        "prepare": s["execute"] - s["forward"],
         "forward": s["forward"],
         "sample": s["sample"],
         "update": s["update"],

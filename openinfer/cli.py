@@ -96,6 +96,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="priority: lower `priority` values of requests run first")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule step N+1 while step N computes (the model runs on its own "
+                        "thread); off by default: on a CPU it measured no gain (docs/benchmarks.md)")
     g.add_argument("--seed", type=int, help="seed for unseeded sampling")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="torch (reference), cpu (C++ paged kernel), auto (the fastest that "
@@ -132,6 +135,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         swa_snapshot_interval=args.swa_snapshot_interval,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy, seed=args.seed,
+        async_scheduling=args.async_scheduling,
         kv_role=args.kv_role, kv_connector=args.kv_connector,
         kv_transfer_host=args.kv_transfer_host, kv_transfer_port=args.kv_transfer_port,
         kv_transfer_timeout=args.kv_transfer_timeout, kv_lease_s=args.kv_lease_timeout,

@@ -152,6 +152,10 @@ class SchedulerConfig:
     share_inflight_prefixes: bool = True
     """A waiting request whose next prefix block another request is computing waits for
     it (then hits) instead of computing it again."""
+    async_scheduling: bool = False
+    """Schedule step N+1 while step N computes (the model runs on its own thread), and
+    process step N's outputs meanwhile. Steps with speculative drafts or grammar masks run
+    one at a time (they need step N's tokens first)."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -252,6 +256,7 @@ class EngineConfig:
         scheduling_policy: str = "fcfs",
         enable_chunked_prefill: bool = True,
         share_inflight_prefixes: bool = True,
+        async_scheduling: bool = False,
         seed: int | None = None,
         skip_tokenizer_init: bool = False,
         kv_role: str = "both",
@@ -284,7 +289,8 @@ class EngineConfig:
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs, policy=scheduling_policy,
                                       enable_chunked_prefill=enable_chunked_prefill,
-                                      share_inflight_prefixes=share_inflight_prefixes),
+                                      share_inflight_prefixes=share_inflight_prefixes,
+                                      async_scheduling=async_scheduling),
             device=device,
             seed=seed,
             tokenizer=tokenizer,

@@ -5,6 +5,15 @@
 
 (with structured outputs, the step's grammar masks are computed between the first two)
 
+With asynchronous scheduling a step is submitted to the executor's model thread and
+lands at the next call, after that call has scheduled and submitted the following step:
+
+    step() k:   schedule(N+1, in_flight=N) -> submit N+1 -> N lands -> update_from_output(N)
+
+so the model runs step N+1 right after step N while this thread turns step N's tokens
+into outputs. A step that needs the previous step's tokens before it can be scheduled
+(speculative drafts, grammar masks) runs the synchronous way, after the one in flight.
+
 It speaks token ids only; text lives in the front end (offline LLM or API server), and
 tensors in the workers behind the executor (engine/executor.py, engine/worker.py).
 """
@@ -15,6 +24,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -22,7 +32,7 @@ from openinfer.config import DEFAULT_KV_HOST_MEMORY_WITH_STORE, EngineConfig
 from openinfer.cpu_features import cpu_model_name
 from openinfer.engine.executor import make_executor
 from openinfer.engine.input_processor import load_tokenizer
-from openinfer.engine.outputs import EngineCoreOutput, SchedulerOutput
+from openinfer.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
 from openinfer.kv.events import KVEventPublisher, to_wire
@@ -79,6 +89,8 @@ class EngineCore:
         self.structured: StructuredOutputManager | None = None
         self._refused: list[EngineCoreOutput] = []
         """Outputs of requests refused at add_request, sent with the next step's."""
+        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
+        """Asynchronous scheduling: the step the model thread runs, not landed yet."""
         self.event_sink: Callable[[list[KVEvent]], None] | None = None
         """Receives the KV events of each step (else they are dropped)."""
         self.publisher = None
@@ -193,9 +205,13 @@ class EngineCore:
         self._release_if_idle()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._refused) or self.scheduler.has_unfinished_requests()
+        return (bool(self._refused) or self._in_flight is not None
+                or self.scheduler.has_unfinished_requests())
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.config.scheduler.async_scheduling and self._can_overlap():
+            return self._step_overlapped()
+        outputs = self._land_in_flight()
         self._finish_kv_reads()
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
@@ -206,9 +222,40 @@ class EngineCore:
         step_rates = self.scheduler.spec.step_rates if self.scheduler.spec else None
         if step_rates is not None and not scheduled.is_empty:
             step_rates.observe(scheduled.total_num_scheduled_tokens, time.perf_counter() - start)
-        self._after_step(scheduled)
         if self.has_tiers and scheduled.is_empty and self.scheduler.num_waiting_for_kv:
             self._finish_kv_reads(wait_s=0.01)  # nothing else to do: let loads land
+        return outputs + self._land(scheduled, result)
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight lands: not when
+        it needs that step's tokens (drafts to verify, grammar masks to compute)."""
+        if self.scheduler.spec is not None:
+            return False
+        return self.structured is None or not any(
+            req.grammar is not None for req in self.scheduler.requests.values())
+
+    def _step_overlapped(self) -> list[EngineCoreOutput]:
+        self._finish_kv_reads()
+        in_flight = self._in_flight[0] if self._in_flight is not None else None
+        scheduled = self.scheduler.schedule(in_flight=in_flight)
+        future = self.executor.submit_step(scheduled)  # runs once the step in flight is done
+        outputs = self._land_in_flight()
+        if scheduled.is_empty:  # nothing to overlap with: let it land now
+            outputs += self._land(scheduled, future.result())
+        else:
+            self._in_flight = (scheduled, future)
+        return outputs
+
+    def _land_in_flight(self) -> list[EngineCoreOutput]:
+        if self._in_flight is None:
+            return []
+        scheduled, future = self._in_flight
+        self._in_flight = None
+        return self._land(scheduled, future.result())
+
+    def _land(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """A step's tokens, into the scheduler and out as outputs."""
+        self._after_step(scheduled)
         outputs = self.scheduler.update_from_output(scheduled, result)
         if self._refused:
             outputs, self._refused = self._refused + outputs, []
@@ -310,6 +357,7 @@ class EngineCore:
             self._finish_kv_reads(wait_s=0.05)
 
     def shutdown(self) -> None:
+        self._land_in_flight()
         if self.structured is not None:
             self.structured.shutdown()
         self.executor.collective_rpc("close_kv_server")
@@ -324,8 +372,8 @@ class EngineCore:
         # cached blocks still go to L2 and L3 with it).
         if not self.scheduler.has_unfinished_requests():
             scheduled = self.scheduler.schedule()
-            self.executor.execute_model(scheduled)
-            self.executor.sample_tokens(None)
+            self.executor.execute_model(scheduled)  # (after the step in flight, if any)
+            self.scheduler.update_from_output(scheduled, self.executor.sample_tokens(None))
             self._after_step(scheduled)
 
     def check_integrity(self) -> None:

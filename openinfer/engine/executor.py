@@ -7,11 +7,17 @@ A multi-process executor for tensor/expert parallelism (one worker per rank, the
 scheduler output broadcast, outputs from rank 0) implements the same methods. A step is
 two calls, ``execute_model`` (the forward pass) then ``sample_tokens``, so that the core
 computes the step's grammar masks while the model runs.
+
+With asynchronous scheduling the worker lives behind one model thread: ``submit_step``
+queues a whole step and returns its future at once, and every other call queues behind
+the steps submitted before it, so the worker sees calls in the order they were made and
+never two at a time.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from openinfer.config import EngineConfig
@@ -36,18 +42,49 @@ class Executor(ABC):
         """Finish the step: sample under the grammar masks (computed meanwhile by the core)."""
         return self.call("sample_tokens", grammar)
 
+    def submit_step(self, sched: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Run a step without grammar masks; the future of its tokens (done at return,
+        unless the executor has a model thread)."""
+        future: Future[ModelRunnerOutput] = Future()
+        try:
+            self.execute_model(sched)
+            future.set_result(self.sample_tokens(None))
+        except BaseException as e:  # raised where the result is read, as a thread's would be
+            future.set_exception(e)
+        return future
+
     def shutdown(self) -> None:
         self.collective_rpc("shutdown")
 
 
 class UniprocExecutor(Executor):
-    """One worker, in the engine core's process and thread."""
+    """One worker in the engine core's process: in its thread, or with asynchronous
+    scheduling on a model thread of its own."""
 
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.worker = Worker(config, progress)
+        self._model_thread = (ThreadPoolExecutor(1, thread_name_prefix="openinfer-model")
+                              if config.scheduler.async_scheduling else None)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        return [getattr(self.worker, method)(*args)]
+        call = getattr(self.worker, method)
+        if self._model_thread is None:
+            return [call(*args)]
+        return [self._model_thread.submit(call, *args).result()]
+
+    def submit_step(self, sched: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        if self._model_thread is None:
+            return super().submit_step(sched)
+        return self._model_thread.submit(self._run_step, sched)
+
+    def _run_step(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.worker.execute_model(sched)
+        return self.worker.sample_tokens(None)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self._model_thread is not None:
+            self._model_thread.shutdown()
 
 
 def make_executor(config: EngineConfig, progress: bool = True) -> Executor:

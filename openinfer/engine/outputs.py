@@ -55,6 +55,9 @@ class SchedulerOutput:
     kv: KVPlan = field(default_factory=KVPlan)
     """The step's KV byte movement (tiers, file store, pulls): done by the worker, stores
     and loads before the forward pass."""
+    step_id: int = 0
+    """The scheduler's count of steps: with asynchronous scheduling a step's output lands
+    after the next step was scheduled, and ``update_from_output`` must know which came first."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -58,6 +58,9 @@ class Request:
     num_blocks_from_remote: int = 0
     draft: Draft | None = None
     """Speculative decoding: the drafter's proposal to follow the last sampled token."""
+    admitted_step: int = -1
+    """The step at which it last started running (asynchronous scheduling: an older step's
+    output, for an earlier run of it or another request of the same id, is not its own)."""
     grammar: RequestGrammar | None = None
     """Structured outputs: the matcher its output tokens advance (kept across preemption:
     the output tokens are kept too)."""

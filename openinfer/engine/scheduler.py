@@ -25,6 +25,13 @@ one pass. How many: all of them (``fixed``), or those that maximise expected acc
 tokens per second (``confidence``, spec/confidence.py). After the step its computed
 tokens are those verified; the slots of rejected drafts are rolled back.
 
+Asynchronous scheduling: the engine core may schedule step N+1 before step N's output
+has landed (``schedule(in_flight=N)``). A request's step-N tokens then count as computed,
+and a step N that samples counts one more token (whose id only the runner knows yet: it
+feeds it to step N+1 itself). A request that step N's sample ends by length is not
+scheduled again; one that a stop token ends wastes its step-N+1 row, which
+``update_from_output`` drops.
+
 There is no separate prefill or decode phase: a request simply has
 ``num_computed_tokens`` of its ``num_tokens`` in the cache, and the step schedules
 some of the rest. When a step computes its last token, the runner samples a new one.
@@ -93,6 +100,7 @@ class Scheduler:
         stepped over, until ``finish_load``."""
         self.num_prompt_tokens_computed = 0
         """Prompt tokens this scheduler sent to the model (cache hits excluded)."""
+        self._step_ids = itertools.count(1)
 
     # ---- queue state -----------------------------------------------------------------
 
@@ -126,8 +134,12 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_request_ids=self._dropped_since_last_step)
+    def schedule(self, in_flight: SchedulerOutput | None = None) -> SchedulerOutput:
+        """The next step. ``in_flight``: a step scheduled before whose output has not landed
+        yet (asynchronous scheduling; not with speculative decoding)."""
+        assert in_flight is None or self.spec is None, "speculation needs the last step's output"
+        out = SchedulerOutput(finished_request_ids=self._dropped_since_last_step,
+                              step_id=next(self._step_ids))
         self._dropped_since_last_step = set()
         budget = self.config.max_num_batched_tokens
         preempted = False
@@ -137,11 +149,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            computed, num_tokens = self._progress(req, in_flight)
+            if computed == num_tokens:  # the step in flight samples its last token
+                i += 1
+                continue
+            n = min(num_tokens - computed, budget)
             num_drafts = min(verify.get(req.request_id, 0), budget - n)
             n += num_drafts
-            new_blocks = self.kv.allocate_slots(req.request_id, self._slots_needed(req, n, num_drafts),
-                                                num_computed_tokens=req.num_computed_tokens)
+            slots = self._slots_needed(req, computed + n, num_drafts, num_tokens)
+            new_blocks = self.kv.allocate_slots(req.request_id, slots, num_computed_tokens=computed)
             while new_blocks is None:
                 # The newest request yields its blocks; it may be this one.
                 victim = self.running.pop()
@@ -149,14 +165,14 @@ class Scheduler:
                 preempted = True
                 if victim is req:
                     break
-                new_blocks = self.kv.allocate_slots(
-                    req.request_id, self._slots_needed(req, n, num_drafts),
-                    num_computed_tokens=req.num_computed_tokens)
+                new_blocks = self.kv.allocate_slots(req.request_id, slots,
+                                                    num_computed_tokens=computed)
             if new_blocks is None:
                 break  # req itself was preempted; it was the last running request
             if num_drafts:
                 out.spec_token_ids[req.request_id] = req.draft.token_ids[:num_drafts]
-            self._emit(req, n, new_blocks, out)
+            self._emit(req, n, new_blocks, out, computed)
+            self._count_prompt_tokens(req, computed, n)
             budget -= n
             i += 1
 
@@ -208,27 +224,41 @@ class Scheduler:
                                                 len(hit.host_slots) - remote), remote)
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
+            req.admitted_step = out.step_id
             self.running.append(req)
             self._claim_uncached_prompt_blocks(req)
-            self._emit(req, n, new_blocks, out)
+            self._emit(req, n, new_blocks, out, num_hit)
+            self._count_prompt_tokens(req, num_hit, n)
             budget -= n
         for item in stepped_aside:
             heapq.heappush(self._waiting, item)
         out.kv = self.kv.take_plan()
-        for req in self.running:
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                self.num_prompt_tokens_computed += min(
-                    out.num_scheduled_tokens.get(req.request_id, 0),
-                    req.num_prompt_tokens - req.num_computed_tokens)
         return out
+
+    @staticmethod
+    def _progress(req: Request, in_flight: SchedulerOutput | None) -> tuple[int, int]:
+        """(computed, known) tokens of a running request once the step in flight lands:
+        its tokens count as computed, and if it samples, one more token is known, unless
+        that is the last one ``max_tokens`` allows (then computed == known)."""
+        computed, known = req.num_computed_tokens, req.num_tokens
+        if in_flight is None or in_flight.step_id < req.admitted_step:
+            return computed, known
+        pending = in_flight.num_scheduled_tokens.get(req.request_id, 0)
+        computed += pending
+        if pending and computed == known and len(req.output_token_ids) + 1 < req.max_tokens:
+            known += 1
+        return computed, known
+
+    def _count_prompt_tokens(self, req: Request, computed: int, n: int) -> None:
+        if computed < req.num_prompt_tokens:
+            self.num_prompt_tokens_computed += min(n, req.num_prompt_tokens - computed)
 
     # ---- speculative decoding ---------------------------------------------------------
 
-    def _slots_needed(self, req: Request, n: int, num_drafts: int) -> int:
-        """Tokens the request's tables must cover for a step of ``n`` tokens: those, and
-        when it samples, the positions a model drafter writes past them."""
-        slots = req.num_computed_tokens + n
-        if slots - num_drafts == req.num_tokens and self.num_lookahead_tokens:
+    def _slots_needed(self, req: Request, slots: int, num_drafts: int, num_tokens: int) -> int:
+        """Tokens the request's tables must cover for a step that ends at ``slots``: those,
+        and when it samples, the positions a model drafter writes past them."""
+        if slots - num_drafts == num_tokens and self.num_lookahead_tokens:
             slots = min(slots + self.num_lookahead_tokens, req.max_num_tokens)
         return slots
 
@@ -322,7 +352,7 @@ class Scheduler:
             del self._claims[req.request_id]
 
     def _emit(self, req: Request, n: int, new_blocks: list[list[int]],
-              out: SchedulerOutput) -> None:
+              out: SchedulerOutput, computed: int) -> None:
         out.num_scheduled_tokens[req.request_id] = n
         if req.request_id in self._known_to_runner:
             kept = None
@@ -330,7 +360,7 @@ class Scheduler:
                 kept = [len(t) - len(b) for t, b in zip(self.kv.block_table(req.request_id),
                                                         new_blocks)]
             out.cached_requests.append(
-                CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens, kept))
+                CachedRequestData(req.request_id, new_blocks, computed, kept))
             return
         self._known_to_runner.add(req.request_id)
         out.new_requests.append(NewRequestData(
@@ -340,7 +370,7 @@ class Scheduler:
             sampling_params=req.sampling_params,
             stop_token_ids=req.stop_token_ids,
             block_ids=[list(t) for t in self.kv.block_table(req.request_id)],
-            num_computed_tokens=req.num_computed_tokens,
+            num_computed_tokens=computed,
         ))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -368,8 +398,10 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         for request_id, n in scheduled.num_scheduled_tokens.items():
             req = self.requests.get(request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted during the step
+            if (req is None or req.status is not RequestStatus.RUNNING
+                    or req.admitted_step > scheduled.step_id):
+                # Ended (or preempted) after the step was scheduled: its row is not its own.
+                continue
             sampled = result.sampled_token_ids.get(request_id, ())
             num_drafts = len(scheduled.spec_token_ids.get(request_id, ()))
             # Rejected drafts were computed but are not the request's tokens: their slots go.

@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -51,7 +52,8 @@ def test_a_port_in_use_fails_at_once_with_one_line():
 
 
 @pytest.mark.slow
-def test_keys_template_and_generation_defaults(qwen3_checkpoint, tmp_path, monkeypatch):
+def test_keys_template_generation_defaults_and_async_scheduling(qwen3_checkpoint, tmp_path,
+                                                                monkeypatch):
     template = tmp_path / "template.jinja"
     template.write_text(TEMPLATE)
     defaults = tmp_path / "defaults"
@@ -61,7 +63,8 @@ def test_keys_template_and_generation_defaults(qwen3_checkpoint, tmp_path, monke
     monkeypatch.setenv("OPENINFER_API_KEY", "from-env")
     base, proc = start_server(qwen3_checkpoint, "--chat-template", str(template),
                               "--generation-config", str(defaults),
-                              "--disable-uvicorn-access-log", admin_key=None)
+                              "--disable-uvicorn-access-log", "--async-scheduling",
+                              admin_key=None)
     try:
         # The key came from the environment; admin endpoints fall back to it.
         with pytest.raises(urllib.error.HTTPError) as refused:
@@ -87,5 +90,32 @@ def test_keys_template_and_generation_defaults(qwen3_checkpoint, tmp_path, monke
         longer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=7,
                                                 extra_body={"ignore_eos": True})
         assert longer.usage.completion_tokens == 7
+
+        # Asynchronous scheduling: concurrent streams (one closed early) get the tokens of
+        # the synchronous offline engine.
+        prompts = [[5 + i, 90, 17 * i + 3, 41, 7] * (i + 1) for i in range(4)]
+        lengths = [3, 9, 16, 12]
+        want = offline.generate(prompts, [SamplingParams(temperature=0, max_tokens=n,
+                                                         ignore_eos=True) for n in lengths])
+
+        def stream(i: int) -> str:
+            chunks = client.completions.create(model=MODEL, prompt=prompts[i], stream=True,
+                                               max_tokens=lengths[i], temperature=0,
+                                               extra_body={"ignore_eos": True})
+            text = ""
+            for chunk in chunks:
+                text += chunk.choices[0].text
+                if i == 3 and len(text) > 3:
+                    chunks.close()  # the client goes away mid-stream
+                    break
+            return text
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(stream, range(4)))
+        assert texts[:3] == [o.outputs[0].text for o in want[:3]]
+        assert want[3].outputs[0].text.startswith(texts[3])
+        again = client.completions.create(model=MODEL, prompt=prompts[3], max_tokens=12,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        assert again.choices[0].text == want[3].outputs[0].text
     finally:
         stop(proc)
