@@ -96,6 +96,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="priority: lower `priority` values of requests run first")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks (worker processes; gloo on CPU, "
+                        "NCCL on CUDA); dense Llama-family models")
     g.add_argument("--async-scheduling", action="store_true",
                    help="schedule step N+1 while step N computes (the model runs on its own "
                         "thread); off by default: on a CPU it measured no gain (docs/benchmarks.md)")
@@ -135,7 +138,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         swa_snapshot_interval=args.swa_snapshot_interval,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy, seed=args.seed,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
         kv_role=args.kv_role, kv_connector=args.kv_connector,
         kv_transfer_host=args.kv_transfer_host, kv_transfer_port=args.kv_transfer_port,
         kv_transfer_timeout=args.kv_transfer_timeout, kv_lease_s=args.kv_lease_timeout,

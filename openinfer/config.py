@@ -231,6 +231,9 @@ class EngineConfig:
     moe_expert_stats: bool = False
     """Count the tokens routed to each expert of each MoE layer (the stats'
     ``moe_expert_tokens`` and the ``moe_expert_tokens`` metric; off: no per-step cost)."""
+    tensor_parallel_size: int = 1
+    """Ranks the model's layers are split over (one worker process per rank beyond the
+    first; openinfer/distributed/)."""
 
     @staticmethod
     def create(
@@ -270,6 +273,7 @@ class EngineConfig:
         batch_invariant: bool = False,
         moe_expert_stats: bool = False,
         speculative_config: str | dict | SpeculativeConfig | None = None,
+        tensor_parallel_size: int = 1,
     ) -> EngineConfig:
         """Build the whole config from flat options (the offline API's and the CLI's)."""
         device = resolve_device(device)
@@ -302,6 +306,7 @@ class EngineConfig:
             attention_backend=attention_backend,
             moe_expert_stats=moe_expert_stats,
             speculative=SpeculativeConfig.parse(speculative_config),
+            tensor_parallel_size=tensor_parallel_size,
         )
 
 

@@ -30,7 +30,7 @@ def run_engine_core(engine_options: dict, input_addr: str, output_addr: str,
     """Process entry point: connect, load the model, report ready, serve until shutdown.
     ``parent_pid`` is the front end's pid, given by it: read here, it could already be
     init's (the front end may die while this interpreter starts)."""
-    _die_with(parent_pid)
+    die_with(parent_pid)
     # Ctrl-C reaches the whole process group; the front end decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging()  # a spawned interpreter: the level comes from the environment
@@ -58,8 +58,9 @@ def run_engine_core(engine_options: dict, input_addr: str, output_addr: str,
         ctx.term()
 
 
-def _die_with(parent_pid: int) -> None:
-    """Have the kernel kill this process when its front end dies, even mid-load or blocked
+def die_with(parent_pid: int) -> None:
+    """Have the kernel kill this process when its parent (the front end; for a
+    tensor-parallel rank, the engine core) dies, even mid-load or blocked
     in a send to the front end's vanished socket (Linux; elsewhere the idle loop's
     parent check is all there is)."""
     if not sys.platform.startswith("linux"):

@@ -42,6 +42,11 @@ class Executor(ABC):
         """Finish the step: sample under the grammar masks (computed meanwhile by the core)."""
         return self.call("sample_tokens", grammar)
 
+    @property
+    def alive(self) -> bool:
+        """Whether calls still reach the workers (after ``shutdown``, maybe not)."""
+        return True
+
     def submit_step(self, sched: SchedulerOutput) -> Future[ModelRunnerOutput]:
         """Run a step without grammar masks; the future of its tokens (done at return,
         unless the executor has a model thread)."""
@@ -65,6 +70,7 @@ class UniprocExecutor(Executor):
         self.worker = Worker(config, progress)
         self._model_thread = (ThreadPoolExecutor(1, thread_name_prefix="openinfer-model")
                               if config.scheduler.async_scheduling else None)
+        self._closed = False
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         call = getattr(self.worker, method)
@@ -81,11 +87,20 @@ class UniprocExecutor(Executor):
         self.worker.execute_model(sched)
         return self.worker.sample_tokens(None)
 
+    @property
+    def alive(self) -> bool:
+        return self._model_thread is None or not self._closed
+
     def shutdown(self) -> None:
         super().shutdown()
         if self._model_thread is not None:
             self._model_thread.shutdown()
+            self._closed = True
 
 
 def make_executor(config: EngineConfig, progress: bool = True) -> Executor:
+    if config.tensor_parallel_size != 1:
+        from openinfer.distributed.executor import MultiprocExecutor
+
+        return MultiprocExecutor(config, progress)
     return UniprocExecutor(config, progress)

@@ -86,6 +86,20 @@ class Worker:
     def compute_info_labels(self) -> dict[str, str]:
         return dict(self.compute_info)
 
+    def weight_bytes(self) -> int:
+        """Bytes of this worker's model weights (its shard, under tensor parallelism);
+        a prepacked GEMM weight counts as the plain one it replaced."""
+        seen, total = set(), 0
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                total += tensor.numel() * tensor.element_size()
+        return total
+
+    def runner_request_ids(self) -> list[str]:
+        """Requests the model runner holds state for (tests: none once idle)."""
+        return sorted(self.runner.requests) if self.runner is not None else []
+
     def _count_expert_tokens(self) -> dict[str, FusedExperts]:
         counted = {}
         for name, module in self.model.named_modules():

@@ -8,6 +8,12 @@ Every x @ W^T module (Linear, MergedLinear, the LM head) is a ``GemmLayer``: on 
 weights are loaded, it gets a GEMM plan (openinfer.layers.gemm) that runs each call on the
 path measured fastest for its row count; without one (CUDA, or OPENINFER_CPU_GEMM=default)
 it calls ``linear()``.
+
+Tensor parallelism (openinfer.distributed.parallel_state): a ``MergedLinear`` given
+``shard_offsets`` holds one rank's rows of each part (column parallel); a
+``RowParallelLinear`` holds one rank's columns and all-reduces its output. Their loaders
+read only their slice of a checkpoint tensor (``narrow`` on a safetensors slice), so no
+rank holds a full copy of a sharded weight.
 """
 
 from __future__ import annotations
@@ -34,6 +40,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = torch.mm(weight, x.t()).t().contiguous()
         return out if bias is None else out.add_(bias)
     return F.linear(x, weight, bias)
+
+
+def narrow(loaded, dim: int, start: int, length: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) ``start .. start+length`` of a checkpoint tensor: a
+    torch tensor, or a safetensors slice, of which only those bytes are read."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, length)
+    index = [slice(None)] * len(loaded.get_shape())
+    index[dim] = slice(start, start + length)
+    return loaded[tuple(index)]
+
+
+def reads_slices(loader):
+    """Marks a weight loader that takes a safetensors slice (it reads only its shard)."""
+    loader.reads_slices = True
+    return loader
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -83,18 +105,60 @@ class Linear(GemmLayer):
 
 
 class MergedLinear(Linear):
-    """Several projections of the same input stacked along the output dim."""
+    """Several projections of the same input stacked along the output dim.
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+    Column parallel: ``out_sizes`` are this rank's rows of each part, which start at row
+    ``shard_offsets[i]`` of the checkpoint's tensor for part i."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
+                 shard_offsets: list[int] | None = None) -> None:
         super().__init__(in_features, sum(out_sizes), bias)
         self.out_sizes = out_sizes
+        self.shard_offsets = shard_offsets
         self.weight.weight_loader = self._load_shard
         if bias:
             self.bias.weight_loader = self._load_shard
 
+    @reads_slices
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
-        start = sum(self.out_sizes[:shard])
-        default_weight_loader(param.data[start:start + self.out_sizes[shard]], loaded)
+        start, size = sum(self.out_sizes[:shard]), self.out_sizes[shard]
+        if self.shard_offsets is not None:
+            loaded = narrow(loaded, 0, self.shard_offsets[shard], size)
+        elif not isinstance(loaded, torch.Tensor):
+            loaded = loaded[:]
+        default_weight_loader(param.data[start:start + size], loaded)
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(self.out_sizes, dim=-1)
+
+
+class RowParallelLinear(Linear):
+    """x @ W^T over the tensor-parallel ranks: each holds the columns of W for its slice of
+    the input features (the column-parallel layer before it produced that slice) and the
+    partial products are summed by one all-reduce. Rank 0 alone adds the bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        from openinfer.distributed.parallel_state import get_tp
+
+        self.tp = get_tp()
+        self.in_per_rank = self.tp.split(in_features, "the input features of a row-parallel "
+                                                      "linear (heads x head_dim, or intermediate_size)")
+        super().__init__(self.in_per_rank, out_features, bias)
+        self.weight.weight_loader = self._load_columns
+        if bias:
+            self.bias.weight_loader = self._load_bias
+
+    @reads_slices
+    def _load_columns(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, narrow(loaded, 1, self.tp.rank * self.in_per_rank,
+                                            self.in_per_rank))
+
+    @reads_slices
+    def _load_bias(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.tp.rank == 0:
+            default_weight_loader(param, narrow(loaded, 0, 0, param.shape[0]))
+        else:  # the all-reduce adds rank 0's once
+            param.data.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.gemm(x))

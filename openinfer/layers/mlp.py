@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.distributed.parallel_state import get_tp
 from openinfer.layers.batch_invariant import invariant_silu_and_mul
-from openinfer.layers.linear import Linear, MergedLinear
+from openinfer.layers.linear import MergedLinear, RowParallelLinear
 
 
 class GatedMLP(nn.Module):
@@ -25,8 +26,12 @@ class GatedMLP(nn.Module):
                              f"{', '.join(ACTIVATIONS)}")
         self.activation = activation
         self.clamp_limit = clamp_limit
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        tp = get_tp()  # a rank holds its share of the intermediate features
+        per_rank = tp.split(intermediate_size, "intermediate_size")
+        self.gate_up_proj = MergedLinear(
+            hidden_size, [per_rank] * 2, bias=bias,
+            shard_offsets=None if tp.size == 1 else [tp.rank * per_rank] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))

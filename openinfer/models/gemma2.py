@@ -100,6 +100,8 @@ class Gemma2Model(DecoderStack):
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
+    supports_tensor_parallel = False  # (its scaled embedding and softcaps are not sharded yet)
+
     def __init__(self, hf: dict) -> None:
         nn.Module.__init__(self)
         self.model = Gemma2Model(hf, self.block_variant(hf))

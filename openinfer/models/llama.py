@@ -6,6 +6,10 @@ sliding window on every layer; Qwen2/3 may put one on some layers (``layer_types
 
     x ─ embed ─┬─ RMSNorm ─ Attention ─(+)─┬─ RMSNorm ─ MLP ─(+)─ ... ─ RMSNorm ─ LM head
                └────────────────────────────┘└──────────────────┘
+
+Tensor parallel (Megatron): a rank holds its share of the query heads and of the KV heads
+(each KV head on tp / num_kv_heads ranks when there are fewer KV heads than ranks), and of
+the MLP's intermediate features; ``o_proj`` and ``down_proj`` all-reduce.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import torch
 from torch import nn
 
 from openinfer.attention.metadata import AttentionMetadata
+from openinfer.distributed.parallel_state import get_tp
 from openinfer.kv.spec import FullAttentionSpec, KVSpec, SlidingWindowSpec
 from openinfer.layers.attention import Attention
 from openinfer.layers.embedding import LMHead, VocabEmbedding
-from openinfer.layers.linear import Linear, MergedLinear
+from openinfer.layers.linear import MergedLinear, RowParallelLinear
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding, get_rope
@@ -41,12 +46,26 @@ class LlamaAttention(nn.Module):
                  window: int | None = None) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
-        self.num_heads = hf["num_attention_heads"]
-        self.num_kv_heads = hf.get("num_key_value_heads") or self.num_heads
-        self.head_dim = hf.get("head_dim") or hidden // self.num_heads
+        total_heads = hf["num_attention_heads"]
+        total_kv_heads = hf.get("num_key_value_heads") or total_heads
+        self.head_dim = hf.get("head_dim") or hidden // total_heads
+        tp = get_tp()
+        self.num_heads = tp.split(total_heads, "num_attention_heads")
+        if total_kv_heads >= tp.size:
+            self.num_kv_heads = tp.split(total_kv_heads, "num_key_value_heads")
+            first_kv_head = tp.rank * self.num_kv_heads
+        else:  # each KV head is replicated on tp / num_kv_heads ranks
+            if tp.size % total_kv_heads:
+                raise ValueError(f"num_key_value_heads ({total_kv_heads}) does not divide "
+                                 f"tensor_parallel_size {tp.size}")
+            self.num_kv_heads = 1
+            first_kv_head = tp.rank * total_kv_heads // tp.size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(hidden, [q_size, kv_size, kv_size], bias=variant.qkv_bias)
-        self.o_proj = Linear(q_size, hidden, bias=variant.o_bias)
+        self.qkv_proj = MergedLinear(
+            hidden, [q_size, kv_size, kv_size], bias=variant.qkv_bias,
+            shard_offsets=None if tp.size == 1 else [
+                tp.rank * q_size, *[first_kv_head * self.head_dim] * 2])
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=variant.o_bias)
         if variant.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf.get("rms_norm_eps", 1e-6))
             self.k_norm = RMSNorm(self.head_dim, hf.get("rms_norm_eps", 1e-6))
@@ -127,6 +146,7 @@ class LlamaModel(DecoderStack):
 
 class LlamaForCausalLM(nn.Module):
     variant = BlockVariant(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+    supports_tensor_parallel = True
 
     # Checkpoint names that load into a slice of one of our merged parameters.
     packed_modules = {

@@ -18,6 +18,7 @@ from torch import nn
 from tqdm import tqdm
 
 from openinfer.config import ModelConfig
+from openinfer.distributed.parallel_state import get_tp
 from openinfer.layers.batch_invariant import make_batch_invariant
 from openinfer.layers.gemm import plan_gemms
 from openinfer.layers.linear import default_weight_loader
@@ -66,8 +67,9 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
 
         tensors = gguf.iter_tensors(path, _checkpoint_names(model, packed), progress)
     else:
-        tensors = _iter_checkpoint(path, progress)
         fp8_block = fp8.block_size_of(hf_config or {})
+        # Tensor parallel: sharded parameters read only their slice of each tensor.
+        tensors = _iter_checkpoint(path, progress, slices=get_tp().size > 1 and fp8_block is None)
         if fp8_block is not None:
             tensors = fp8.dequantizing(tensors, fp8_block)
     for name, tensor in tensors:
@@ -79,6 +81,8 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
             unexpected.append(name)
             continue
         loader = getattr(param, "weight_loader", default_weight_loader)
+        if not isinstance(tensor, torch.Tensor) and not getattr(loader, "reads_slices", False):
+            tensor = tensor[:]  # a safetensors slice, read whole
         with torch.no_grad():
             if shard is None:
                 loader(param, tensor)
@@ -157,7 +161,9 @@ def _checkpoint_names(model: nn.Module, packed: dict[str, tuple[str, int]]) -> l
     return names
 
 
-def _iter_checkpoint(path: Path, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_checkpoint(path: Path, progress: bool, slices: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) of every tensor in the checkpoint; with ``slices``, safetensors slices
+    instead, read when indexed (valid until the next item)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -170,7 +176,7 @@ def _iter_checkpoint(path: Path, progress: bool) -> Iterator[tuple[str, torch.Te
                      unit="shard"):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name) if slices else f.get_tensor(name)
 
 
 @contextmanager

@@ -1,0 +1,243 @@
+"""Tensor parallelism: one worker process per rank, driven by the engine core.
+
+    EngineCore ── collective_rpc(method, args) ──┬── pipe ──> rank 0: Worker ─┐
+        (one scheduler; the core holds no         ├── pipe ──> rank 1: Worker ─┤ torch.distributed
+         tensor and no process group)             └── ...                     ─┘ (gloo / NCCL)
+
+Every call goes to every rank (a step's forward needs them all at once for its
+collectives) and the core reads rank 0's result. Each rank samples from the same
+all-gathered logits with the same seed, so every rank's runner appends the same tokens
+and the next step's inputs agree without a broadcast.
+
+Failure: the core waits on the ranks' pipes and their process sentinels together, so a
+rank that dies or raises fails the call at once (no wait on a collective that will never
+complete); the executor then kills every rank. Ranks also die with the core (Linux
+parent-death signal), so none is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import random
+import signal
+import socket
+import traceback
+import weakref
+from dataclasses import replace
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from openinfer.config import EngineConfig
+from openinfer.engine.core_proc import die_with
+from openinfer.engine.executor import Executor
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+"""Backstop for a collective whose peer hangs (a dead peer fails it at once)."""
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """Refuse at start-up, naming the constraint, what the ranks could not run."""
+    from openinfer.models.registry import get_model_class
+
+    size, mc = config.tensor_parallel_size, config.model
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size == 1:
+        return
+    if config.device.startswith("cuda"):
+        if torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size {size} needs {size} CUDA devices; "
+                             f"{torch.cuda.device_count()} visible")
+    elif size > (os.cpu_count() or 1):
+        raise ValueError(f"tensor_parallel_size {size} is more ranks than CPU cores "
+                         f"({os.cpu_count()})")
+    if not getattr(get_model_class(mc.architecture), "supports_tensor_parallel", False):
+        raise ValueError(f"tensor_parallel_size {size}: {mc.architecture} cannot be split yet "
+                         "(dense Llama, Mistral, Qwen2 and Qwen3 models can)")
+    hf = mc.hf_config
+    heads = hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    for n, what in ((heads, "num_attention_heads"), (hf["intermediate_size"], "intermediate_size")):
+        if n % size:
+            raise ValueError(f"tensor_parallel_size {size} does not divide {what} ({n})")
+    if kv_heads % size and size % kv_heads:
+        raise ValueError(f"tensor_parallel_size {size} and num_key_value_heads ({kv_heads}): "
+                         "one must divide the other")
+    unsupported = {
+        "speculative decoding": config.speculative is not None,
+        "the KV host tier and file store": config.cache.kv_host_memory is not None
+        or config.cache.kv_store_dir is not None,
+        "disaggregation (--role / --kv-transfer-port)": config.kv_transfer.role != "both"
+        or config.kv_transfer.port is not None,
+        "--batch-invariant": config.model.batch_invariant,
+    }
+    for feature, on in unsupported.items():
+        if on:
+            raise ValueError(f"tensor_parallel_size {size} does not run with {feature} yet")
+
+
+class RankFailed(RuntimeError):
+    """A tensor-parallel rank died or raised: the engine cannot go on."""
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        check_tensor_parallel(config)
+        self.size = config.tensor_parallel_size
+        if config.seed is None:  # unseeded sampling must draw the same on every rank
+            config = replace(config, seed=random.randrange(2**31))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        if mp.current_process().daemon:
+            # The server's engine core is a daemonic process, and multiprocessing lets those
+            # start no process. Its ranks cannot outlive it anyway (see _rank_main).
+            mp.current_process().daemon = False
+        self._conns: list[Connection] = []
+        self._procs: list[mp.Process] = []
+        for rank in range(self.size):
+            parent, child = ctx.Pipe()
+            # Not daemonic (a daemonic rank could not be joined at exit), but killed at exit
+            # by the finalizer below, and by the kernel if the core dies (die_with).
+            proc = ctx.Process(target=_rank_main, name=f"openinfer-tp{rank}",
+                               args=(config, rank, port, child, os.getpid(),
+                                     progress and rank == 0))
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        weakref.finalize(self, _kill_all, list(self._procs))  # also at interpreter exit
+        try:
+            self._gather()  # each rank reports once its shard is loaded
+        except BaseException:
+            self._kill()
+            raise
+        logger.info("tensor parallel: %d ranks (%s), worker pids %s", self.size,
+                    "NCCL" if config.device.startswith("cuda") else "gloo",
+                    [p.pid for p in self._procs])
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self._conns:
+                conn.send_bytes(message)
+        except OSError as e:  # a rank's end of the pipe is gone
+            self._kill()
+            raise RankFailed(f"tensor-parallel rank unreachable: {e}") from e
+        return self._gather()
+
+    def _gather(self) -> list[Any]:
+        """Every rank's answer to the last call, rank 0 first; a rank that died or raised
+        fails it at once (and takes the others down)."""
+        results: dict[int, Any] = {}
+        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
+        while waiting:
+            for ready in wait([*waiting, *sentinels]):
+                rank = waiting.get(ready)
+                if rank is not None:
+                    try:
+                        status, value = pickle.loads(ready.recv_bytes())
+                    except (EOFError, OSError):
+                        status, value = "died", None
+                    del waiting[ready]
+                else:
+                    rank = sentinels.pop(ready)
+                    if self._conns[rank] not in waiting or self._conns[rank].poll():
+                        continue  # it answered (or its answer is still to be read)
+                    status, value = "died", None
+                if status == "ok":
+                    results[rank] = value
+                    continue
+                self._kill()
+                if status == "died":
+                    code = self._procs[rank].exitcode
+                    raise RankFailed(f"tensor-parallel rank {rank} died (exit code {code})")
+                raise RankFailed(f"tensor-parallel rank {rank} failed: {value}")
+        return [results[rank] for rank in range(self.size)]
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def shutdown(self) -> None:
+        if not self.alive:
+            self._kill()
+            return
+        try:
+            self.collective_rpc("shutdown")
+        finally:
+            for proc in self._procs:
+                proc.join(timeout=10)
+            self._kill()
+
+    def _kill(self) -> None:
+        _kill_all(self._procs)
+
+
+def _kill_all(procs: list[mp.Process]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(timeout=10)
+
+
+def _rank_main(config: EngineConfig, rank: int, port: int, conn: Connection, core_pid: int,
+               progress: bool) -> None:
+    """A rank's process: join the group, load this rank's shard, then run the core's calls
+    until shutdown (or until the core is gone)."""
+    die_with(core_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
+    from openinfer.logger import configure_logging
+
+    configure_logging()
+    try:
+        worker = _start_worker(config, rank, port, progress)
+    except BaseException as e:
+        conn.send_bytes(pickle.dumps(("error", f"{type(e).__name__}: {e}")))
+        logger.error("rank %d failed to start: %s", rank, traceback.format_exc())
+        return
+    conn.send_bytes(pickle.dumps(("ok", None)))
+    while True:
+        try:
+            method, args = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return  # the core is gone
+        try:
+            reply = ("ok", getattr(worker, method)(*args))
+        except Exception as e:
+            logger.error("rank %d: %s failed: %s", rank, method, traceback.format_exc())
+            reply = ("error", f"{method}: {type(e).__name__}: {e}")
+        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        if method == "shutdown":
+            torch.distributed.destroy_process_group()
+            return
+
+
+def _start_worker(config: EngineConfig, rank: int, port: int, progress: bool):
+    import torch.distributed as dist
+
+    from openinfer.distributed.parallel_state import TensorParallel, set_tp
+    from openinfer.engine.worker import Worker
+
+    size = config.tensor_parallel_size
+    cuda = config.device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank)
+        config = replace(config, device=f"cuda:{rank}")
+    else:  # the ranks share the cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    set_tp(TensorParallel(rank, size, dist.group.WORLD))
+    return Worker(config, progress)

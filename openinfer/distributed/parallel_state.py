@@ -1,0 +1,60 @@
+"""The tensor-parallel group of this process: which rank it is, how many there are, and
+the two collectives the sharded layers need.
+
+A process runs one model, so the group is process state (as in vLLM and SGLang): the
+executor sets it before the model is built, and the layers read it when they are
+constructed (to size their shards) and when they run (to reduce or gather). With one rank
+every collective is the identity and no ``torch.distributed`` group exists.
+
+Megatron's split, which the layers follow: a column-parallel linear holds a slice of the
+output features (q/k/v heads, gate/up rows) and needs no communication; the row-parallel
+linear after it holds the matching slice of the input features and sums its partial
+products over the ranks (one all-reduce per attention block and per MLP block). The
+embedding and LM head split the vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along the last dimension, rank 0 first."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def split(self, n: int, what: str) -> int:
+        """This rank's share of ``n`` (heads, features): an error if it does not divide."""
+        if n % self.size:
+            raise ValueError(f"tensor_parallel_size {self.size} does not divide {what} ({n})")
+        return n // self.size
+
+
+_TP = TensorParallel()
+
+
+def get_tp() -> TensorParallel:
+    return _TP
+
+
+def set_tp(tp: TensorParallel) -> None:
+    global _TP
+    _TP = tp

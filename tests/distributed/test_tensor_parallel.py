@@ -1,0 +1,121 @@
+"""Tensor parallelism on CPU: two gloo ranks (worker processes) give the tokens and
+logprobs of one rank, hold half the weights and KV heads each, refuse what they cannot
+run at start-up, and fail at once (leaving no process) when a rank dies."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import psutil
+import pytest
+import torch
+from conftest import build_checkpoint
+
+from openinfer import LLM, SamplingParams
+from openinfer.config import EngineConfig
+from openinfer.distributed.executor import RankFailed
+from openinfer.engine.core import EngineCore
+
+# Llama with one KV head (replicated on both ranks), q/k/v/o and MLP biases (the row-parallel
+# bias added once), tied embeddings and an odd vocabulary (the vocab shards padded);
+# Qwen3 with two KV heads (split), q/k norms and an untied LM head.
+CHECKPOINTS = {
+    "llama": dict(arch="LlamaForCausalLM", num_kv_heads=1, tie_word_embeddings=True,
+                  vocab_size=1031, extra_config={"attention_bias": True, "mlp_bias": True}),
+    "qwen3": dict(arch="Qwen3ForCausalLM", num_kv_heads=2),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokenizer):
+    return {name: build_checkpoint(tmp_path_factory.mktemp(name), options["arch"], tokenizer,
+                                   **{k: v for k, v in options.items() if k != "arch"})
+            for name, options in CHECKPOINTS.items()}
+
+
+def _child_processes() -> list[psutil.Process]:
+    """This process's children but multiprocessing's resource tracker (it outlives them)."""
+    return [p for p in psutil.Process().children()
+            if "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (5, 37, 12, 60)]
+
+
+def _run(llm: LLM, params: list[SamplingParams]):
+    outs = llm.generate(_prompts(), params)
+    return [o.outputs[0] for o in outs]
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_two_ranks_give_the_tokens_and_logprobs_of_one(checkpoints, name):
+    path = str(checkpoints[name])
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=12, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.7, top_k=30, seed=9, max_tokens=14, ignore_eos=True,
+                             logprobs=1)]
+    # A small step budget chunks the prompts, so prefills and decodes share steps.
+    one = LLM(path, progress=False, max_num_batched_tokens=24)
+    two = LLM(path, progress=False, max_num_batched_tokens=24, tensor_parallel_size=2)
+    try:
+        expected, got = _run(one, params), _run(two, params)
+        for want, out in zip(expected, got):
+            assert out.token_ids == want.token_ids
+            for step_want, step_got in zip(want.logprobs, out.logprobs):
+                assert step_got.keys() == step_want.keys()
+                for token, lp in step_want.items():
+                    assert step_got[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+        # Unseeded sampling draws the same on both ranks (or they would disagree on the
+        # next step's inputs and the run would fail or diverge from its own greedy prefix).
+        free = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+        assert all(len(o.token_ids) == 8 for o in _run(two, [free] * 4))
+
+        # Each rank holds about half of every sharded weight and its share of the KV heads.
+        executor = two.engine.core.executor
+        whole = one.engine.core.executor.worker.weight_bytes()
+        per_rank = executor.collective_rpc("weight_bytes")
+        assert len(per_rank) == 2 and all(0.45 * whole < b < 0.6 * whole for b in per_rank)
+        kv_heads = {spec.num_kv_heads for spec in executor.call("kv_cache_specs")}
+        assert kv_heads == {1}  # of 1 (replicated) or 2 (split) in the checkpoint
+    finally:
+        two.engine.core.shutdown()
+    assert not two.engine.core.executor.alive
+
+
+def test_impossible_splits_are_refused_at_start_up(make_checkpoint):
+    odd_heads, fine = make_checkpoint(num_heads=3, num_kv_heads=1), make_checkpoint()
+    cases = [
+        (odd_heads, dict(tensor_parallel_size=2),
+         "tensor_parallel_size 2 does not divide num_attention_heads (3)"),
+        (fine, dict(tensor_parallel_size=(psutil.cpu_count() or 1) * 4),
+         "more ranks than CPU cores"),
+        (fine, dict(tensor_parallel_size=2, speculative_config={"method": "ngram",
+                                                                "num_speculative_tokens": 2}),
+         "does not run with speculative decoding"),
+    ]
+    for path, options, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            EngineCore(EngineConfig.create(str(path), **options))
+    assert not _child_processes(), "a refused start left a process behind"
+
+
+def test_a_dead_rank_fails_the_engine_at_once_and_leaves_no_process(checkpoints):
+    core = EngineCore(EngineConfig.create(str(checkpoints["qwen3"]), tensor_parallel_size=2))
+    ranks = list(core.executor._procs)
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    for i, prompt in enumerate(_prompts()):
+        core.add_request(f"r{i}", prompt, params)
+    for _ in range(3):
+        core.step()
+    ranks[1].kill()
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 1 died"):
+        while True:
+            core.step()
+    assert time.monotonic() - start < 30
+    assert not any(p.is_alive() for p in ranks)
+    assert not _child_processes()

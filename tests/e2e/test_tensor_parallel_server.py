@@ -1,0 +1,73 @@
+"""`openinfer serve --tensor-parallel-size 2` through the real server: the answers of one
+rank, and a rank that dies turns the server unhealthy at once, ends the engine's
+processes and fails requests with a clear error (no hang, no orphan)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import psutil
+import pytest
+from server_process import MODEL, start_server, stop
+
+from openinfer import LLM, SamplingParams
+
+
+def _engine_processes(server_pid: int) -> list[psutil.Process]:
+    """The server's live descendants, but multiprocessing's resource tracker."""
+    live = []
+    for p in psutil.Process(server_pid).children(recursive=True):
+        try:
+            if (p.status() != psutil.STATUS_ZOMBIE
+                    and "resource_tracker" not in " ".join(p.cmdline())):
+                live.append(p)
+        except psutil.NoSuchProcess:  # (a zombie's command line is gone too)
+            pass
+    return live
+
+
+def test_tensor_parallel_server_answers_and_a_dead_rank_makes_it_unhealthy(qwen3_checkpoint):
+    prompts = [[7, 300, 41, 9, 12] * 3, [500, 3, 77]]
+    offline = LLM(str(qwen3_checkpoint), progress=False)
+    want = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=10,
+                                                    ignore_eos=True))
+    base, proc = start_server(qwen3_checkpoint, "--tensor-parallel-size", "2")
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        for prompt, expected in zip(prompts, want):
+            answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10,
+                                               temperature=0, extra_body={"ignore_eos": True})
+            assert answer.choices[0].text == expected.outputs[0].text
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+            model=MODEL, prompt=prompts[0], max_tokens=10, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}))
+        assert streamed == want[0].outputs[0].text
+
+        engine = _engine_processes(proc.pid)  # the engine core and its two ranks
+        ranks = [p for p in engine if p.ppid() != proc.pid]
+        assert len(engine) == 3 and len(ranks) == 2
+        ranks[1].kill()
+        # The next request finds the dead rank: a clear error, and the server turns unhealthy.
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=50,
+                                      extra_body={"ignore_eos": True})
+        assert failed.value.status_code in (500, 503)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=5)
+            except urllib.error.HTTPError as e:
+                assert e.code == 503
+                assert "tensor-parallel rank" in json.loads(e.read())["reason"]
+                break
+            assert time.monotonic() < deadline, "the server stayed healthy"
+            time.sleep(0.2)
+        psutil.wait_procs(engine, timeout=30)
+        assert not _engine_processes(proc.pid), "an engine process outlived its dead rank"
+        assert proc.poll() is None  # the API process still answers (503s) until stopped
+    finally:
+        stop(proc)
