@@ -29,19 +29,62 @@ def _free_port() -> int:
 
 def start_server(checkpoint, *flags: str, port: int | None = None,
                  admin_key: str | None = ADMIN_KEY) -> tuple[str, subprocess.Popen]:
-    return _start(["serve", "--model", str(checkpoint), "--served-model-name", MODEL, *flags],
-                  port, admin_key)
+    return _start(_serve_args(checkpoint, flags), port, admin_key)
+
+
+def start_servers(*servers: tuple, admin_key: str | None = ADMIN_KEY,
+                  ) -> list[tuple[str, subprocess.Popen]]:
+    """Several `openinfer serve` processes started at once (each a (checkpoint, *flags)
+    tuple), returned in that order once every one answers /health: their start-ups (mostly
+    imports) overlap on the machine's cores instead of running one after another."""
+    return _start_all([_serve_args(checkpoint, flags) for checkpoint, *flags in servers],
+                      admin_key)
+
+
+def _serve_args(checkpoint, flags) -> list[str]:
+    return ["serve", "--model", str(checkpoint), "--served-model-name", MODEL, *flags]
 
 
 def start_router(workers: list[str], checkpoint, *flags: str,
                  admin_key: str | None = ADMIN_KEY) -> tuple[str, subprocess.Popen]:
+    return _start(_router_args(workers, checkpoint, flags), None, admin_key)
+
+
+def start_routers(workers: list[str], checkpoint, *flag_sets: tuple[str, ...],
+                  admin_key: str | None = ADMIN_KEY) -> list[tuple[str, subprocess.Popen]]:
+    """One router over ``workers`` per set of flags, started at once (as start_servers)."""
+    return _start_all([_router_args(workers, checkpoint, flags) for flags in flag_sets],
+                      admin_key)
+
+
+def _router_args(workers: list[str], checkpoint, flags) -> list[str]:
     worker_flags = [arg for url in workers for arg in ("--worker", url)]
-    return _start(["router", *worker_flags, "--tokenizer", str(checkpoint), *flags], None,
-                  admin_key)
+    return ["router", *worker_flags, "--tokenizer", str(checkpoint), *flags]
+
+
+def _start_all(arg_lists: list[list[str]],
+               admin_key: str | None) -> list[tuple[str, subprocess.Popen]]:
+    launched = [_launch(args, None, admin_key) for args in arg_lists]
+    try:
+        for args, (base, proc) in zip(arg_lists, launched):
+            _wait_healthy(base, proc, args)
+    except BaseException:
+        for _, proc in launched:
+            if proc.poll() is None:
+                proc.kill()
+        raise
+    return launched
 
 
 def _start(args: list[str], port: int | None,
            admin_key: str | None = ADMIN_KEY) -> tuple[str, subprocess.Popen]:
+    base, proc = _launch(args, port, admin_key)
+    _wait_healthy(base, proc, args)
+    return base, proc
+
+
+def _launch(args: list[str], port: int | None,
+            admin_key: str | None = ADMIN_KEY) -> tuple[str, subprocess.Popen]:
     port = port or _free_port()
     env = {k: v for k, v in os.environ.items() if k != "OPENINFER_ADMIN_API_KEY"}
     if admin_key is not None:
@@ -49,12 +92,15 @@ def _start(args: list[str], port: int | None,
     proc = subprocess.Popen(
         [sys.executable, "-m", "openinfer.cli", *args, "--port", str(port), "--log-level",
          "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    base = f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", proc
+
+
+def _wait_healthy(base: str, proc: subprocess.Popen, args: list[str]) -> None:
     deadline = time.monotonic() + 300  # generous: a loaded 2-core CI box starts Ray slowly
     while True:
         try:
             urllib.request.urlopen(f"{base}/health", timeout=2)
-            return base, proc
+            return
         except (urllib.error.URLError, ConnectionError, TimeoutError):  # bound, still loading
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()

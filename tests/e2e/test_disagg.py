@@ -11,7 +11,14 @@ import time
 
 import httpx
 import pytest
-from server_process import MODEL, admin_workers, start_router, start_server, stop
+from server_process import (
+    MODEL,
+    admin_workers,
+    start_router,
+    start_server,
+    start_servers,
+    stop,
+)
 
 from openinfer import LLM, SamplingParams
 from openinfer.kv.block_hash import extend_block_hashes
@@ -28,14 +35,26 @@ def _metric(base: str, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def pd(qwen3_checkpoint):
-    prefill, p_proc = start_server(qwen3_checkpoint, "--role", "prefill", "--kv-lease-timeout", "5")
-    decode, d_proc = start_server(qwen3_checkpoint, "--role", "decode")
+def servers(qwen3_checkpoint):
+    """A prefill instance, a decode instance, and a decode instance that fails requests whose
+    KV it cannot pull (test_fail_policy...): all three started at once."""
+    started = start_servers(
+        (qwen3_checkpoint, "--role", "prefill", "--kv-lease-timeout", "5"),
+        (qwen3_checkpoint, "--role", "decode"),
+        (qwen3_checkpoint, "--role", "decode", "--kv-load-failure-policy", "fail",
+         "--kv-transfer-timeout", "1"))
+    yield started
+    for _, proc in started:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def pd(servers, qwen3_checkpoint):
+    (prefill, p_proc), (decode, _), _ = servers
     router, r_proc = start_router([decode], qwen3_checkpoint, "--prefill", prefill,
                                   "--disagg-min-tokens", "32")
     yield {"prefill": prefill, "decode": decode, "router": router, "prefill_proc": p_proc}
-    for proc in (r_proc, d_proc, p_proc):
-        stop(proc)
+    stop(r_proc)
 
 
 def _complete(base: str, prompt, max_tokens: int = 8, **extra) -> httpx.Response:
@@ -44,6 +63,22 @@ def _complete(base: str, prompt, max_tokens: int = 8, **extra) -> httpx.Response
         "ignore_eos": True, **extra})
     assert resp.status_code == 200, resp.text
     return resp
+
+
+# First: it needs none of the module's servers (idle, but still running).
+@pytest.mark.slow
+def test_serve_disaggregate_starts_prefill_and_decode_behind_a_router(qwen3_checkpoint):
+    base, proc = start_server(qwen3_checkpoint, "--disaggregate", "1:1", "--disagg-min-tokens",
+                              "16")
+    try:
+        workers = admin_workers(base)
+        assert sorted(w["role"] for w in workers) == ["prefill", "serve"]
+        resp = _complete(base, list(range(10, 90)))
+        prefill = next(w["url"] for w in workers if w["role"] == "prefill")
+        assert resp.headers["x-openinfer-prefill"] == prefill
+        assert resp.json()["usage"]["completion_tokens"] == 8
+    finally:
+        stop(proc)
 
 
 @pytest.mark.slow
@@ -112,24 +147,8 @@ def test_a_dead_prefill_instance_costs_no_request(pd):
 
 
 @pytest.mark.slow
-def test_serve_disaggregate_starts_prefill_and_decode_behind_a_router(qwen3_checkpoint):
-    base, proc = start_server(qwen3_checkpoint, "--disaggregate", "1:1", "--disagg-min-tokens",
-                              "16")
-    try:
-        workers = admin_workers(base)
-        assert sorted(w["role"] for w in workers) == ["prefill", "serve"]
-        resp = _complete(base, list(range(10, 90)))
-        prefill = next(w["url"] for w in workers if w["role"] == "prefill")
-        assert resp.headers["x-openinfer-prefill"] == prefill
-        assert resp.json()["usage"]["completion_tokens"] == 8
-    finally:
-        stop(proc)
-
-
-@pytest.mark.slow
-def test_fail_policy_answers_503_and_an_error_event(qwen3_checkpoint):
-    base, proc = start_server(qwen3_checkpoint, "--role", "decode", "--kv-load-failure-policy",
-                              "fail", "--kv-transfer-timeout", "1")
+def test_fail_policy_answers_503_and_an_error_event(servers):
+    base = servers[2][0]  # --role decode --kv-load-failure-policy fail --kv-transfer-timeout 1
     prompt = list(range(20, 100))
     hashes: list[bytes] = []
     extend_block_hashes(hashes, prompt, 16, None)
@@ -140,18 +159,15 @@ def test_fail_policy_answers_503_and_an_error_event(qwen3_checkpoint):
             "kv_transfer_params": {"remote_host": "127.0.0.1", "remote_port": dead,
                                    "remote_lease_id": "gone",
                                    "remote_block_hashes": [h.hex() for h in hashes]}}
-    try:
-        resp = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
-        assert resp.status_code == 503 and resp.json()["error"]["code"] == "request_failed"
-        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True},
-                          timeout=60) as stream:
-            events = [json.loads(line[5:]) for line in stream.iter_lines()
-                      if line.startswith("data:") and "[DONE]" not in line]
-        assert events[-1]["error"]["code"] == "request_failed"
-        ok = httpx.post(f"{base}/v1/completions", timeout=60, json={**body,
-                                                                     "kv_transfer_params": None})
-        assert ok.status_code == 200  # the engine serves on
-        assert _metric(base, "openinfer:kv_remote_pull_failures_total") == 2
-        assert _metric(base, "openinfer:kv_cache_usage_perc") == 0
-    finally:
-        stop(proc)
+    resp = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "request_failed"
+    with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True},
+                      timeout=60) as stream:
+        events = [json.loads(line[5:]) for line in stream.iter_lines()
+                  if line.startswith("data:") and "[DONE]" not in line]
+    assert events[-1]["error"]["code"] == "request_failed"
+    ok = httpx.post(f"{base}/v1/completions", timeout=60, json={**body,
+                                                                 "kv_transfer_params": None})
+    assert ok.status_code == 200  # the engine serves on
+    assert _metric(base, "openinfer:kv_remote_pull_failures_total") == 2
+    assert _metric(base, "openinfer:kv_cache_usage_perc") == 0

@@ -104,15 +104,22 @@ def test_file_store_events_reset_and_restart(qwen3_checkpoint, tmp_path):
         proc.send_signal(signal.SIGTERM)  # graceful: pending store writes finish
         proc.wait(timeout=60)
 
-    inspect = subprocess.run([sys.executable, "-m", "openinfer.cli", "cache", "inspect",
-                              str(store)], capture_output=True, text=True, timeout=120)
-    assert inspect.returncode == 0 and " blocks, " in inspect.stdout
-    assert "block_size=16" in inspect.stdout
-
-    # A restarted server on the same directory hits yesterday's prompt from its files.
-    base, proc = start_server(qwen3_checkpoint, "--kv-store-dir", str(store))
+    # `cache inspect` reads the store while a restarted server starts on it (both only read
+    # it until the request below): their start-ups overlap.
+    inspect = subprocess.Popen([sys.executable, "-m", "openinfer.cli", "cache", "inspect",
+                                str(store)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
     try:
-        assert _complete(base) == (text, 32)
+        # A restarted server on the same directory hits yesterday's prompt from its files.
+        base, proc = start_server(qwen3_checkpoint, "--kv-store-dir", str(store))
+        try:
+            stdout, stderr = inspect.communicate(timeout=120)
+            assert inspect.returncode == 0 and " blocks, " in stdout, stderr
+            assert "block_size=16" in stdout
+            assert _complete(base) == (text, 32)
+        finally:
+            proc.kill()
+            proc.wait()
     finally:
-        proc.kill()
-        proc.wait()
+        inspect.kill()
+        inspect.wait()

@@ -11,7 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import MODEL, admin_workers, start_router, start_server, stop
+from server_process import (
+    MODEL,
+    admin_workers,
+    start_routers,
+    start_server,
+    start_servers,
+    stop,
+)
 
 
 def _tcp() -> str:
@@ -20,19 +27,50 @@ def _tcp() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def _replica_flags() -> tuple[str, ...]:
+    return ("--kv-events-endpoint", _tcp(), "--kv-events-replay-endpoint", _tcp())
+
+
 def _replica(checkpoint, port: int | None = None):
-    return start_server(checkpoint, "--kv-events-endpoint", _tcp(),
-                        "--kv-events-replay-endpoint", _tcp(), port=port)
+    return start_server(checkpoint, *_replica_flags(), port=port)
 
 
 @pytest.fixture(scope="module")
-def replicas(qwen3_checkpoint):
-    started = [_replica(qwen3_checkpoint) for _ in range(3)]
-    yield [base for base, _ in started]
+def replica_procs(qwen3_checkpoint):
+    """[url, process] of three replicas started at once; a test that replaces a process
+    (test_a_replica_killed...) puts the new one here, so it is the one stopped at the end."""
+    started = [list(r) for r in start_servers(*[(qwen3_checkpoint, *_replica_flags())
+                                                for _ in range(3)])]
+    yield started
     for _, proc in started:
         proc.kill()
         proc.wait()
 
+
+@pytest.fixture(scope="module")
+def replicas(replica_procs):
+    return [base for base, _ in replica_procs]
+
+
+ROUTER_FLAGS = {
+    "round_robin": ("--policy", "round_robin"),
+    "least_load": ("--policy", "least_load"),
+    "power_of_two": ("--policy", "power_of_two"),
+    "cache_aware": ("--policy", "cache_aware"),
+    # --balance-rel 1.0 leaves --balance-abs as the bound (test_cache_aware_load_guard...)
+    "load_guard": ("--policy", "cache_aware", "--balance-abs", "2", "--balance-rel", "1.0"),
+}
+
+
+@pytest.fixture(scope="module")
+def routers(replicas, qwen3_checkpoint):
+    """A router per entry of ROUTER_FLAGS over the three replicas, all started at once; a
+    router keeps no state a later test relies on being fresh (each test counts its own
+    requests, and in-flight counts are back at 0 after each)."""
+    started = start_routers(replicas, qwen3_checkpoint, *ROUTER_FLAGS.values())
+    yield {name: base for name, (base, _) in zip(ROUTER_FLAGS, started)}
+    for _, proc in started:
+        stop(proc)
 
 
 def _complete(base: str, prompt, max_tokens: int = 6, **extra) -> tuple[str, str, str]:
@@ -57,123 +95,7 @@ def _chat(base: str, messages: list[dict]) -> tuple[str, str, str]:
 PROMPTS = [f"request number {i} says hello" for i in range(6)] + [list(range(7, 60))]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("policy", ["round_robin", "least_load", "power_of_two", "cache_aware"])
-def test_every_policy_serves_what_a_single_server_serves(replicas, qwen3_checkpoint, policy):
-    expected = [_complete(replicas[0], p)[0] for p in PROMPTS]
-    router, proc = start_router(replicas, qwen3_checkpoint, "--policy", policy)
-    try:
-        served = [_complete(router, p) for p in PROMPTS]
-        assert [text for text, _, _ in served] == expected
-        assert {worker for _, worker, _ in served} <= set(replicas)
-        if policy == "round_robin":
-            assert {worker for _, worker, _ in served} == set(replicas)
-        with httpx.stream("POST", f"{router}/v1/completions", timeout=120, json={
-                "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0,
-                "ignore_eos": True, "stream": True}) as stream:
-            assert stream.status_code == 200
-            text = "".join(json.loads(line[5:])["choices"][0]["text"]
-                           for line in stream.iter_lines()
-                           if line.startswith("data:") and "[DONE]" not in line)
-        assert text == expected[0]
-        models = httpx.get(f"{router}/v1/models", timeout=30).json()
-        assert models["data"][0]["id"] == MODEL
-    finally:
-        stop(proc)
-
-
-@pytest.mark.slow
-def test_cache_aware_keeps_each_conversation_on_the_replica_holding_it(replicas, qwen3_checkpoint):
-    router, proc = start_router(replicas, qwen3_checkpoint, "--policy", "cache_aware")
-    try:
-        time.sleep(1.0)  # subscriptions to the replicas' KV events
-        homes: dict[int, str] = {}
-        histories = {user: [{"role": "system", "content": f"You are assistant {user}. " * 8}]
-                     for user in range(4)}
-        for turn in range(3):
-            for user, history in histories.items():
-                history.append({"role": "user", "content": f"This is turn {turn}."})
-                text, worker, reason = _chat(router, history)
-                history.append({"role": "assistant", "content": text})
-                if turn == 0:
-                    homes[user] = worker
-                else:
-                    assert worker == homes[user], (user, turn)
-                    assert reason == "cache_hit"
-        assert len(set(homes.values())) >= 2  # users spread over replicas, then stick
-        workers = admin_workers(router)
-        assert all(w["events"] for w in workers) and sum(w["indexed_blocks"] for w in workers) > 0
-        metrics = httpx.get(f"{router}/metrics", timeout=30).text
-        assert 'openinfer_router:decisions_total{reason="cache_hit"}' in metrics
-    finally:
-        stop(proc)
-
-
-@pytest.mark.slow
-def test_cache_aware_load_guard_holds_under_concurrent_load(replicas, qwen3_checkpoint):
-    """Every request shares a prefix one replica holds, so affinity alone would send all of
-    them there; under 24 concurrent requests the guard must spread them, and no request may
-    go to a replica more than --balance-abs requests above the least loaded. (The guard
-    acts when max - min > abs *and* max > rel * min; rel 1.0 leaves abs as the bound.)"""
-    router, proc = start_router(replicas, qwen3_checkpoint, "--policy", "cache_aware",
-                                "--balance-abs", "2", "--balance-rel", "1.0")
-    shared = list(range(100, 164))  # 4 full blocks
-    try:
-        time.sleep(1.0)  # subscriptions to the replicas' KV events
-        _, home, _ = _complete(router, shared + [1])
-        time.sleep(0.5)  # its BlockStored events reach the router
-        with ThreadPoolExecutor(24) as pool:
-            served = list(pool.map(lambda i: _complete(router, shared + [2, i], max_tokens=12),
-                                   range(24)))
-        reasons = {reason for _, _, reason in served}
-        assert {"cache_hit", "load_override"} <= reasons, reasons
-        assert len({worker for _, worker, _ in served}) >= 2
-        metrics = httpx.get(f"{router}/metrics", timeout=30).text
-        excess = next(float(line.split()[1]) for line in metrics.splitlines()
-                      if line.startswith("openinfer_router:max_load_excess "))
-        assert excess <= 2, excess
-    finally:
-        stop(proc)
-
-
-@pytest.mark.slow
-def test_a_replica_killed_under_load_loses_no_request_and_comes_back(qwen3_checkpoint):
-    started = [_replica(qwen3_checkpoint) for _ in range(3)]
-    prompts = [f"load request {i} asks for a story" for i in range(36)]
-    expected = [_complete(started[0][0], p)[0] for p in prompts]
-    router, proc = start_router([b for b, _ in started], qwen3_checkpoint,
-                                "--policy", "least_load")
-    try:
-        victim_url, victim = started[1]
-        done = []
-        with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(_complete, router, p, max_tokens=6) for p in prompts]
-            for future in futures[:8]:
-                done.append(future.result())
-            victim.kill()  # while the rest are queued or running on all three
-            victim.wait()
-            done += [future.result() for future in futures[8:]]  # none may fail
-        assert [text for text, _, _ in done] == expected
-        assert any(worker == victim_url for _, worker, _ in done[:8])
-        workers = {w["url"]: w for w in admin_workers(router)}
-        assert not workers[victim_url]["healthy"]
-        assert sum(w["in_flight"] for w in workers.values()) == 0  # nothing counted twice
-        port = int(victim_url.rsplit(":", 1)[1])
-        started[1] = _replica(qwen3_checkpoint, port=port)  # back on the same address
-        for _ in range(100):
-            workers = {w["url"]: w for w in admin_workers(router)}
-            if workers[victim_url]["healthy"]:
-                break
-            time.sleep(0.1)
-        assert workers[victim_url]["healthy"]
-        assert victim_url in {_complete(router, p)[1] for p in prompts[:6]}
-    finally:
-        stop(proc)
-        for _, p in started:
-            p.kill()
-            p.wait()
-
-
+# First: it needs none of the module's replicas and routers (idle, but still running).
 @pytest.mark.slow
 def test_serve_data_parallel_starts_replicas_behind_a_router(qwen3_checkpoint):
     base, proc = start_server(qwen3_checkpoint, "--data-parallel-size", "2",
@@ -190,6 +112,116 @@ def test_serve_data_parallel_starts_replicas_behind_a_router(qwen3_checkpoint):
     for w in workers:  # the replicas went with it
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{w['url']}/health", timeout=5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["round_robin", "least_load", "power_of_two", "cache_aware"])
+def test_every_policy_serves_what_a_single_server_serves(replicas, routers, policy):
+    expected = [_complete(replicas[0], p)[0] for p in PROMPTS]
+    router = routers[policy]
+    served = [_complete(router, p) for p in PROMPTS]
+    assert [text for text, _, _ in served] == expected
+    assert {worker for _, worker, _ in served} <= set(replicas)
+    if policy == "round_robin":
+        assert {worker for _, worker, _ in served} == set(replicas)
+    with httpx.stream("POST", f"{router}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as stream:
+        assert stream.status_code == 200
+        text = "".join(json.loads(line[5:])["choices"][0]["text"]
+                       for line in stream.iter_lines()
+                       if line.startswith("data:") and "[DONE]" not in line)
+    assert text == expected[0]
+    models = httpx.get(f"{router}/v1/models", timeout=30).json()
+    assert models["data"][0]["id"] == MODEL
+
+
+def _cache_hits(router: str) -> float:
+    for family in text_string_to_metric_families(httpx.get(f"{router}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if (sample.name == "openinfer_router:decisions_total"
+                    and sample.labels.get("reason") == "cache_hit"):
+                return sample.value
+    return 0.0
+
+
+@pytest.mark.slow
+def test_cache_aware_keeps_each_conversation_on_the_replica_holding_it(routers):
+    router = routers["cache_aware"]
+    time.sleep(1.0)  # subscriptions to the replicas' KV events
+    hits_before = _cache_hits(router)  # the router may have served another test already
+    homes: dict[int, str] = {}
+    histories = {user: [{"role": "system", "content": f"You are assistant {user}. " * 8}]
+                 for user in range(4)}
+    for turn in range(3):
+        for user, history in histories.items():
+            history.append({"role": "user", "content": f"This is turn {turn}."})
+            text, worker, reason = _chat(router, history)
+            history.append({"role": "assistant", "content": text})
+            if turn == 0:
+                homes[user] = worker
+            else:
+                assert worker == homes[user], (user, turn)
+                assert reason == "cache_hit"
+    assert len(set(homes.values())) >= 2  # users spread over replicas, then stick
+    workers = admin_workers(router)
+    assert all(w["events"] for w in workers) and sum(w["indexed_blocks"] for w in workers) > 0
+    assert _cache_hits(router) - hits_before >= 4 * 2  # turns 1 and 2 of each user
+
+
+@pytest.mark.slow
+def test_cache_aware_load_guard_holds_under_concurrent_load(routers):
+    """Every request shares a prefix one replica holds, so affinity alone would send all of
+    them there; under 24 concurrent requests the guard must spread them, and no request may
+    go to a replica more than --balance-abs requests above the least loaded. (The guard
+    acts when max - min > abs *and* max > rel * min; rel 1.0 leaves abs as the bound.)"""
+    router = routers["load_guard"]  # --balance-abs 2 --balance-rel 1.0
+    shared = list(range(100, 164))  # 4 full blocks
+    time.sleep(1.0)  # subscriptions to the replicas' KV events
+    _, home, _ = _complete(router, shared + [1])
+    time.sleep(0.5)  # its BlockStored events reach the router
+    with ThreadPoolExecutor(24) as pool:
+        served = list(pool.map(lambda i: _complete(router, shared + [2, i], max_tokens=12),
+                               range(24)))
+    reasons = {reason for _, _, reason in served}
+    assert {"cache_hit", "load_override"} <= reasons, reasons
+    assert len({worker for _, worker, _ in served}) >= 2
+    metrics = httpx.get(f"{router}/metrics", timeout=30).text
+    excess = next(float(line.split()[1]) for line in metrics.splitlines()
+                  if line.startswith("openinfer_router:max_load_excess "))
+    assert excess <= 2, excess
+
+
+@pytest.mark.slow
+def test_a_replica_killed_under_load_loses_no_request_and_comes_back(replica_procs, routers,
+                                                                    qwen3_checkpoint):
+    prompts = [f"load request {i} asks for a story" for i in range(36)]
+    expected = [_complete(replica_procs[0][0], p)[0] for p in prompts]
+    router = routers["least_load"]
+    victim_url, victim = replica_procs[1]
+    done = []
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_complete, router, p, max_tokens=6) for p in prompts]
+        for future in futures[:8]:
+            done.append(future.result())
+        victim.kill()  # while the rest are queued or running on all three
+        victim.wait()
+        done += [future.result() for future in futures[8:]]  # none may fail
+    assert [text for text, _, _ in done] == expected
+    assert any(worker == victim_url for _, worker, _ in done[:8])
+    workers = {w["url"]: w for w in admin_workers(router)}
+    assert not workers[victim_url]["healthy"]
+    assert sum(w["in_flight"] for w in workers.values()) == 0  # nothing counted twice
+    port = int(victim_url.rsplit(":", 1)[1])
+    # back on the same address (and stopped by the fixture from now on)
+    replica_procs[1] = list(_replica(qwen3_checkpoint, port=port))
+    for _ in range(100):
+        workers = {w["url"]: w for w in admin_workers(router)}
+        if workers[victim_url]["healthy"]:
+            break
+        time.sleep(0.1)
+    assert workers[victim_url]["healthy"]
+    assert victim_url in {_complete(router, p)[1] for p in prompts[:6]}
 
 
 def _families(url: str) -> dict:

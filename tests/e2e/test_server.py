@@ -15,20 +15,35 @@ import urllib.request
 import anthropic
 import openai
 import pytest
-from server_process import MODEL, process_running
+from server_process import MODEL, process_running, start_servers
 from server_process import metrics as _metrics
-from server_process import start_server as _start
 
 from openinfer import LLM, SamplingParams
 
+SERVERS = {  # every server this module starts, by the test(s) using it: name -> flags
+    "shared": ("--kv-cache-memory", "16MiB"),  # the `server` fixture
+    "clean_shutdown": (),  # test_models_and_clean_shutdown stops it
+    "limits": ("--api-key", "sekrit", "--max-body-bytes", "2000", "--max-num-seqs", "1",
+               "--max-waiting-requests", "0"),  # test_api_key_body_size_and_queue_limits
+    "dead_engine": (),  # test_a_dead_engine_gives_503_not_hangs kills its engine core
+}
+
 
 @pytest.fixture(scope="module")
-def server(qwen3_checkpoint):
-    base, proc = _start(qwen3_checkpoint, "--kv-cache-memory", "16MiB")
-    yield base, proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+def servers(qwen3_checkpoint) -> dict[str, tuple[str, subprocess.Popen]]:
+    """SERVERS, all started at once (their start-ups overlap) the first time one is needed;
+    each is used by its own test(s) only, so no test sees another's leftovers."""
+    started = start_servers(*[(qwen3_checkpoint, *flags) for flags in SERVERS.values()])
+    yield dict(zip(SERVERS, started))
+    for _, proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["shared"]
 
 
 @pytest.fixture(scope="module")
@@ -295,8 +310,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, bod
 
 
 @pytest.mark.slow
-def test_models_and_clean_shutdown(qwen3_checkpoint):
-    base, proc = _start(qwen3_checkpoint)
+def test_models_and_clean_shutdown(servers):
+    base, proc = servers["clean_shutdown"]
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == [MODEL]
     schema = json.loads(urllib.request.urlopen(f"{base}/openapi.json", timeout=10).read())
@@ -332,9 +347,9 @@ def test_tokenize_and_detokenize(server, offline):
 
 
 @pytest.mark.slow
-def test_api_key_body_size_and_queue_limits(qwen3_checkpoint):
-    base, proc = _start(qwen3_checkpoint, "--api-key", "sekrit", "--max-body-bytes", "2000",
-                        "--max-num-seqs", "1", "--max-waiting-requests", "0")
+def test_api_key_body_size_and_queue_limits(servers):
+    # --api-key sekrit --max-body-bytes 2000 --max-num-seqs 1 --max-waiting-requests 0
+    base, proc = servers["limits"]
     try:
         assert urllib.request.urlopen(f"{base}/health").status == 200  # probes need no key
         code, err = _post(base, "/v1/completions", {"model": MODEL, "prompt": "hi"})
@@ -447,8 +462,8 @@ def test_anthropic_errors_have_anthropic_shape(server):
 
 
 @pytest.mark.slow
-def test_a_dead_engine_gives_503_not_hangs(qwen3_checkpoint):
-    base, proc = _start(qwen3_checkpoint)
+def test_a_dead_engine_gives_503_not_hangs(servers):
+    base, proc = servers["dead_engine"]
     try:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
                                timeout=30)

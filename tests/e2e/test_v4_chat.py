@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import build_checkpoint
-from server_process import MODEL, start_server, stop
+from server_process import MODEL, start_servers, stop
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
 from test_deepseek_v4 import V4, _randomize  # noqa: E402
@@ -26,8 +26,8 @@ def test_32_turn_chat_gives_the_same_replies_with_and_without_caching(tmp_path, 
                             intermediate_size=32, max_position_embeddings=4096)
     _randomize(path)
     common = ("--block-size", "4", "--max-model-len", "2048")
-    cached_url, cached = start_server(path, *common, "--swa-snapshot-interval", "16")
-    plain_url, plain = start_server(path, *common, "--no-prefix-caching")
+    (cached_url, cached), (plain_url, plain) = start_servers(  # both at once
+        (path, *common, "--swa-snapshot-interval", "16"), (path, *common, "--no-prefix-caching"))
     try:
         clients = [openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
                    for url in (cached_url, plain_url)]
