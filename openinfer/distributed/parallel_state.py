@@ -21,6 +21,11 @@ import torch
 import torch.distributed as dist
 
 
+COLLECTIVES: dict[str, list[int]] = {"all_reduce": [0, 0], "all_gather": [0, 0]}
+"""Calls and payload bytes (this rank's tensor) of each collective so far, for
+benchmarks/bench_tensor_parallel.py (two integer adds per call)."""
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
@@ -30,6 +35,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the ranks, in place."""
         if self.size > 1:
+            _count("all_reduce", x)
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -37,6 +43,7 @@ class TensorParallel:
         """Every rank's ``x`` concatenated along the last dimension, rank 0 first."""
         if self.size == 1:
             return x
+        _count("all_gather", x)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
@@ -46,6 +53,12 @@ class TensorParallel:
         if n % self.size:
             raise ValueError(f"tensor_parallel_size {self.size} does not divide {what} ({n})")
         return n // self.size
+
+
+def _count(name: str, x: torch.Tensor) -> None:
+    entry = COLLECTIVES[name]
+    entry[0] += 1
+    entry[1] += x.numel() * x.element_size()
 
 
 _TP = TensorParallel()

@@ -96,6 +96,12 @@ class Worker:
                 total += tensor.numel() * tensor.element_size()
         return total
 
+    def collective_stats(self) -> dict[str, list[int]]:
+        """Tensor parallel: calls and payload bytes of each collective so far."""
+        from openinfer.distributed.parallel_state import COLLECTIVES
+
+        return {name: list(entry) for name, entry in COLLECTIVES.items()}
+
     def runner_request_ids(self) -> list[str]:
         """Requests the model runner holds state for (tests: none once idle)."""
         return sorted(self.runner.requests) if self.runner is not None else []

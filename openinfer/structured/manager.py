@@ -17,7 +17,6 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch
 
 from openinfer.engine.outputs import GrammarBitmask, SchedulerOutput
 from openinfer.engine.request import Request
@@ -58,6 +57,9 @@ class StructuredOutputManager:
             num_rows += 1 + len(drafts)
         if not work:
             return None
+        # Imported here: llguidance.torch pulls in torch._dynamo (~4 s of every process start).
+        import llguidance.torch
+
         bitmask = llguidance.torch.allocate_token_bitmask(num_rows, self.vocab_size)
         executor = self._executor
 
