@@ -98,7 +98,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="priority: lower `priority` values of requests run first")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks (worker processes; gloo on CPU, "
-                        "NCCL on CUDA); dense Llama-family models")
+                        "NCCL on CUDA); Llama-family dense and MoE models")
     g.add_argument("--async-scheduling", action="store_true",
                    help="schedule step N+1 while step N computes (the model runs on its own "
                         "thread); off by default: on a CPU it measured no gain (docs/benchmarks.md)")

@@ -61,11 +61,14 @@ def check_tensor_parallel(config: EngineConfig) -> None:
                          f"({os.cpu_count()})")
     if not getattr(get_model_class(mc.architecture), "supports_tensor_parallel", False):
         raise ValueError(f"tensor_parallel_size {size}: {mc.architecture} cannot be split yet "
-                         "(dense Llama, Mistral, Qwen2 and Qwen3 models can)")
+                         "(Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE models can)")
     hf = mc.hf_config
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
-    for n, what in ((heads, "num_attention_heads"), (hf["intermediate_size"], "intermediate_size")):
+    sizes = [(heads, "num_attention_heads"), (hf["intermediate_size"], "intermediate_size")]
+    if hf.get("moe_intermediate_size"):
+        sizes.append((hf["moe_intermediate_size"], "moe_intermediate_size"))
+    for n, what in sizes:
         if n % size:
             raise ValueError(f"tensor_parallel_size {size} does not divide {what} ({n})")
     if kv_heads % size and size % kv_heads:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-
 COLLECTIVES: dict[str, list[int]] = {"all_reduce": [0, 0], "all_gather": [0, 0]}
 """Calls and payload bytes (this rank's tensor) of each collective so far, for
 benchmarks/bench_tensor_parallel.py (two integer adds per call)."""

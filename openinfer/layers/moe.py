@@ -10,6 +10,10 @@ calls), so ties resolve the same way. Expert weights are stacked at load into on
 ``[E, 2I, H]`` gate/up and one ``[E, H, I]`` down tensor; execution groups the step's
 (token, expert) pairs by expert with one sort and runs one GEMM pair per expert that has
 tokens: no Python loop over tokens, no per-expert modules.
+
+Tensor parallel: every rank holds every expert's share of the intermediate features (rows
+of gate/up, columns of down), routes all tokens the same way (the router is replicated),
+and the experts' partial outputs are summed by one all-reduce.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from openinfer.distributed.parallel_state import get_tp
+from openinfer.layers.linear import narrow, reads_slices
 
 SCORING_FUNCS = ("softmax", "sigmoid", "topk_softmax")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -162,8 +169,11 @@ class FusedExperts(nn.Module):
                  activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = silu_and_mul,
                  ) -> None:
         super().__init__()
+        self.tp = get_tp()
         self.num_experts = num_experts
+        intermediate_size = self.tp.split(intermediate_size, "the experts' intermediate size")
         self.intermediate_size = intermediate_size
+        """This rank's share."""
         self.activation = activation
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
                                 requires_grad=False)
@@ -183,13 +193,16 @@ class FusedExperts(nn.Module):
     def count_tokens(self, enabled: bool = True) -> None:
         self.token_counts = torch.zeros(self.num_experts, dtype=torch.int64) if enabled else None
 
+    @reads_slices
     def _load_w13(self, param: torch.Tensor, tensor: torch.Tensor, shard: tuple[int, int]) -> None:
         expert, part = shard  # part 0: gate, 1: up
         n = self.intermediate_size
-        param[expert, part * n:(part + 1) * n].copy_(tensor)
+        param[expert, part * n:(part + 1) * n].copy_(narrow(tensor, 0, self.tp.rank * n, n))
 
+    @reads_slices
     def _load_w2(self, param: torch.Tensor, tensor: torch.Tensor, shard: tuple[int, int]) -> None:
-        param[shard[0]].copy_(tensor)
+        n = self.intermediate_size
+        param[shard[0]].copy_(narrow(tensor, 1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights/ids [T, k] -> [T, H]."""
@@ -212,7 +225,7 @@ class FusedExperts(nn.Module):
             y = self._gemm(self.activation(gate, up), self.w2[expert], b2)
             out.index_add_(0, rows, y * pair_weights[start:start + n, None])
             start += n
-        return out
+        return self.tp.all_reduce(out)
 
     def _gemm(self, x: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,7 +10,6 @@ from openinfer.models.llama import LlamaForCausalLM, require_silu
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    supports_tensor_parallel = False  # (its experts are not sharded yet)
     checkpoint_renames = {"block_sparse_moe": "mlp"}
     expert_weights = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)}
 

@@ -12,7 +12,6 @@ from openinfer.models.qwen3 import Qwen3ForCausalLM
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    supports_tensor_parallel = False  # (its experts are not sharded yet)
     expert_weights = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
 
     @classmethod

@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU: two gloo ranks (worker processes) give the tokens and
-logprobs of one rank, hold half the weights and KV heads each, refuse what they cannot
-run at start-up, and fail at once (leaving no process) when a rank dies."""
+logprobs of one rank (dense and mixture-of-experts models), hold half the weights and KV
+heads each, refuse what they cannot run at start-up, and fail at once (leaving no process)
+when a rank dies."""
 
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ from openinfer.engine.core import EngineCore
 
 # Llama with one KV head (replicated on both ranks), q/k/v/o and MLP biases (the row-parallel
 # bias added once), tied embeddings and an odd vocabulary (the vocab shards padded);
-# Qwen3 with two KV heads (split), q/k norms and an untied LM head.
+# Qwen3-MoE with two KV heads (split), q/k norms, an untied LM head, a dense MLP in layer 0
+# and 8 experts (top 3) in layer 1.
 CHECKPOINTS = {
     "llama": dict(arch="LlamaForCausalLM", num_kv_heads=1, tie_word_embeddings=True,
                   vocab_size=1031, extra_config={"attention_bias": True, "mlp_bias": True}),
-    "qwen3": dict(arch="Qwen3ForCausalLM", num_kv_heads=2),
+    "qwen3_moe": dict(arch="Qwen3MoeForCausalLM", num_kv_heads=2, extra_config=dict(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, mlp_only_layers=[0],
+        decoder_sparse_step=1, norm_topk_prob=True)),
 }
 
 
@@ -104,7 +108,7 @@ def test_impossible_splits_are_refused_at_start_up(make_checkpoint):
 
 
 def test_a_dead_rank_fails_the_engine_at_once_and_leaves_no_process(checkpoints):
-    core = EngineCore(EngineConfig.create(str(checkpoints["qwen3"]), tensor_parallel_size=2))
+    core = EngineCore(EngineConfig.create(str(checkpoints["qwen3_moe"]), tensor_parallel_size=2))
     ranks = list(core.executor._procs)
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     for i, prompt in enumerate(_prompts()):
