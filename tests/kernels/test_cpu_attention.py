@@ -334,3 +334,29 @@ def test_sliding_window_softcap_and_sinks(ext, dtype, window, softcap, sinks):
         plain = torch.empty_like(batch.q)
         paged_attention(*batch.args(plain))
         torch.testing.assert_close(plain.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("contiguous", [False, True], ids=["interleaved", "plain"])
+def test_write_kv_fills_exactly_the_mapped_slots(dtype, contiguous):
+    """The row-copy write (through a view of the layer as rows) against index_put_ with
+    (block, offset) indices, on the engine's interleaved page layout and a plain cache."""
+    from openinfer.kernels.paged_attention import write_kv
+
+    blocks, layers, block_size, kv_heads, head_dim = 7, 3, 4, 2, 8
+    gen = torch.Generator().manual_seed(3)
+    if contiguous:
+        storage = torch.zeros(2, blocks, block_size, kv_heads, head_dim, dtype=dtype)
+        cache = storage
+    else:  # every layer of a block together: layer 1's view is strided by the page
+        storage = torch.zeros(blocks, layers, 2, block_size, kv_heads, head_dim, dtype=dtype)
+        cache = storage[:, 1].transpose(0, 1)
+    slots = torch.tensor([27, 0, 5, 13, 3, 22])
+    kv = torch.randn(len(slots), 2 * kv_heads * head_dim, generator=gen)
+    k, v = (t.view(len(slots), kv_heads, head_dim) for t in kv.chunk(2, -1))  # strided, fp32
+    write_kv(cache, k, v, slots)
+    expected = torch.zeros_like(storage)
+    view = expected if contiguous else expected[:, 1].transpose(0, 1)
+    for half, x in zip(view, (k, v)):
+        half.index_put_((slots // block_size, slots % block_size), x.to(dtype))
+    assert torch.equal(storage, expected)  # other layers and slots untouched
