@@ -25,12 +25,8 @@ one pass. How many: all of them (``fixed``), or those that maximise expected acc
 tokens per second (``confidence``, spec/confidence.py). After the step its computed
 tokens are those verified; the slots of rejected drafts are rolled back.
 
-Asynchronous scheduling: the engine core may schedule step N+1 before step N's output
-has landed (``schedule(in_flight=N)``). A request's step-N tokens then count as computed,
-and a step N that samples counts one more token (whose id only the runner knows yet: it
-feeds it to step N+1 itself). A request that step N's sample ends by length is not
-scheduled again; one that a stop token ends wastes its step-N+1 row, which
-``update_from_output`` drops.
+Asynchronous scheduling: ``schedule(in_flight=N)`` plans step N+1 before step N lands,
+counting step N's tokens as computed (``_progress``; docs/design.md).
 
 There is no separate prefill or decode phase: a request simply has
 ``num_computed_tokens`` of its ``num_tokens`` in the cache, and the step schedules
@@ -238,8 +234,9 @@ class Scheduler:
     @staticmethod
     def _progress(req: Request, in_flight: SchedulerOutput | None) -> tuple[int, int]:
         """(computed, known) tokens of a running request once the step in flight lands:
-        its tokens count as computed, and if it samples, one more token is known, unless
-        that is the last one ``max_tokens`` allows (then computed == known)."""
+        a sampling step adds one known token (only the runner has its id; it feeds it to the
+        next step itself), unless ``max_tokens`` ends the request there (computed == known).
+        A stop token it samples wastes the next step's row; ``update_from_output`` drops it."""
         computed, known = req.num_computed_tokens, req.num_tokens
         if in_flight is None or in_flight.step_id < req.admitted_step:
             return computed, known
