@@ -99,6 +99,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks (worker processes; gloo on CPU, "
                         "NCCL on CUDA); Llama-family dense and MoE models")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: whole experts spread over the tensor-parallel ranks "
+                        "(instead of every expert sliced over them)")
+    g.add_argument("--enable-eplb", action="store_true",
+                   help="with --enable-expert-parallel: move (and replicate) experts to "
+                        "balance the ranks' token load as traffic runs")
+    g.add_argument("--eplb-config", default=None, metavar="JSON",
+                   help='EPLB settings, e.g. \'{"window_size": 1000, "step_interval": 3000, '
+                        '"num_redundant_experts": 0}\' (those are the defaults)')
     g.add_argument("--async-scheduling", action="store_true",
                    help="schedule step N+1 while step N computes (the model runs on its own "
                         "thread); off by default: on a CPU it measured no gain (docs/benchmarks.md)")
@@ -139,6 +148,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy, seed=args.seed,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
+        eplb_config=args.eplb_config,
         kv_role=args.kv_role, kv_connector=args.kv_connector,
         kv_transfer_host=args.kv_transfer_host, kv_transfer_port=args.kv_transfer_port,
         kv_transfer_timeout=args.kv_transfer_timeout, kv_lease_s=args.kv_lease_timeout,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -209,6 +209,46 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class EPLBConfig:
+    """Expert-parallel load balancing (``--enable-eplb``, ``--eplb-config``; vLLM's names):
+    every ``step_interval`` steps the experts are placed again for the load of the last
+    ``window_size`` steps (openinfer/distributed/eplb.py)."""
+
+    window_size: int = 1000
+    step_interval: int = 3000
+    num_redundant_experts: int = 0
+    """Physical expert slots beyond one per routed expert: replicas of hot experts."""
+
+    def __post_init__(self) -> None:
+        for name in ("window_size", "step_interval", "num_redundant_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"eplb_config.{name} must be a non-negative integer, got {value!r}")
+        if not 1 <= self.window_size <= self.step_interval:
+            raise ValueError(f"eplb_config: need 1 <= window_size ({self.window_size}) <= "
+                             f"step_interval ({self.step_interval})")
+
+    @staticmethod
+    def parse(value: str | dict | EPLBConfig | None) -> EPLBConfig:
+        """From the CLI's JSON string or the offline API's dict; unknown keys refused by name."""
+        if value is None or isinstance(value, EPLBConfig):
+            return value or EPLBConfig()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--eplb-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"eplb_config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(EPLBConfig)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"eplb_config: unknown field(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))})")
+        return EPLBConfig(**value)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -234,6 +274,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Ranks the model's layers are split over (one worker process per rank beyond the
     first; openinfer/distributed/)."""
+    enable_expert_parallel: bool = False
+    """MoE layers: whole experts spread over the tensor-parallel ranks instead of every
+    expert sliced over them."""
+    eplb: EPLBConfig | None = None
+    """Expert-parallel load balancing; None: off (experts stay where they were loaded)."""
 
     @staticmethod
     def create(
@@ -274,9 +319,17 @@ class EngineConfig:
         moe_expert_stats: bool = False,
         speculative_config: str | dict | SpeculativeConfig | None = None,
         tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        enable_eplb: bool = False,
+        eplb_config: str | dict | EPLBConfig | None = None,
     ) -> EngineConfig:
         """Build the whole config from flat options (the offline API's and the CLI's)."""
         device = resolve_device(device)
+        if eplb_config is not None and not enable_eplb:
+            raise ValueError("eplb_config is given but enable_eplb is not")
+        if enable_eplb and not enable_expert_parallel:
+            raise ValueError("enable_eplb needs enable_expert_parallel (it balances experts "
+                             "spread over ranks)")
         return EngineConfig(
             model=ModelConfig.from_pretrained(model, dtype=dtype, device=device,
                                               max_model_len=max_model_len,
@@ -307,6 +360,8 @@ class EngineConfig:
             moe_expert_stats=moe_expert_stats,
             speculative=SpeculativeConfig.parse(speculative_config),
             tensor_parallel_size=tensor_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
+            eplb=EPLBConfig.parse(eplb_config) if enable_eplb else None,
         )
 
 

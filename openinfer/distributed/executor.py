@@ -61,12 +61,13 @@ def check_tensor_parallel(config: EngineConfig) -> None:
                          f"({os.cpu_count()})")
     if not getattr(get_model_class(mc.architecture), "supports_tensor_parallel", False):
         raise ValueError(f"tensor_parallel_size {size}: {mc.architecture} cannot be split yet "
-                         "(Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE models can)")
+                         "(Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V2/V3 "
+                         "models can)")
     hf = mc.hf_config
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     sizes = [(heads, "num_attention_heads"), (hf["intermediate_size"], "intermediate_size")]
-    if hf.get("moe_intermediate_size"):
+    if hf.get("moe_intermediate_size") and not config.enable_expert_parallel:
         sizes.append((hf["moe_intermediate_size"], "moe_intermediate_size"))
     for n, what in sizes:
         if n % size:
@@ -85,6 +86,28 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     for feature, on in unsupported.items():
         if on:
             raise ValueError(f"tensor_parallel_size {size} does not run with {feature} yet")
+
+
+def check_expert_parallel(config: EngineConfig) -> None:
+    """Refuse at start-up an expert-parallel split the model cannot take."""
+    if not config.enable_expert_parallel:
+        return
+    from openinfer.models.deepseek import num_routed_experts
+
+    experts = num_routed_experts(config.model.hf_config)
+    if not experts:
+        raise ValueError(f"enable_expert_parallel: {config.model.architecture} has no routed "
+                         "experts (it is not a mixture-of-experts model)")
+    redundant = config.eplb.num_redundant_experts if config.eplb is not None else 0
+    size = config.tensor_parallel_size
+    if redundant > experts * (size - 1):
+        raise ValueError(f"eplb_config.num_redundant_experts {redundant}: at most one replica "
+                         f"of an expert per rank, so at most {experts * (size - 1)} with "
+                         f"{size} rank(s)")
+    if (experts + redundant) % size:
+        raise ValueError(f"expert parallel size {size} (the tensor-parallel ranks) does not "
+                         f"divide the physical experts ({experts} routed + {redundant} "
+                         "redundant)")
 
 
 class RankFailed(RuntimeError):

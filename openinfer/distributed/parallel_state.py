@@ -11,10 +11,17 @@ output features (q/k/v heads, gate/up rows) and needs no communication; the row-
 linear after it holds the matching slice of the input features and sums its partial
 products over the ranks (one all-reduce per attention block and per MLP block). The
 embedding and LM head split the vocabulary.
+
+Expert parallelism (``ExpertParallel``) changes only the MoE layers: instead of every rank
+holding a slice of every expert, each rank holds whole experts (its ``slots_per_rank``
+physical slots) and computes them for the tokens routed there; the same all-reduce
+combines the experts' outputs. The expert-parallel ranks are the tensor-parallel ones.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -70,3 +77,51 @@ def get_tp() -> TensorParallel:
 def set_tp(tp: TensorParallel) -> None:
     global _TP
     _TP = tp
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """Whole experts spread over the ranks (``--enable-expert-parallel``); ``size`` 1: every
+    expert on every rank, as under plain tensor parallelism (which then slices them)."""
+
+    rank: int = 0
+    size: int = 1
+    enabled: bool = False
+    num_redundant: int = 0
+    """Physical expert slots beyond one per logical expert (EPLB replicas of hot experts)."""
+
+    def slots_per_rank(self, num_experts: int) -> int:
+        physical = num_experts + self.num_redundant
+        if physical % self.size:
+            raise ValueError(f"expert parallel size {self.size} does not divide the physical "
+                             f"experts ({num_experts} routed + {self.num_redundant} redundant)")
+        return physical // self.size
+
+
+_EP = ExpertParallel()
+
+
+def get_ep() -> ExpertParallel:
+    return _EP
+
+
+def set_ep(ep: ExpertParallel) -> None:
+    global _EP
+    _EP = ep
+
+
+@contextmanager
+def expert_parallel(config) -> Iterator[ExpertParallel]:
+    """The expert-parallel state ``config`` (an EngineConfig) asks of this rank, set while
+    the model is built (its MoE layers read it then) and kept by the process afterwards
+    only when it is a rank of its own; an in-process engine restores what was there."""
+    tp, previous = get_tp(), get_ep()
+    eplb = config.eplb
+    ep = ExpertParallel(tp.rank, tp.size, config.enable_expert_parallel,
+                        eplb.num_redundant_experts if eplb is not None else 0)
+    set_ep(ep)
+    try:
+        yield ep
+    finally:
+        if tp.size == 1:
+            set_ep(previous)

@@ -340,6 +340,10 @@ class EngineCore:
             stats.update(s.spec.stats.as_dict())
         if self.config.moe_expert_stats:
             stats["moe_expert_tokens"] = self.executor.call("expert_token_counts")
+        if self.config.eplb is not None:  # every rank's moves, summed
+            ranks = self.executor.collective_rpc("eplb_stats")
+            stats.update({key: sum(r[key] for r in ranks) if key != "eplb_rearrangements"
+                          else ranks[0][key] for key in ranks[0]})
         return stats
 
     def _finish_kv_reads(self, wait_s: float = 0.0) -> None:

@@ -99,6 +99,9 @@ class UniprocExecutor(Executor):
 
 
 def make_executor(config: EngineConfig, progress: bool = True) -> Executor:
+    from openinfer.distributed.executor import check_expert_parallel
+
+    check_expert_parallel(config)
     if config.tensor_parallel_size != 1:
         from openinfer.distributed.executor import MultiprocExecutor
 

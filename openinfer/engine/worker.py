@@ -26,6 +26,7 @@ from openinfer.config import (
     ModelConfig,
 )
 from openinfer.cpu_features import cpu_capability
+from openinfer.distributed.parallel_state import expert_parallel, get_tp
 from openinfer.engine.kv_cache import allocate_caches
 from openinfer.engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from openinfer.engine.runner import ModelRunner
@@ -54,7 +55,8 @@ class Worker:
         self.config = config
         mc = config.model
         start = time.perf_counter()
-        self.model = load_model(mc, config.device, progress=progress)
+        with expert_parallel(config) as ep:
+            self.model = load_model(mc, config.device, progress=progress)
         num_params = sum(p.numel() for p in self.model.parameters())
         self.dtype_name = str(mc.dtype).removeprefix("torch.")
         gemm = describe_gemms(self.model)
@@ -71,6 +73,12 @@ class Worker:
             use_cpu_expert_kernels(self.model, load_cpu_attention())
         self.counted_experts = self._count_expert_tokens() if config.moe_expert_stats else {}
         """Model layer index -> its MoE experts, counting the tokens routed to them."""
+        self.balancer = None
+        if config.eplb is not None:
+            from openinfer.distributed.expert_balancer import ExpertBalancer
+
+            self.balancer = ExpertBalancer(list(self._model_experts().values()), config.eplb,
+                                           get_tp(), ep)
         self.compute_info = {"dtype": self.dtype_name, "gemm": gemm.label,
                              "cpu_capability": cpu_capability(), "attention": self.attention.name,
                              "huge_pages": huge_pages}
@@ -102,17 +110,36 @@ class Worker:
 
         return {name: list(entry) for name, entry in COLLECTIVES.items()}
 
+    def expert_placements(self) -> dict:
+        """Expert parallel: the expert in each physical slot of each MoE layer, and EPLB's
+        counters."""
+        placements = {layer: list(m.placement.physical_to_logical)
+                      for layer, m in self._model_experts().items() if m.placement is not None}
+        return {"placements": placements,
+                "eplb": vars(self.balancer.stats) if self.balancer is not None else None}
+
+    def eplb_stats(self) -> dict[str, int]:
+        s = self.balancer.stats
+        return {"eplb_rearrangements": s.rearrangements, "eplb_experts_moved": s.experts_moved,
+                "eplb_bytes_moved": s.bytes_received}
+
     def runner_request_ids(self) -> list[str]:
         """Requests the model runner holds state for (tests: none once idle)."""
         return sorted(self.runner.requests) if self.runner is not None else []
 
-    def _count_expert_tokens(self) -> dict[str, FusedExperts]:
-        counted = {}
+    def _model_experts(self) -> dict[str, FusedExperts]:
+        """Layer index -> the layer's experts (not the MTP modules', which drafting runs)."""
+        experts = {}
         for name, module in self.model.named_modules():
             parts = name.split(".")
-            if isinstance(module, FusedExperts) and "layers" in parts:  # not the unused MTP
-                module.count_tokens()
-                counted[parts[parts.index("layers") + 1]] = module
+            if isinstance(module, FusedExperts) and "layers" in parts:
+                experts[parts[parts.index("layers") + 1]] = module
+        return experts
+
+    def _count_expert_tokens(self) -> dict[str, FusedExperts]:
+        counted = self._model_experts()
+        for module in counted.values():
+            module.count_tokens()
         if not counted:
             raise ValueError(f"moe_expert_stats: {self.config.model.architecture} has no MoE layers")
         return counted
@@ -233,6 +260,8 @@ class Worker:
             for source in plan.releases:
                 self.mover.submit_release(source)
         self.runner.execute(sched)
+        if self.balancer is not None:
+            self.balancer.step()
 
     def sample_tokens(self, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
         """The tokens of the step ``execute_model`` ran, under its grammar masks."""

@@ -10,7 +10,7 @@ path measured fastest for its row count; without one (CUDA, or OPENINFER_CPU_GEM
 it calls ``linear()``.
 
 Tensor parallelism (openinfer.distributed.parallel_state): a ``MergedLinear`` given
-``shard_offsets`` holds one rank's rows of each part (column parallel); a
+``shard_offsets`` (or a ``ColumnParallelLinear``) holds one rank's rows of each part; a
 ``RowParallelLinear`` holds one rank's columns and all-reduces its output. Their loaders
 read only their slice of a checkpoint tensor (``narrow`` on a safetensors slice), so no
 rank holds a full copy of a sharded weight.
@@ -130,6 +130,27 @@ class MergedLinear(Linear):
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(self.out_sizes, dim=-1)
+
+
+class ColumnParallelLinear(Linear):
+    """x @ W^T for this rank's rows of W (its heads, its features): no communication; the
+    row-parallel layer after it consumes the slice."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 what: str = "the output features of a column-parallel linear") -> None:
+        from openinfer.distributed.parallel_state import get_tp
+
+        self.tp = get_tp()
+        self.out_per_rank = self.tp.split(out_features, what)
+        super().__init__(in_features, self.out_per_rank, bias)
+        self.weight.weight_loader = self._load_rows
+        if bias:
+            self.bias.weight_loader = self._load_rows
+
+    @reads_slices
+    def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, narrow(loaded, 0, self.tp.rank * self.out_per_rank,
+                                            self.out_per_rank))
 
 
 class RowParallelLinear(Linear):

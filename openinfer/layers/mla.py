@@ -17,6 +17,11 @@ Two equivalent ways to attend, each used where it is cheaper:
   multi-query attention with ``kv_lora_rank + rope`` wide keys; the values are the entries'
   latent part, and W_UV_h maps each head's result back. Nothing per head is read from the
   cache, which is what makes MLA decode cheap.
+
+Tensor parallel: a rank holds its share of the heads (their rows of q_proj / q_b_proj and
+kv_b_proj, their columns of o_proj, reduced by one all-reduce). The latent projection
+kv_a_proj_with_mqa is shared by all heads, so every rank computes it and caches the whole
+latent entry: MLA's cache is not split (it is already one head wide).
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ import torch
 from torch import nn
 
 from openinfer.attention.metadata import AttentionMetadata
+from openinfer.distributed.parallel_state import get_tp
 from openinfer.kernels.paged_attention import prefill_attention
-from openinfer.layers.linear import Linear
+from openinfer.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding
 
@@ -50,7 +56,9 @@ class MLAAttention(nn.Module):
     def __init__(self, hf: dict, rotary: RotaryEmbedding) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
-        self.num_heads = hf["num_attention_heads"]
+        total_heads = hf["num_attention_heads"]
+        self.num_heads = get_tp().split(total_heads, "num_attention_heads")
+        """This rank's heads."""
         self.nope_dim = hf["qk_nope_head_dim"]
         self.rope_dim = hf["qk_rope_head_dim"]
         self.v_dim = hf["v_head_dim"]
@@ -61,13 +69,14 @@ class MLAAttention(nn.Module):
         if self.q_lora_rank:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)  # the references' default eps
-            self.q_b_proj = Linear(self.q_lora_rank, self.num_heads * qk_dim)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * qk_dim)
         else:
-            self.q_proj = Linear(hidden, self.num_heads * qk_dim)
+            self.q_proj = ColumnParallelLinear(hidden, total_heads * qk_dim)
         self.kv_a_proj_with_mqa = Linear(hidden, self.latent_dim + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.latent_dim, 1e-6)
-        self.kv_b_proj = Linear(self.latent_dim, self.num_heads * (self.nope_dim + self.v_dim))
-        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(self.latent_dim,
+                                              total_heads * (self.nope_dim + self.v_dim))
+        self.o_proj = RowParallelLinear(total_heads * self.v_dim, hidden, bias=bias)
         self.rotary = rotary
         self.scale = yarn_softmax_scale(hf, qk_dim)
         self._absorbed_weights: tuple[torch.Tensor, torch.Tensor] | None = None

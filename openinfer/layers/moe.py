@@ -14,6 +14,12 @@ tokens: no Python loop over tokens, no per-expert modules.
 Tensor parallel: every rank holds every expert's share of the intermediate features (rows
 of gate/up, columns of down), routes all tokens the same way (the router is replicated),
 and the experts' partial outputs are summed by one all-reduce.
+
+Expert parallel (``--enable-expert-parallel``): a rank holds whole experts instead, in its
+physical slots (``placement``, openinfer.distributed.eplb; with redundant slots a hot expert
+has several replicas, and a token goes to replica ``token index mod replicas``). Every rank
+still sees every token (attention is tensor parallel), so dispatch is local: a rank runs
+the (token, expert) pairs whose replica it holds, and the same all-reduce combines them.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openinfer.distributed.parallel_state import get_tp
+from openinfer.distributed.eplb import Placement, initial_placement
+from openinfer.distributed.parallel_state import get_ep, get_tp
 from openinfer.layers.linear import narrow, reads_slices
 
 SCORING_FUNCS = ("softmax", "sigmoid", "topk_softmax")
@@ -171,24 +178,52 @@ class FusedExperts(nn.Module):
         super().__init__()
         self.tp = get_tp()
         self.num_experts = num_experts
-        intermediate_size = self.tp.split(intermediate_size, "the experts' intermediate size")
+        ep = get_ep()
+        self.placement: Placement | None = None
+        """Expert parallel: the expert in every rank's every slot; None: all experts here,
+        slot e holding expert e."""
+        self.num_slots = num_experts
+        """Experts this rank holds (its physical slots)."""
+        if ep.enabled:
+            self.ep_rank, self.num_slots = ep.rank, ep.slots_per_rank(num_experts)
+            self.set_placement(initial_placement(num_experts, ep.size, ep.num_redundant))
+        else:
+            intermediate_size = self.tp.split(intermediate_size, "the experts' intermediate size")
         self.intermediate_size = intermediate_size
-        """This rank's share."""
+        """This rank's share (all of it under expert parallelism)."""
         self.activation = activation
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+        self.w13 = nn.Parameter(torch.empty(self.num_slots, 2 * intermediate_size, hidden_size),
                                 requires_grad=False)
         """Each expert's gate rows then its up rows."""
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
+        self.w2 = nn.Parameter(torch.empty(self.num_slots, hidden_size, intermediate_size),
                                requires_grad=False)
         self.w13.weight_loader = self._load_w13
         self.w2.weight_loader = self._load_w2
         self.b13 = self.b2 = None
         if bias:
-            self.b13 = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size), requires_grad=False)
-            self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
+            self.b13 = nn.Parameter(torch.zeros(self.num_slots, 2 * intermediate_size),
+                                    requires_grad=False)
+            self.b2 = nn.Parameter(torch.zeros(self.num_slots, hidden_size), requires_grad=False)
         self.token_counts: torch.Tensor | None = None
         """Tokens routed to each expert so far (int64 [E], a running total); None while
         counting is off (``count_tokens``)."""
+
+    def set_placement(self, placement: Placement) -> None:
+        """Expert parallel: which expert each slot holds from now on (the caller moves the
+        weights), and the lookup tables the forward pass routes by."""
+        self.placement = placement
+        self.first_slot = self.ep_rank * self.num_slots
+        replicas = placement.replicas()
+        width = max(len(r) for r in replicas)
+        self._replica_slots = torch.tensor([r + r[:1] * (width - len(r)) for r in replicas])
+        self._replica_counts = torch.tensor([len(r) for r in replicas])
+
+    def local_slots(self, expert: int) -> list[int]:
+        """This rank's slots that hold ``expert``."""
+        if self.placement is None:
+            return [expert]
+        mine = self.placement.rank_experts(self.ep_rank)
+        return [slot for slot, e in enumerate(mine) if e == expert]
 
     def count_tokens(self, enabled: bool = True) -> None:
         self.token_counts = torch.zeros(self.num_experts, dtype=torch.int64) if enabled else None
@@ -197,35 +232,56 @@ class FusedExperts(nn.Module):
     def _load_w13(self, param: torch.Tensor, tensor: torch.Tensor, shard: tuple[int, int]) -> None:
         expert, part = shard  # part 0: gate, 1: up
         n = self.intermediate_size
-        param[expert, part * n:(part + 1) * n].copy_(narrow(tensor, 0, self.tp.rank * n, n))
+        for slot in self.local_slots(expert):  # none: another rank's expert, never read
+            param[slot, part * n:(part + 1) * n].copy_(narrow(tensor, 0, self._first_row, n))
 
     @reads_slices
     def _load_w2(self, param: torch.Tensor, tensor: torch.Tensor, shard: tuple[int, int]) -> None:
         n = self.intermediate_size
-        param[shard[0]].copy_(narrow(tensor, 1, self.tp.rank * n, n))
+        for slot in self.local_slots(shard[0]):
+            param[slot].copy_(narrow(tensor, 1, self._first_row, n))
+
+    @property
+    def _first_row(self) -> int:
+        """Where this rank's intermediate features start in a checkpoint expert."""
+        return 0 if self.placement is not None else self.tp.rank * self.intermediate_size
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights/ids [T, k] -> [T, H]."""
         top_k = ids.shape[1]
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        flat = ids.flatten() if self.placement is None else self._route_to_slots(ids).flatten()
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert slot
+        # The last bin: pairs whose expert another rank holds (expert parallel).
+        counts = torch.bincount(flat, minlength=self.num_slots + 1)
         if self.token_counts is not None:
-            self.token_counts += counts.cpu()
+            logical = counts if self.placement is None else torch.bincount(
+                ids.flatten(), minlength=self.num_experts)
+            self.token_counts += logical[:self.num_experts].cpu()
         tokens = order // top_k
         pair_weights = weights.flatten()[order].to(x.dtype)
         out = torch.zeros_like(x)
         start = 0
-        for expert, n in enumerate(counts.tolist()):
+        for slot, n in enumerate(counts[:self.num_slots].tolist()):
             if n == 0:
                 continue
             rows = tokens[start:start + n]
-            b13, b2 = (None, None) if self.b13 is None else (self.b13[expert], self.b2[expert])
-            gate, up = self._gemm(x[rows], self.w13[expert], b13).chunk(2, dim=-1)
-            y = self._gemm(self.activation(gate, up), self.w2[expert], b2)
+            b13, b2 = (None, None) if self.b13 is None else (self.b13[slot], self.b2[slot])
+            gate, up = self._gemm(x[rows], self.w13[slot], b13).chunk(2, dim=-1)
+            y = self._gemm(self.activation(gate, up), self.w2[slot], b2)
             out.index_add_(0, rows, y * pair_weights[start:start + n, None])
             start += n
         return self.tp.all_reduce(out)
+
+    def _route_to_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Expert ids [T, k] -> this rank's slot for each pair, or ``num_slots`` where another
+        rank's replica takes it (token t goes to replica t mod replicas)."""
+        if self._replica_slots.device != ids.device:
+            self._replica_slots = self._replica_slots.to(ids.device)
+            self._replica_counts = self._replica_counts.to(ids.device)
+        token = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+        replica = token % self._replica_counts[ids]
+        local = self._replica_slots[ids, replica] - self.first_slot
+        return local.masked_fill_((local < 0) | (local >= self.num_slots), self.num_slots)
 
     def _gemm(self, x: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:

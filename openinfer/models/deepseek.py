@@ -87,6 +87,7 @@ def num_routed_experts(hf: dict) -> int:
 class DeepseekV2ForCausalLM(nn.Module):
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     expert_weights = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+    supports_tensor_parallel = True
     optional_modules = ("model.mtp",)
     """Checkpoints converted by transformers keep num_nextn_predict_layers but drop the MTP
     weights: the model then loads without them."""

@@ -297,6 +297,11 @@ class _EngineStats(Collector):
         ("swa_replayed_tokens", "swa_replayed_tokens",
          "Prefix-hit tokens recomputed because no window snapshot was cached at their end "
          "(sliding-window models)"),
+        ("eplb_rearrangements", "eplb_rearrangements",
+         "Times EPLB placed the experts again (--enable-eplb)"),
+        ("eplb_experts_moved", "eplb_experts_moved",
+         "Expert replicas EPLB sent from one rank to another"),
+        ("eplb_bytes_moved", "eplb_bytes_moved", "Expert weight bytes EPLB sent between ranks"),
         ("spec_decode_num_drafts", "spec_num_drafts",
          "Speculative decoding: request steps that verified at least one draft token"),
         ("spec_decode_num_draft_tokens", "spec_num_draft_tokens",

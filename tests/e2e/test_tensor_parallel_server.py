@@ -1,6 +1,8 @@
 """`openinfer serve --tensor-parallel-size 2` through the real server: the answers of one
 rank, and a rank that dies turns the server unhealthy at once, ends the engine's
-processes and fails requests with a clear error (no hang, no orphan)."""
+processes and fails requests with a clear error (no hang, no orphan); with
+`--enable-expert-parallel --enable-eplb`, a mixture-of-experts model's answers stay those of
+one rank while its experts are moved between the ranks."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import urllib.request
 import openai
 import psutil
 import pytest
-from server_process import MODEL, start_server, stop
+from conftest import build_checkpoint
+from server_process import MODEL, metrics, start_server, stop
 
 from openinfer import LLM, SamplingParams
 
@@ -69,5 +72,30 @@ def test_tensor_parallel_server_answers_and_a_dead_rank_makes_it_unhealthy(qwen3
         psutil.wait_procs(engine, timeout=30)
         assert not _engine_processes(proc.pid), "an engine process outlived its dead rank"
         assert proc.poll() is None  # the API process still answers (503s) until stopped
+    finally:
+        stop(proc)
+
+
+def test_expert_parallel_server_with_eplb_answers_as_one_rank(tmp_path, tokenizer):
+    checkpoint = build_checkpoint(tmp_path, "Qwen3MoeForCausalLM", tokenizer, extra_config=dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+        norm_topk_prob=True))
+    prompts = [[7, 300, 41, 9, 12] * 3, [500, 3, 77], [12, 13, 14, 15] * 5]
+    offline = LLM(str(checkpoint), progress=False)
+    want = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
+                                                    ignore_eos=True))
+    eplb = json.dumps({"window_size": 3, "step_interval": 4, "num_redundant_experts": 2})
+    base, proc = start_server(checkpoint, "--tensor-parallel-size", "2",
+                              "--enable-expert-parallel", "--enable-eplb", "--eplb-config", eplb)
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        answer = client.completions.create(model=MODEL, prompt=prompts, max_tokens=24,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        texts = {choice.index: choice.text for choice in answer.choices}
+        assert [texts[i] for i in range(len(prompts))] == [w.outputs[0].text for w in want]
+        values = metrics(base)
+        assert values["openinfer:eplb_rearrangements_total"] >= 4
+        assert values["openinfer:eplb_experts_moved_total"] > 0
+        assert values["openinfer:eplb_bytes_moved_total"] > 0
     finally:
         stop(proc)
