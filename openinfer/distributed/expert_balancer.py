@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,11 @@ from openinfer.layers.moe import FusedExperts
 
 logger = logging.getLogger(__name__)
 
+MIN_GAIN = 0.05
+"""A layer is rearranged only when that lowers its max/mean rank load by at least this much
+(on the window's load): near-even loads reshuffle under greedy packing, and moving every
+replica of a layer for a 1% gain costs more than it saves."""
+
 
 @dataclass
 class BalancerStats:
@@ -39,9 +44,11 @@ class BalancerStats:
     experts_moved: int = 0
     """Expert replicas received from another rank, over all layers and rearrangements."""
     bytes_received: int = 0
-    imbalance: list[tuple[float, float]] = field(default_factory=list)
-    """(before, after) of the last rearrangement: max over mean rank load of the layer
-    that was worst before, for the window's load."""
+    seconds: float = 0.0
+    """Time spent rearranging (counting, placing, moving), over all rearrangements."""
+    last_imbalance: tuple[float, float] = (1.0, 1.0)
+    """Max over mean rank load before and after the last rearrangement, in the layer that
+    was worst before (for the window's load)."""
 
 
 class ExpertBalancer:
@@ -81,16 +88,20 @@ class ExpertBalancer:
             placement = rebalance(load, self.ep.size, len(layer.placement.physical_to_logical),
                                   layer.placement)
             before, after = layer.placement.imbalance(load), placement.imbalance(load)
+            if before - after < MIN_GAIN:
+                after = before  # kept as it is
+            elif placement != layer.placement:
+                moved += move_experts(layer, placement, self.ep, self.stats)
             if before > worst[0]:
                 worst = (before, after)
-            if placement != layer.placement:
-                moved += move_experts(layer, placement, self.ep, self.stats)
         self.snapshot = [layer.token_counts.clone() for layer in self.layers]
         self.stats.rearrangements += 1
-        self.stats.imbalance = [worst]
+        self.stats.last_imbalance = worst
+        seconds = time.perf_counter() - start
+        self.stats.seconds += seconds
         logger.info("EPLB: experts placed again for the last %d steps' load (worst layer: "
                     "max/mean rank load %.2f -> %.2f); %d replicas received in %.0f ms",
-                    self.config.window_size, *worst, moved, 1e3 * (time.perf_counter() - start))
+                    self.config.window_size, *worst, moved, 1e3 * seconds)
 
 
 def move_experts(layer: FusedExperts, new: Placement, ep: ExpertParallel,
