@@ -150,6 +150,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
         eplb_config=args.eplb_config,
+        **(dict(data_parallel_size=args.data_parallel_size, data_parallel_rank=args.data_parallel_rank,
+                data_parallel_address=args.data_parallel_address,
+                data_parallel_rpc_port=args.data_parallel_rpc_port)
+           if getattr(args, "data_parallel_rank", None) is not None else {}),
         kv_role=args.kv_role, kv_connector=args.kv_connector,
         kv_transfer_host=args.kv_transfer_host, kv_transfer_port=args.kv_transfer_port,
         kv_transfer_timeout=args.kv_transfer_timeout, kv_lease_s=args.kv_lease_timeout,
@@ -197,7 +201,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     args.api_key = args.api_key or os.environ.get("OPENINFER_API_KEY") or None
     args.admin_api_key = args.admin_api_key or os.environ.get("OPENINFER_ADMIN_API_KEY") or None
-    if args.data_parallel_size > 1 or args.backend == "ray" or args.disaggregate:
+    one_rank = args.data_parallel_rank is not None
+    if (args.data_parallel_size > 1 and not one_rank) or args.backend == "ray" or args.disaggregate:
         from openinfer.router.launch import serve_data_parallel
 
         return serve_data_parallel(args, args.argv)
@@ -335,7 +340,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the 'engine' label of this server's metrics (its data-parallel "
                             "rank; --data-parallel-size numbers its replicas)")
     serve.add_argument("--data-parallel-size", type=int, default=1,
-                       help="run N engine replicas behind a router on --port")
+                       help="run N engine replicas behind a router on --port; with "
+                            "--enable-expert-parallel they are one group: attention data "
+                            "parallel, experts spread over all N")
+    serve.add_argument("--data-parallel-rank", type=int,
+                       help="serve only this rank of a --data-parallel-size group of "
+                            "expert-parallel engines (the others started likewise, e.g. on "
+                            "other nodes); no router")
+    serve.add_argument("--data-parallel-address", default="127.0.0.1",
+                       help="where rank 0 of the group listens for the others")
+    serve.add_argument("--data-parallel-rpc-port", type=int,
+                       help="the port on --data-parallel-address the group joins at")
     add_router_args(serve, data_parallel=True)
     serve.set_defaults(func=cmd_serve)
 

@@ -249,6 +249,30 @@ class EPLBConfig:
 
 
 @dataclass(frozen=True)
+class DataParallelConfig:
+    """Data-parallel attention inside one expert-parallel group (DeepSeek's deployment):
+    this engine is rank ``rank`` of ``size``; each schedules its own requests, and all of
+    them run every step together, for the MoE layers' collectives (an engine without
+    requests runs its experts for the others). ``serve --data-parallel-size N
+    --enable-expert-parallel`` starts the N engines and a router; one engine alone is
+    ``serve --data-parallel-size N --data-parallel-rank I`` (one per node, say)."""
+
+    size: int = 1
+    rank: int = 0
+    address: str = "127.0.0.1"
+    """Where rank 0 listens for the others to join the group."""
+    rpc_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"data_parallel_rank {self.rank} is not a rank of "
+                             f"data_parallel_size {self.size}")
+        if self.size > 1 and self.rpc_port is None:
+            raise ValueError("data-parallel ranks of one expert-parallel group need "
+                             "data_parallel_rpc_port (where they join the group)")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -279,6 +303,7 @@ class EngineConfig:
     expert sliced over them."""
     eplb: EPLBConfig | None = None
     """Expert-parallel load balancing; None: off (experts stay where they were loaded)."""
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
 
     @staticmethod
     def create(
@@ -322,6 +347,10 @@ class EngineConfig:
         enable_expert_parallel: bool = False,
         enable_eplb: bool = False,
         eplb_config: str | dict | EPLBConfig | None = None,
+        data_parallel_size: int = 1,
+        data_parallel_rank: int = 0,
+        data_parallel_address: str = "127.0.0.1",
+        data_parallel_rpc_port: int | None = None,
     ) -> EngineConfig:
         """Build the whole config from flat options (the offline API's and the CLI's)."""
         device = resolve_device(device)
@@ -330,6 +359,13 @@ class EngineConfig:
         if enable_eplb and not enable_expert_parallel:
             raise ValueError("enable_eplb needs enable_expert_parallel (it balances experts "
                              "spread over ranks)")
+        if data_parallel_size > 1 and not enable_expert_parallel:
+            raise ValueError("data_parallel_size > 1 inside one engine group needs "
+                             "enable_expert_parallel (plain data parallelism is replicas "
+                             "behind the router: `serve --data-parallel-size N`)")
+        if data_parallel_size > 1 and tensor_parallel_size > 1:
+            raise ValueError("data-parallel attention with tensor_parallel_size > 1 per rank "
+                             "is not supported yet")
         return EngineConfig(
             model=ModelConfig.from_pretrained(model, dtype=dtype, device=device,
                                               max_model_len=max_model_len,
@@ -362,6 +398,8 @@ class EngineConfig:
             tensor_parallel_size=tensor_parallel_size,
             enable_expert_parallel=enable_expert_parallel,
             eplb=EPLBConfig.parse(eplb_config) if enable_eplb else None,
+            data_parallel=DataParallelConfig(data_parallel_size, data_parallel_rank,
+                                             data_parallel_address, data_parallel_rpc_port),
         )
 
 

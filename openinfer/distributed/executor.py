@@ -99,15 +99,30 @@ def check_expert_parallel(config: EngineConfig) -> None:
         raise ValueError(f"enable_expert_parallel: {config.model.architecture} has no routed "
                          "experts (it is not a mixture-of-experts model)")
     redundant = config.eplb.num_redundant_experts if config.eplb is not None else 0
-    size = config.tensor_parallel_size
+    dp = config.data_parallel
+    size = dp.size if dp.size > 1 else config.tensor_parallel_size
+    ranks = "the data-parallel ranks" if dp.size > 1 else "the tensor-parallel ranks"
     if redundant > experts * (size - 1):
         raise ValueError(f"eplb_config.num_redundant_experts {redundant}: at most one replica "
                          f"of an expert per rank, so at most {experts * (size - 1)} with "
                          f"{size} rank(s)")
     if (experts + redundant) % size:
-        raise ValueError(f"expert parallel size {size} (the tensor-parallel ranks) does not "
-                         f"divide the physical experts ({experts} routed + {redundant} "
-                         "redundant)")
+        raise ValueError(f"expert parallel size {size} ({ranks}) does not divide the physical "
+                         f"experts ({experts} routed + {redundant} redundant)")
+    if dp.size > 1:
+        unsupported = {
+            "speculative decoding": config.speculative is not None,
+            "--async-scheduling": config.scheduler.async_scheduling,
+            "the KV host tier and file store": config.cache.kv_host_memory is not None
+            or config.cache.kv_store_dir is not None,
+            "disaggregation (--role / --kv-transfer-port)": config.kv_transfer.role != "both"
+            or config.kv_transfer.port is not None,
+            "--batch-invariant": config.model.batch_invariant,
+        }
+        for feature, on in unsupported.items():
+            if on:
+                raise ValueError(f"data-parallel attention with expert parallelism does not "
+                                 f"run with {feature} yet")
 
 
 class RankFailed(RuntimeError):

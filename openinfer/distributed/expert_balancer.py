@@ -3,8 +3,9 @@
 
 Every rank's worker runs every step (the executor sends each call to all ranks), so the
 ranks count steps in lockstep and rearrange at the same step, between two forward passes:
-serving pauses for the weight moves only. Each rank sums the layers' load (an all-reduce:
-under data-parallel attention each rank sees its own tokens), computes the same placement,
+serving pauses for the weight moves only. Each rank sums the layers' load over the
+expert-parallel group (under data-parallel attention each rank counts its own tokens),
+computes the same placement,
 and then, per layer:
 
 * an expert that stays on a rank keeps (or changes) its slot by a local copy;
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from openinfer.config import EPLBConfig
 from openinfer.distributed.eplb import Placement, rebalance
-from openinfer.distributed.parallel_state import ExpertParallel, TensorParallel
+from openinfer.distributed.parallel_state import ExpertParallel
 from openinfer.layers.moe import FusedExperts
 
 logger = logging.getLogger(__name__)
@@ -52,13 +53,13 @@ class BalancerStats:
 
 
 class ExpertBalancer:
-    def __init__(self, layers: list[FusedExperts], config: EPLBConfig, tp: TensorParallel,
+    def __init__(self, layers: list[FusedExperts], config: EPLBConfig,
                  ep: ExpertParallel) -> None:
         if not layers:
             raise ValueError("enable_eplb: the model has no MoE layers")
         self.layers = layers
         self.config = config
-        self.tp, self.ep = tp, ep
+        self.ep = ep
         for layer in layers:
             if layer.token_counts is None:
                 layer.count_tokens()
@@ -79,7 +80,7 @@ class ExpertBalancer:
         start = time.perf_counter()
         loads = torch.stack([layer.token_counts - snap
                              for layer, snap in zip(self.layers, self.snapshot)])
-        self.tp.all_reduce(loads)  # the same totals on every rank
+        self.ep.all_reduce(loads)  # the same totals on every rank
         worst = (0.0, 0.0)
         moved = 0
         for layer, load in zip(self.layers, loads.tolist()):

@@ -14,8 +14,11 @@ embedding and LM head split the vocabulary.
 
 Expert parallelism (``ExpertParallel``) changes only the MoE layers: instead of every rank
 holding a slice of every expert, each rank holds whole experts (its ``slots_per_rank``
-physical slots) and computes them for the tokens routed there; the same all-reduce
-combines the experts' outputs. The expert-parallel ranks are the tensor-parallel ones.
+physical slots) and computes them for the tokens routed there. Its ranks are either the
+tensor-parallel ones (every rank has every token; the same all-reduce combines the
+experts' outputs) or data-parallel attention ranks, one engine each with its own requests
+(``across_data_parallel``: tokens are gathered from every rank and the outputs
+reduce-scattered back; openinfer/layers/moe.py).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-COLLECTIVES: dict[str, list[int]] = {"all_reduce": [0, 0], "all_gather": [0, 0]}
+COLLECTIVES: dict[str, list[int]] = {"all_reduce": [0, 0], "all_gather": [0, 0],
+                                     "reduce_scatter": [0, 0]}
 """Calls and payload bytes (this rank's tensor) of each collective so far, for
 benchmarks/bench_tensor_parallel.py (two integer adds per call)."""
 
@@ -89,6 +93,33 @@ class ExpertParallel:
     enabled: bool = False
     num_redundant: int = 0
     """Physical expert slots beyond one per logical expert (EPLB replicas of hot experts)."""
+    group: dist.ProcessGroup | None = None
+    across_data_parallel: bool = False
+    """The ranks are data-parallel engines, each with its own tokens."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            _count("all_reduce", x)
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` (the same shape on all) stacked along dim 0, rank 0 first."""
+        if self.size == 1:
+            return x
+        _count("all_gather", x)
+        out = x.new_empty(self.size * x.shape[0], *x.shape[1:])
+        dist.all_gather_single(out, x.contiguous(), group=self.group)
+        return out
+
+    def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of ``x``, of which this rank keeps its 1/size of the rows."""
+        if self.size == 1:
+            return x
+        _count("reduce_scatter", x)
+        out = x.new_empty(x.shape[0] // self.size, *x.shape[1:])
+        dist.reduce_scatter_single(out, x.contiguous(), group=self.group)
+        return out
 
     def slots_per_rank(self, num_experts: int) -> int:
         physical = num_experts + self.num_redundant
@@ -117,11 +148,28 @@ def expert_parallel(config) -> Iterator[ExpertParallel]:
     only when it is a rank of its own; an in-process engine restores what was there."""
     tp, previous = get_tp(), get_ep()
     eplb = config.eplb
-    ep = ExpertParallel(tp.rank, tp.size, config.enable_expert_parallel,
-                        eplb.num_redundant_experts if eplb is not None else 0)
+    redundant = eplb.num_redundant_experts if eplb is not None else 0
+    dp = config.data_parallel
+    if dp.size > 1:  # one engine per rank, in one group (init_data_parallel_group)
+        ep = ExpertParallel(dp.rank, dp.size, True, redundant, dist.group.WORLD,
+                            across_data_parallel=True)
+    else:
+        ep = ExpertParallel(tp.rank, tp.size, config.enable_expert_parallel, redundant,
+                            tp.group)
     set_ep(ep)
     try:
         yield ep
     finally:
-        if tp.size == 1:
+        if tp.size == 1 and dp.size == 1:
             set_ep(previous)
+
+
+def init_data_parallel_group(config) -> None:
+    """Join this engine's data-parallel rank to the group of all of them (gloo on CPU,
+    NCCL on CUDA), rendezvousing at ``config.data_parallel``'s address and port."""
+    from openinfer.distributed.executor import COLLECTIVE_TIMEOUT
+
+    dp = config.data_parallel
+    backend = "nccl" if config.device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{dp.address}:{dp.rpc_port}",
+                            rank=dp.rank, world_size=dp.size, timeout=COLLECTIVE_TIMEOUT)

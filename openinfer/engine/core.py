@@ -370,11 +370,22 @@ class EngineCore:
         if self.publisher is not None:
             self.publisher.shutdown()
 
+    @property
+    def lockstep(self) -> bool:
+        """A data-parallel rank of an expert-parallel group: it steps only when every rank
+        does (``any_rank_busy``), so that the MoE layers' collectives pair up."""
+        return self.config.data_parallel.size > 1
+
+    def any_rank_busy(self) -> bool:
+        """Lockstep: whether any rank has requests; every rank must call it together."""
+        return self.executor.call("any_rank_busy", self.has_unfinished_requests())
+
     def _release_if_idle(self) -> None:
         # The runner learns of finished requests at the next step; with no next step
         # in sight, send it an empty one so it drops their state now (the last step's
-        # cached blocks still go to L2 and L3 with it).
-        if not self.scheduler.has_unfinished_requests():
+        # cached blocks still go to L2 and L3 with it). Not in lockstep: an extra step on
+        # one rank would be a step the others do not take (its next step drops them).
+        if not self.scheduler.has_unfinished_requests() and not self.lockstep:
             scheduled = self.scheduler.schedule()
             self.executor.execute_model(scheduled)  # (after the step in flight, if any)
             self.scheduler.update_from_output(scheduled, self.executor.sample_tokens(None))

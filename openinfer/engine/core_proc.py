@@ -23,6 +23,11 @@ from openinfer.logger import PeriodicStats, configure_logging
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 1000
+LOCKSTEP_POLL_MS = (5, 100)
+"""A lockstep rank's idle wait between two rounds of asking the others whether any has
+work (the most a request that reaches an idle group waits before its first step): the
+first, doubled each idle round up to the second. Measured on 2 cores: 10 ms rounds cost
+each idle rank 12% of a core."""
 
 
 def run_engine_core(engine_options: dict, input_addr: str, output_addr: str,
@@ -73,11 +78,16 @@ def die_with(parent_pid: int) -> None:
 
 def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
     periodic = PeriodicStats()
+    idle_ms = IDLE_POLL_MS
     while True:
         busy = core.has_unfinished_requests()
+        if core.lockstep:  # every rank steps when any has work (engine/core.py)
+            busy = core.any_rank_busy()
+            first, most = LOCKSTEP_POLL_MS
+            idle_ms = first if busy else min(most, 2 * idle_ms)
         if not busy:
             periodic.idle()
-        if not busy and not inputs.poll(IDLE_POLL_MS):
+        if not busy and not inputs.poll(idle_ms):
             if os.getppid() != parent_pid:
                 return  # the front end is gone
             if core.collect_leases():  # KV pulled or abandoned is freed even when idle
@@ -95,8 +105,13 @@ def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid
                 core.abort_requests(body)
             elif kind == protocol.UTILITY:
                 outputs.send(protocol.encode(protocol.UTILITY_RESULT, _call(core, body)))
-        if core.has_unfinished_requests() or busy:
-            step_outputs = core.step() if core.has_unfinished_requests() else []
+        # In lockstep a rank steps exactly when the others do: on a busy answer, even with
+        # nothing of its own; after an idle one, requests that just arrived wait for the
+        # next round (one all-reduce away).
+        step = busy if core.lockstep else core.has_unfinished_requests() or busy
+        if step:
+            run = core.lockstep or core.has_unfinished_requests()
+            step_outputs = core.step() if run else []
             stats = core.stats()
             outputs.send(protocol.encode(protocol.OUTPUTS, {
                 "outputs": [protocol.pack_output(o) for o in step_outputs],

@@ -16,6 +16,10 @@ from openinfer.sampling_params import SamplingParams
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        if config.data_parallel.size > 1:
+            raise ValueError("the data-parallel ranks of an expert-parallel group run as "
+                             "servers that step together (`openinfer serve "
+                             "--data-parallel-size N --enable-expert-parallel`), not offline")
         self.config = config
         self.inputs = InputProcessor(config)
         self.tokenizer = self.inputs.tokenizer

@@ -26,7 +26,7 @@ from openinfer.config import (
     ModelConfig,
 )
 from openinfer.cpu_features import cpu_capability
-from openinfer.distributed.parallel_state import expert_parallel, get_tp
+from openinfer.distributed.parallel_state import expert_parallel, init_data_parallel_group
 from openinfer.engine.kv_cache import allocate_caches
 from openinfer.engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from openinfer.engine.runner import ModelRunner
@@ -55,6 +55,10 @@ class Worker:
         self.config = config
         mc = config.model
         start = time.perf_counter()
+        self.lockstep = config.data_parallel.size > 1
+        """A data-parallel rank of an expert-parallel group: every step runs on every rank."""
+        if self.lockstep:
+            init_data_parallel_group(config)
         with expert_parallel(config) as ep:
             self.model = load_model(mc, config.device, progress=progress)
         num_params = sum(p.numel() for p in self.model.parameters())
@@ -78,7 +82,7 @@ class Worker:
             from openinfer.distributed.expert_balancer import ExpertBalancer
 
             self.balancer = ExpertBalancer(list(self._model_experts().values()), config.eplb,
-                                           get_tp(), ep)
+                                           ep)
         self.compute_info = {"dtype": self.dtype_name, "gemm": gemm.label,
                              "cpu_capability": cpu_capability(), "attention": self.attention.name,
                              "huge_pages": huge_pages}
@@ -260,8 +264,25 @@ class Worker:
             for source in plan.releases:
                 self.mover.submit_release(source)
         self.runner.execute(sched)
+        if self.lockstep and sched.is_empty:
+            self._run_experts_for_others()
         if self.balancer is not None:
             self.balancer.step()
+
+    def any_rank_busy(self, busy: bool) -> bool:
+        """Data-parallel ranks: whether any of them has requests (then all of them step)."""
+        flag = torch.tensor([int(busy)])
+        torch.distributed.all_reduce(flag)
+        return bool(flag.item())
+
+    @torch.inference_mode()
+    def _run_experts_for_others(self) -> None:
+        """A data-parallel rank with nothing to compute still holds experts the others'
+        tokens need: it joins every MoE layer's exchange, in layer order, with no tokens."""
+        for experts in self._model_experts().values():
+            hidden = experts.w13.shape[2]
+            experts(experts.w13.new_empty(0, hidden), torch.empty(0, 0),
+                    torch.empty(0, 0, dtype=torch.long))
 
     def sample_tokens(self, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
         """The tokens of the step ``execute_model`` ran, under its grammar masks."""

@@ -17,9 +17,11 @@ and the experts' partial outputs are summed by one all-reduce.
 
 Expert parallel (``--enable-expert-parallel``): a rank holds whole experts instead, in its
 physical slots (``placement``, openinfer.distributed.eplb; with redundant slots a hot expert
-has several replicas, and a token goes to replica ``token index mod replicas``). Every rank
-still sees every token (attention is tensor parallel), so dispatch is local: a rank runs
+has several replicas, and a token goes to replica ``token index mod replicas``). When
+attention is tensor parallel every rank sees every token, so dispatch is local: a rank runs
 the (token, expert) pairs whose replica it holds, and the same all-reduce combines them.
+When attention is data parallel (each rank its own requests) the tokens are all-gathered
+first and the outputs reduce-scattered back (``_exchange``).
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ class FusedExperts(nn.Module):
         super().__init__()
         self.tp = get_tp()
         self.num_experts = num_experts
-        ep = get_ep()
+        self.ep = ep = get_ep()
         self.placement: Placement | None = None
         """Expert parallel: the expert in every rank's every slot; None: all experts here,
         slot e holding expert e."""
@@ -248,15 +250,20 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights/ids [T, k] -> [T, H]."""
+        if self.token_counts is not None:
+            self.token_counts += torch.bincount(ids.flatten(), minlength=self.num_experts).cpu()
+        if self.ep.across_data_parallel:
+            return self._exchange(x, weights, ids)
+        return self.tp.all_reduce(self._run_experts(x, weights, ids))
+
+    def _run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' share of the output: every (token, expert) pair whose
+        expert (or replica) it holds, weighted, summed per token."""
         top_k = ids.shape[1]
         flat = ids.flatten() if self.placement is None else self._route_to_slots(ids).flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert slot
         # The last bin: pairs whose expert another rank holds (expert parallel).
         counts = torch.bincount(flat, minlength=self.num_slots + 1)
-        if self.token_counts is not None:
-            logical = counts if self.placement is None else torch.bincount(
-                ids.flatten(), minlength=self.num_experts)
-            self.token_counts += logical[:self.num_experts].cpu()
         tokens = order // top_k
         pair_weights = weights.flatten()[order].to(x.dtype)
         out = torch.zeros_like(x)
@@ -270,7 +277,33 @@ class FusedExperts(nn.Module):
             y = self._gemm(self.activation(gate, up), self.w2[slot], b2)
             out.index_add_(0, rows, y * pair_weights[start:start + n, None])
             start += n
-        return self.tp.all_reduce(out)
+        return out
+
+    def _exchange(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Data-parallel ranks: gather every rank's tokens (padded to the largest count),
+        run this rank's experts on all of them, and reduce-scatter the sums back, so each
+        rank gets its own tokens' outputs. A rank without tokens (T = 0, k = 0) still
+        joins, for the others' tokens its experts take."""
+        ep = self.ep
+        shape = ep.all_gather_rows(torch.tensor([[x.shape[0], ids.shape[1]]], device=x.device))
+        counts, top_k = shape[:, 0].tolist(), int(shape[:, 1].max())
+        most = max(counts)
+        if most == 0:
+            return x
+        T = x.shape[0]
+        padded_x = x.new_zeros(most, x.shape[1])
+        padded_ids = ids.new_zeros(most, top_k)
+        padded_w = weights.new_zeros(most, top_k)
+        if T:
+            padded_x[:T], padded_ids[:T], padded_w[:T] = x, ids, weights
+        rows = torch.cat([torch.arange(r * most, r * most + n, device=x.device)
+                          for r, n in enumerate(counts)])
+        all_x = ep.all_gather_rows(padded_x)[rows]
+        all_ids = ep.all_gather_rows(padded_ids)[rows]
+        all_w = ep.all_gather_rows(padded_w)[rows]
+        partial = x.new_zeros(ep.size * most, x.shape[1])
+        partial[rows] = self._run_experts(all_x, all_w, all_ids)
+        return ep.reduce_scatter_rows(partial)[:T]
 
     def _route_to_slots(self, ids: torch.Tensor) -> torch.Tensor:
         """Expert ids [T, k] -> this rank's slot for each pair, or ``num_slots`` where another

@@ -92,13 +92,27 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
                                "--kv-events-replay-endpoint", "--backend", "--ray-address",
                                "--ray-num-cpus-per-replica", "--disaggregate", "--role",
                                "--kv-transfer-port", "--disagg-min-tokens",
-                               "--metrics-engine-index"})
+                               "--metrics-engine-index", "--data-parallel-rank",
+                               "--data-parallel-rpc-port", "--data-parallel-address"})
     sock = bind_socket(args.host, args.port)  # a port in use fails before replicas start
     if args.backend == "ray":
         if args.disaggregate:
             raise SystemExit("--disaggregate runs on this machine: not with --backend ray")
+        if args.enable_expert_parallel:
+            raise SystemExit("--backend ray does not form the replicas into one "
+                             "expert-parallel group yet: start each rank with "
+                             "--data-parallel-rank instead")
         return _serve_on_ray(args, child_argv, sock)
     roles = [[]] * args.data_parallel_size
+    if args.enable_expert_parallel and args.data_parallel_size > 1:
+        # One expert-parallel group: each replica is a rank of it (attention data parallel).
+        port = free_port()
+        roles = [["--data-parallel-size", str(args.data_parallel_size), "--data-parallel-rank",
+                  str(i), "--data-parallel-rpc-port", str(port)]
+                 for i in range(args.data_parallel_size)]
+        if args.disaggregate:
+            raise SystemExit("--disaggregate with a data-parallel expert-parallel group is not "
+                             "supported yet")
     num_prefill = 0
     if args.disaggregate:
         num_prefill, num_decode = _parse_pd(args.disaggregate)

@@ -83,8 +83,30 @@ def test_impossible_expert_splits_are_refused_at_start_up(moe_checkpoints, make_
                    eplb_config={"num_redundant_experts": 2}),
          "at most 0 with 1 rank(s)"),
         (str(make_checkpoint()), dict(enable_expert_parallel=True), "has no routed experts"),
+        (moe, dict(enable_expert_parallel=True, data_parallel_size=2, data_parallel_rpc_port=1,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+         "data-parallel attention with expert parallelism does not run with speculative "
+         "decoding yet"),
+        (moe, dict(enable_expert_parallel=True, data_parallel_size=3, data_parallel_rpc_port=1),
+         "expert parallel size 3 (the data-parallel ranks) does not divide the physical "
+         "experts (8 routed + 0 redundant)"),
     ]
     for path, options, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             EngineCore(EngineConfig.create(path, **options))
+    config_errors = [
+        (dict(data_parallel_size=2, data_parallel_rpc_port=1),
+         "data_parallel_size > 1 inside one engine group needs enable_expert_parallel"),
+        (dict(enable_expert_parallel=True, data_parallel_size=2),
+         "need data_parallel_rpc_port"),
+        (dict(enable_expert_parallel=True, data_parallel_size=2, data_parallel_rank=2,
+              data_parallel_rpc_port=1), "data_parallel_rank 2 is not a rank of"),
+        (dict(enable_expert_parallel=True, data_parallel_size=2, data_parallel_rpc_port=1,
+              tensor_parallel_size=2), "with tensor_parallel_size > 1 per rank"),
+    ]
+    for options, message in config_errors:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            EngineConfig.create(moe, **options)
+    with pytest.raises(ValueError, match="run as servers that step together"):
+        LLM(moe, enable_expert_parallel=True, data_parallel_size=2, data_parallel_rpc_port=1)
     assert not _child_processes(), "a refused start left a process behind"

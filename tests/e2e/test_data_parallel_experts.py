@@ -1,0 +1,57 @@
+"""Data-parallel attention with expert parallelism, through real servers: two engines, each
+with its own requests and KV cache, hold half of a mixture-of-experts model's experts each
+and step together (an engine without requests runs its experts for the other's tokens).
+Started as `serve --data-parallel-size 2 --enable-expert-parallel` (the two ranks and the
+cache-aware router), asked through the router or directly, they answer what one engine
+holding the whole model answers, while EPLB moves experts between them."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+from conftest import build_checkpoint
+from server_process import MODEL, admin_workers, metrics, start_server, stop
+
+from openinfer import LLM, SamplingParams
+
+EPLB = json.dumps({"window_size": 3, "step_interval": 4, "num_redundant_experts": 2})
+
+
+def _complete(base: str, prompt: list[int]) -> str:
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    return answer.choices[0].text
+
+
+def test_two_data_parallel_ranks_share_the_experts_and_answer_as_one(tmp_path, tokenizer):
+    checkpoint = build_checkpoint(tmp_path, "Qwen3MoeForCausalLM", tokenizer, extra_config=dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+        norm_topk_prob=True))
+    prompts = [[7, 300, 41, 9, 12] * 3, [500, 3, 77], [12, 13, 14, 15] * 5, [900, 901] * 4,
+               [44] * 9, [5, 6, 7, 8, 9, 10]]
+    offline = LLM(str(checkpoint), progress=False)
+    want = [o.outputs[0].text for o in offline.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
+
+    router, proc = start_server(checkpoint, "--data-parallel-size", "2",
+                                "--enable-expert-parallel", "--enable-eplb", "--eplb-config", EPLB)
+    try:
+        ranks = [w["url"] for w in admin_workers(router)]
+        assert len(ranks) == 2
+        # One rank asked alone: the other, idle, still runs its experts for these tokens.
+        assert _complete(ranks[0], prompts[0]) == want[0]
+        assert _complete(ranks[1], prompts[1]) == want[1]
+        served = [metrics(rank)["openinfer:request_success_total[length]"] for rank in ranks]
+        with ThreadPoolExecutor(len(prompts)) as pool:  # both ranks busy at once
+            got = list(pool.map(lambda p: _complete(router, p), prompts))
+        assert got == want
+        for rank, before in zip(ranks, served):
+            values = metrics(rank)
+            assert values["openinfer:request_success_total[length]"] > before  # each took some
+            assert values["openinfer:eplb_rearrangements_total"] >= 2
+        assert sum(metrics(rank)["openinfer:eplb_experts_moved_total"] for rank in ranks) > 0
+    finally:
+        stop(proc)
