@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 COLLECTIVES: dict[str, list[int]] = {"all_reduce": [0, 0], "all_gather": [0, 0],
-                                     "reduce_scatter": [0, 0]}
+                                     "reduce_scatter": [0, 0], "all_to_all": [0, 0]}
 """Calls and payload bytes (this rank's tensor) of each collective so far, for
 benchmarks/bench_tensor_parallel.py (two integer adds per call)."""
 
@@ -110,6 +110,14 @@ class ExpertParallel:
         _count("all_gather", x)
         out = x.new_empty(self.size * x.shape[0], *x.shape[1:])
         dist.all_gather_single(out, x.contiguous(), group=self.group)
+        return out
+
+    def all_to_all(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None) -> torch.Tensor:
+        """Rows ``x`` cut by ``in_splits`` sent to ranks 0, 1, ...; ``out`` receives each
+        rank's share for this one (``out_splits`` rows from each), and is returned."""
+        _count("all_to_all", x)
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.group)
         return out
 
     def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ first and the outputs reduce-scattered back (``_exchange``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -132,6 +133,17 @@ class Router(nn.Module):
         groups = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         return groups.repeat_interleave(c.num_experts // c.num_groups, dim=1)
 
+
+ALL_TO_ALL_MIN_TOKENS: dict[str, int] = {"cpu": 0, "cuda": 256}
+"""Data-parallel expert parallelism, by device type: from this many tokens over all ranks in
+a step, tokens travel all-to-all (each only to the ranks holding its experts, and back)
+instead of being all-gathered to every rank and reduce-scattered back. Over gloo the
+all-to-all measured faster at every batch size (0.74-0.88x the time from 1 to 512 tokens
+per rank, benchmarks/bench_expert_dispatch.py); the CUDA value is NCCL practice, not yet
+measured here. $OPENINFER_EP_ALL_TO_ALL_MIN_TOKENS overrides both."""
+if "OPENINFER_EP_ALL_TO_ALL_MIN_TOKENS" in os.environ:
+    ALL_TO_ALL_MIN_TOKENS = dict.fromkeys(ALL_TO_ALL_MIN_TOKENS,
+                                          int(os.environ["OPENINFER_EP_ALL_TO_ALL_MIN_TOKENS"]))
 
 SMALL_GEMM_ROWS = 16
 """Experts given at most this many rows in a step (decode batches spread over many experts)
@@ -259,8 +271,14 @@ class FusedExperts(nn.Module):
     def _run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts' share of the output: every (token, expert) pair whose
         expert (or replica) it holds, weighted, summed per token."""
-        top_k = ids.shape[1]
-        flat = ids.flatten() if self.placement is None else self._route_to_slots(ids).flatten()
+        slots = ids if self.placement is None else self._route_to_slots(ids)
+        return self._run_slots(x, weights, slots)
+
+    def _run_slots(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``_run_experts`` for pairs already mapped to this rank's slots (``num_slots``:
+        not here)."""
+        top_k = slots.shape[1]
+        flat = slots.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert slot
         # The last bin: pairs whose expert another rank holds (expert parallel).
         counts = torch.bincount(flat, minlength=self.num_slots + 1)
@@ -290,6 +308,8 @@ class FusedExperts(nn.Module):
         most = max(counts)
         if most == 0:
             return x
+        if sum(counts) >= ALL_TO_ALL_MIN_TOKENS.get(x.device.type, 0):
+            return self._all_to_all(x, weights, ids, top_k)
         T = x.shape[0]
         padded_x = x.new_zeros(most, x.shape[1])
         padded_ids = ids.new_zeros(most, top_k)
@@ -305,15 +325,56 @@ class FusedExperts(nn.Module):
         partial[rows] = self._run_experts(all_x, all_w, all_ids)
         return ep.reduce_scatter_rows(partial)[:T]
 
-    def _route_to_slots(self, ids: torch.Tensor) -> torch.Tensor:
-        """Expert ids [T, k] -> this rank's slot for each pair, or ``num_slots`` where another
-        rank's replica takes it (token t goes to replica t mod replicas)."""
+    def _all_to_all(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    top_k: int) -> torch.Tensor:
+        """Data-parallel ranks, larger batches: each token goes once to every rank that
+        holds one of its experts' chosen replicas (with that rank's slots and weights for
+        it), the ranks run what they received, and the outputs come back the same way and
+        are summed per token. Four all-to-alls (counts, rows, slots and weights packed,
+        outputs) against the all-gather's every-token-everywhere."""
+        ep, S = self.ep, self.num_slots
+        T = x.shape[0]
+        if T:
+            physical = self._physical_slots(ids)  # [T, k]
+            rank_of = physical // S
+            local = physical - rank_of * S
+        else:  # nothing to send, but the collectives are joined all the same
+            rank_of = local = ids.new_zeros(0, top_k)
+            weights = weights.new_zeros(0, top_k)
+        tokens, slots, pair_w, send = [], [], [], []
+        for r in range(ep.size):
+            mine = rank_of == r
+            t = mine.any(dim=1).nonzero().flatten()
+            tokens.append(t)
+            slots.append(torch.where(mine[t], local[t], S))
+            pair_w.append(torch.where(mine[t], weights[t].float(), 0.0))
+            send.append(t.numel())
+        send_counts = torch.tensor(send, device=x.device)
+        recv_counts = torch.empty_like(send_counts)
+        ep.all_to_all(recv_counts, send_counts)
+        recv = recv_counts.tolist()
+        order = torch.cat(tokens)
+        rows = ep.all_to_all(x.new_empty(sum(recv), x.shape[1]), x[order], recv, send)
+        # slots and weights in one float64 message (slot ids are small integers)
+        meta = torch.cat([torch.cat(slots).double(), torch.cat(pair_w).double()], dim=1)
+        meta = ep.all_to_all(meta.new_empty(sum(recv), 2 * top_k), meta, recv, send)
+        got_slots, got_w = meta[:, :top_k].long(), meta[:, top_k:].float()
+        y = self._run_slots(rows, got_w, got_slots)
+        back = ep.all_to_all(x.new_empty(order.numel(), x.shape[1]), y, send, recv)
+        return torch.zeros_like(x).index_add_(0, order, back)
+
+    def _physical_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Expert ids [T, k] -> the physical slot (any rank) of the replica each pair uses."""
         if self._replica_slots.device != ids.device:
             self._replica_slots = self._replica_slots.to(ids.device)
             self._replica_counts = self._replica_counts.to(ids.device)
         token = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
-        replica = token % self._replica_counts[ids]
-        local = self._replica_slots[ids, replica] - self.first_slot
+        return self._replica_slots[ids, token % self._replica_counts[ids]]
+
+    def _route_to_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Expert ids [T, k] -> this rank's slot for each pair, or ``num_slots`` where another
+        rank's replica takes it (token t goes to replica t mod replicas)."""
+        local = self._physical_slots(ids) - self.first_slot
         return local.masked_fill_((local < 0) | (local >= self.num_slots), self.num_slots)
 
     def _gemm(self, x: torch.Tensor, weight: torch.Tensor,
