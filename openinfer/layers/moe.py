@@ -138,9 +138,9 @@ ALL_TO_ALL_MIN_TOKENS: dict[str, int] = {"cpu": 0, "cuda": 256}
 """Data-parallel expert parallelism, by device type: from this many tokens over all ranks in
 a step, tokens travel all-to-all (each only to the ranks holding its experts, and back)
 instead of being all-gathered to every rank and reduce-scattered back. Over gloo the
-all-to-all measured faster at every batch size (0.74-0.88x the time from 1 to 512 tokens
-per rank, benchmarks/bench_expert_dispatch.py); the CUDA value is NCCL practice, not yet
-measured here. $OPENINFER_EP_ALL_TO_ALL_MIN_TOKENS overrides both."""
+all-to-all took 0.72-1.02x the time from 1 to 512 tokens per rank, never clearly slower
+(benchmarks/bench_expert_dispatch.py); the CUDA value is NCCL practice, not yet measured
+here. $OPENINFER_EP_ALL_TO_ALL_MIN_TOKENS overrides both."""
 if "OPENINFER_EP_ALL_TO_ALL_MIN_TOKENS" in os.environ:
     ALL_TO_ALL_MIN_TOKENS = dict.fromkeys(ALL_TO_ALL_MIN_TOKENS,
                                           int(os.environ["OPENINFER_EP_ALL_TO_ALL_MIN_TOKENS"]))
