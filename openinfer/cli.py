@@ -99,6 +99,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks (worker processes; gloo on CPU, "
                         "NCCL on CUDA); Llama-family dense and MoE models")
+    g.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1,
+                   help="split long prompt chunks' tokens over this many ranks (worker "
+                        "processes, each with the whole model); Llama-family models")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: whole experts spread over the tensor-parallel ranks "
                         "(instead of every expert sliced over them)")
@@ -149,6 +152,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy, seed=args.seed,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
+        prefill_context_parallel_size=args.prefill_context_parallel_size,
         eplb_config=args.eplb_config,
         **(dict(data_parallel_size=args.data_parallel_size, data_parallel_rank=args.data_parallel_rank,
                 data_parallel_address=args.data_parallel_address,

@@ -304,6 +304,14 @@ class EngineConfig:
     eplb: EPLBConfig | None = None
     """Expert-parallel load balancing; None: off (experts stay where they were loaded)."""
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
+    prefill_context_parallel_size: int = 1
+    """Ranks (worker processes, each with the whole model and KV cache) that split a long
+    prompt chunk's tokens between them (openinfer/distributed/context_parallel.py)."""
+
+    @property
+    def num_ranks(self) -> int:
+        """Worker processes of this engine (1: the worker runs in the engine's process)."""
+        return self.tensor_parallel_size * self.prefill_context_parallel_size
 
     @staticmethod
     def create(
@@ -351,6 +359,7 @@ class EngineConfig:
         data_parallel_rank: int = 0,
         data_parallel_address: str = "127.0.0.1",
         data_parallel_rpc_port: int | None = None,
+        prefill_context_parallel_size: int = 1,
     ) -> EngineConfig:
         """Build the whole config from flat options (the offline API's and the CLI's)."""
         device = resolve_device(device)
@@ -400,6 +409,7 @@ class EngineConfig:
             eplb=EPLBConfig.parse(eplb_config) if enable_eplb else None,
             data_parallel=DataParallelConfig(data_parallel_size, data_parallel_rank,
                                              data_parallel_address, data_parallel_rpc_port),
+            prefill_context_parallel_size=prefill_context_parallel_size,
         )
 
 

@@ -153,3 +153,30 @@ def run_disaggregated(path: Path, prompts: list[list[int]], params: dict,
         prefill.engine.core.shutdown()
         decode.engine.core.shutdown()
     return tokens, prefill, decode
+
+
+# Llama with one KV head (replicated on both ranks), q/k/v/o and MLP biases (the row-parallel
+# bias added once), tied embeddings and an odd vocabulary (the vocab shards padded);
+# Qwen3-MoE with two KV heads (split), q/k norms, an untied LM head, a dense MLP in layer 0
+# and 8 experts (top 3) in layer 1; DeepSeek-V3 with MLA (heads split, the latent cache
+# whole on both ranks), a dense first layer, then 8 routed experts and a shared one.
+CHECKPOINTS = {
+    "llama": dict(arch="LlamaForCausalLM", num_kv_heads=1, tie_word_embeddings=True,
+                  vocab_size=1031, extra_config={"attention_bias": True, "mlp_bias": True}),
+    "qwen3_moe": dict(arch="Qwen3MoeForCausalLM", num_kv_heads=2, extra_config=dict(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, mlp_only_layers=[0],
+        decoder_sparse_step=1, norm_topk_prob=True)),
+    "deepseek_v3": dict(arch="DeepseekV3ForCausalLM", num_kv_heads=4, extra_config=dict(
+        kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=16,
+        v_head_dim=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        moe_intermediate_size=32, first_k_dense_replace=1, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5)),
+}
+
+
+@pytest.fixture(scope="session")
+def parallel_checkpoints(tmp_path_factory, tokenizer):
+    """The CHECKPOINTS, built once: the multi-rank tests' models."""
+    return {name: build_checkpoint(tmp_path_factory.mktemp(name), options["arch"], tokenizer,
+                                   **{k: v for k, v in options.items() if k != "arch"})
+            for name, options in CHECKPOINTS.items()}

@@ -51,6 +51,9 @@ class AttentionMetadata:
     """The same lengths as Python ints (backends that loop over sequences read these)."""
     derived: dict[str, Any] = field(default_factory=dict)
     """A backend's own per-step tensors, made on first use by the first layer."""
+    context_parallel: Any = None
+    """Prefill context parallelism: the step's split (a ContextParallelStep), whose K/V
+    exchange each attention layer runs before attending; None otherwise."""
 
     @property
     def num_seqs(self) -> int:

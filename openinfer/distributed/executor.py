@@ -43,6 +43,42 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 """Backstop for a collective whose peer hangs (a dead peer fails it at once)."""
 
 
+def check_context_parallel(config: EngineConfig) -> None:
+    """Refuse at start-up what prefill context parallelism cannot run."""
+    from openinfer.models.registry import get_model_class
+
+    size, mc = config.prefill_context_parallel_size, config.model
+    if size < 1:
+        raise ValueError(f"prefill_context_parallel_size must be >= 1, got {size}")
+    if size == 1:
+        return
+    if config.tensor_parallel_size > 1:
+        raise ValueError("prefill_context_parallel_size with tensor_parallel_size > 1 is not "
+                         "supported yet")
+    if not config.device.startswith("cuda") and size > (os.cpu_count() or 1):
+        raise ValueError(f"prefill_context_parallel_size {size} is more ranks than CPU cores "
+                         f"({os.cpu_count()})")
+    if config.device.startswith("cuda") and torch.cuda.device_count() < size:
+        raise ValueError(f"prefill_context_parallel_size {size} needs {size} CUDA devices; "
+                         f"{torch.cuda.device_count()} visible")
+    if not getattr(get_model_class(mc.architecture), "supports_context_parallel", False):
+        raise ValueError(f"prefill_context_parallel_size {size}: {mc.architecture} cannot be "
+                         "split by context yet (Llama-family models with full attention can)")
+    unsupported = {
+        "speculative decoding": config.speculative is not None,
+        "the KV host tier and file store": config.cache.kv_host_memory is not None
+        or config.cache.kv_store_dir is not None,
+        "disaggregation (--role / --kv-transfer-port)": config.kv_transfer.role != "both"
+        or config.kv_transfer.port is not None,
+        "--batch-invariant": config.model.batch_invariant,
+        "expert parallelism": config.enable_expert_parallel,
+    }
+    for feature, on in unsupported.items():
+        if on:
+            raise ValueError(f"prefill_context_parallel_size {size} does not run with "
+                             f"{feature} yet")
+
+
 def check_tensor_parallel(config: EngineConfig) -> None:
     """Refuse at start-up, naming the constraint, what the ranks could not run."""
     from openinfer.models.registry import get_model_class
@@ -126,13 +162,16 @@ def check_expert_parallel(config: EngineConfig) -> None:
 
 
 class RankFailed(RuntimeError):
-    """A tensor-parallel rank died or raised: the engine cannot go on."""
+    """A rank (tensor or context parallel) died or raised: the engine cannot go on."""
 
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         check_tensor_parallel(config)
-        self.size = config.tensor_parallel_size
+        check_context_parallel(config)
+        self.size = config.num_ranks
+        self.kind = ("context-parallel" if config.prefill_context_parallel_size > 1
+                     else "tensor-parallel")
         if config.seed is None:  # unseeded sampling must draw the same on every rank
             config = replace(config, seed=random.randrange(2**31))
         with socket.socket() as s:
@@ -162,7 +201,7 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self._kill()
             raise
-        logger.info("tensor parallel: %d ranks (%s), worker pids %s", self.size,
+        logger.info("%s: %d ranks (%s), worker pids %s", self.kind, self.size,
                     "NCCL" if config.device.startswith("cuda") else "gloo",
                     [p.pid for p in self._procs])
 
@@ -173,7 +212,7 @@ class MultiprocExecutor(Executor):
                 conn.send_bytes(message)
         except OSError as e:  # a rank's end of the pipe is gone
             self._kill()
-            raise RankFailed(f"tensor-parallel rank unreachable: {e}") from e
+            raise RankFailed(f"{self.kind} rank unreachable: {e}") from e
         return self._gather()
 
     def _gather(self) -> list[Any]:
@@ -202,8 +241,8 @@ class MultiprocExecutor(Executor):
                 self._kill()
                 if status == "died":
                     code = self._procs[rank].exitcode
-                    raise RankFailed(f"tensor-parallel rank {rank} died (exit code {code})")
-                raise RankFailed(f"tensor-parallel rank {rank} failed: {value}")
+                    raise RankFailed(f"{self.kind} rank {rank} died (exit code {code})")
+                raise RankFailed(f"{self.kind} rank {rank} failed: {value}")
         return [results[rank] for rank in range(self.size)]
 
     @property
@@ -268,10 +307,11 @@ def _rank_main(config: EngineConfig, rank: int, port: int, conn: Connection, cor
 def _start_worker(config: EngineConfig, rank: int, port: int, progress: bool):
     import torch.distributed as dist
 
+    from openinfer.distributed.context_parallel import ContextParallel, set_cp
     from openinfer.distributed.parallel_state import TensorParallel, set_tp
     from openinfer.engine.worker import Worker
 
-    size = config.tensor_parallel_size
+    size = config.num_ranks
     cuda = config.device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(rank)
@@ -280,5 +320,8 @@ def _start_worker(config: EngineConfig, rank: int, port: int, progress: bool):
         torch.set_num_threads(max(1, torch.get_num_threads() // size))
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    set_tp(TensorParallel(rank, size, dist.group.WORLD))
+    if config.prefill_context_parallel_size > 1:  # every rank holds the whole model
+        set_cp(ContextParallel(rank, size, dist.group.WORLD))
+    else:
+        set_tp(TensorParallel(rank, size, dist.group.WORLD))
     return Worker(config, progress)

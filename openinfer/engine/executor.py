@@ -102,7 +102,7 @@ def make_executor(config: EngineConfig, progress: bool = True) -> Executor:
     from openinfer.distributed.executor import check_expert_parallel
 
     check_expert_parallel(config)
-    if config.tensor_parallel_size != 1:
+    if config.num_ranks != 1:
         from openinfer.distributed.executor import MultiprocExecutor
 
         return MultiprocExecutor(config, progress)

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from openinfer.attention.backend import AttentionBackend
+from openinfer.attention.metadata import AttentionMetadata
+from openinfer.distributed.context_parallel import get_cp, plan_step
 from openinfer.engine.kv_cache import per_layer_views
 from openinfer.engine.outputs import (
     GrammarBitmask,
@@ -26,7 +28,7 @@ from openinfer.engine.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
-from openinfer.kv.spec import LayerGroup
+from openinfer.kv.spec import FullAttentionSpec, LayerGroup
 from openinfer.layers.sampler import Sampler, SamplingRow, compute_logprobs
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.draft_model import ModelDrafter, StepBatch
@@ -97,6 +99,12 @@ class ModelRunner:
         self.drafter = drafter
         """A model drafter (its layers follow the target's in ``layer_caches``)."""
         self._step: _ForwardStep | None = None
+        self.cp = get_cp()
+        """Prefill context parallelism: this rank's place (size 1: off)."""
+        if self.cp.size > 1 and (len(groups) != 1 or not isinstance(groups[0].spec,
+                                                                    FullAttentionSpec)):
+            raise ValueError("prefill context parallelism needs a model whose every layer "
+                             "is full attention (one KV group; no sliding windows)")
 
     def _apply_diff(self, sched: SchedulerOutput) -> None:
         for request_id in sched.finished_request_ids:
@@ -141,16 +149,37 @@ class ModelRunner:
             positions.extend(range(start, end))
         query_lens = [counts[r.request_id] for r in batch]
         seq_lens = [r.num_computed_tokens + counts[r.request_id] for r in batch]
-        group_metas = [self.attention.build_metadata(
-            query_lens=query_lens, seq_lens=seq_lens,
-            block_tables=[r.block_ids[g] for r in batch],
-            block_size=self.block_size, device=self.device) for g in range(len(self.groups))]
-        metas = [group_metas[g] for g in self.layer_group]
         input_ids_t, positions_t = self._long(input_ids), self._long(positions)
-        hidden = self.model(input_ids_t, positions_t, self.layer_caches, metas)
+        if self.cp.size > 1:
+            hidden, metas = self._forward_context_parallel(batch, query_lens, seq_lens,
+                                                           input_ids_t, positions_t)
+        else:
+            group_metas = [self.attention.build_metadata(
+                query_lens=query_lens, seq_lens=seq_lens,
+                block_tables=[r.block_ids[g] for r in batch],
+                block_size=self.block_size, device=self.device) for g in range(len(self.groups))]
+            metas = [group_metas[g] for g in self.layer_group]
+            hidden = self.model(input_ids_t, positions_t, self.layer_caches, metas)
         self._step = _ForwardStep(sched, StepBatch(
             batch, query_lens, [r.num_computed_tokens for r in batch], input_ids_t,
             positions_t, metas, hidden))
+
+    def _forward_context_parallel(self, batch: list[RunnerRequest], query_lens: list[int],
+                                  seq_lens: list[int], input_ids: torch.Tensor,
+                                  positions: torch.Tensor,
+                                  ) -> tuple[torch.Tensor, list[AttentionMetadata]]:
+        """This rank's share of the step (openinfer/distributed/context_parallel.py), and
+        the whole step's hidden states assembled from every rank's."""
+        split, q_lens, s_lens, tables = plan_step(
+            self.cp, query_lens, seq_lens, [r.block_ids[0] for r in batch], self.block_size)
+        meta = self.attention.build_metadata(query_lens=q_lens, seq_lens=s_lens,
+                                             block_tables=tables, block_size=self.block_size,
+                                             device=self.device)
+        meta.context_parallel = split
+        metas = [meta] * len(self.layer_group)
+        rows = split.local_rows.to(self.device)
+        hidden = self.model(input_ids[rows], positions[rows], self.layer_caches, metas)
+        return split.assemble_hidden(hidden), metas
 
     @torch.inference_mode()
     def sample(self, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:

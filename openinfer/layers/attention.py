@@ -42,6 +42,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, H, D]; cache: this layer's [2, num_blocks, bs, H, D]."""
+        if meta.context_parallel is not None:  # the other ranks' pieces of split prompts
+            meta.context_parallel.exchange_kv(cache, k, v)
         if self.batch_invariant:
             return meta.backend.forward_batch_invariant(q, k, v, cache, meta, self.scale)
         if self.is_variant:

@@ -101,6 +101,7 @@ class Gemma2Model(DecoderStack):
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     supports_tensor_parallel = False  # (its scaled embedding and softcaps are not sharded yet)
+    supports_context_parallel = False  # (its sliding-window layers)
 
     def __init__(self, hf: dict) -> None:
         nn.Module.__init__(self)

@@ -49,6 +49,7 @@ class GptOssMoE(nn.Module):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     supports_tensor_parallel = False  # (its experts are not sharded yet)
+    supports_context_parallel = False  # (its sliding-window layers and sinks)
     # The stacked expert tensors and the sinks under our module names.
     checkpoint_renames = {"gate_up_proj": "w13", "gate_up_proj_bias": "b13", "down_proj": "w2",
                           "down_proj_bias": "b2", "sinks": "attn.sinks"}

@@ -147,6 +147,9 @@ class LlamaModel(DecoderStack):
 class LlamaForCausalLM(nn.Module):
     variant = BlockVariant(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
     supports_tensor_parallel = True
+    supports_context_parallel = True
+    """Plain per-head attention: a prompt's pieces attend through the usual paged cache
+    (openinfer/distributed/context_parallel.py)."""
 
     # Checkpoint names that load into a slice of one of our merged parameters.
     packed_modules = {

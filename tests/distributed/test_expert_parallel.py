@@ -7,8 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import build_checkpoint
-from test_tensor_parallel import CHECKPOINTS, _child_processes, _prompts
+from test_tensor_parallel import _child_processes, _prompts
 
 from openinfer import LLM, SamplingParams
 from openinfer.config import EngineConfig
@@ -19,17 +18,9 @@ from openinfer.engine.core import EngineCore
 EPLB = {"window_size": 3, "step_interval": 4, "num_redundant_experts": 2}
 
 
-@pytest.fixture(scope="module")
-def moe_checkpoints(tmp_path_factory, tokenizer):
-    return {name: build_checkpoint(tmp_path_factory.mktemp(name), CHECKPOINTS[name]["arch"],
-                                   tokenizer, **{k: v for k, v in CHECKPOINTS[name].items()
-                                                 if k != "arch"})
-            for name in ("qwen3_moe", "deepseek_v3")}
-
-
 @pytest.mark.parametrize("name,eplb", [("qwen3_moe", True), ("deepseek_v3", False)])
-def test_experts_split_over_two_ranks_give_the_tokens_of_one(moe_checkpoints, name, eplb):
-    path = str(moe_checkpoints[name])
+def test_experts_split_over_two_ranks_give_the_tokens_of_one(parallel_checkpoints, name, eplb):
+    path = str(parallel_checkpoints[name])
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0.8, seed=5, max_tokens=16, ignore_eos=True)]
     options = dict(enable_eplb=True, eplb_config=EPLB) if eplb else {}
@@ -72,8 +63,8 @@ def test_experts_split_over_two_ranks_give_the_tokens_of_one(moe_checkpoints, na
     assert not _child_processes()
 
 
-def test_impossible_expert_splits_are_refused_at_start_up(moe_checkpoints, make_checkpoint):
-    moe = str(moe_checkpoints["qwen3_moe"])
+def test_impossible_expert_splits_are_refused_at_start_up(parallel_checkpoints, make_checkpoint):
+    moe = str(parallel_checkpoints["qwen3_moe"])
     cases = [
         (moe, dict(tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
                    eplb_config={"num_redundant_experts": 1}),

@@ -11,37 +11,12 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import build_checkpoint
+from conftest import CHECKPOINTS
 
 from openinfer import LLM, SamplingParams
 from openinfer.config import EngineConfig
 from openinfer.distributed.executor import RankFailed
 from openinfer.engine.core import EngineCore
-
-# Llama with one KV head (replicated on both ranks), q/k/v/o and MLP biases (the row-parallel
-# bias added once), tied embeddings and an odd vocabulary (the vocab shards padded);
-# Qwen3-MoE with two KV heads (split), q/k norms, an untied LM head, a dense MLP in layer 0
-# and 8 experts (top 3) in layer 1; DeepSeek-V3 with MLA (heads split, the latent cache
-# whole on both ranks), a dense first layer, then 8 routed experts and a shared one.
-CHECKPOINTS = {
-    "llama": dict(arch="LlamaForCausalLM", num_kv_heads=1, tie_word_embeddings=True,
-                  vocab_size=1031, extra_config={"attention_bias": True, "mlp_bias": True}),
-    "qwen3_moe": dict(arch="Qwen3MoeForCausalLM", num_kv_heads=2, extra_config=dict(
-        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, mlp_only_layers=[0],
-        decoder_sparse_step=1, norm_topk_prob=True)),
-    "deepseek_v3": dict(arch="DeepseekV3ForCausalLM", num_kv_heads=4, extra_config=dict(
-        kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=16,
-        v_head_dim=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-        moe_intermediate_size=32, first_k_dense_replace=1, n_group=4, topk_group=2,
-        norm_topk_prob=True, routed_scaling_factor=2.5)),
-}
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, tokenizer):
-    return {name: build_checkpoint(tmp_path_factory.mktemp(name), options["arch"], tokenizer,
-                                   **{k: v for k, v in options.items() if k != "arch"})
-            for name, options in CHECKPOINTS.items()}
 
 
 def _child_processes() -> list[psutil.Process]:
@@ -61,8 +36,8 @@ def _run(llm: LLM, params: list[SamplingParams]):
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
-def test_two_ranks_give_the_tokens_and_logprobs_of_one(checkpoints, name):
-    path = str(checkpoints[name])
+def test_two_ranks_give_the_tokens_and_logprobs_of_one(parallel_checkpoints, name):
+    path = str(parallel_checkpoints[name])
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3),
               SamplingParams(temperature=0.9, seed=4, max_tokens=12, ignore_eos=True, logprobs=1),
               SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=2),
@@ -116,8 +91,8 @@ def test_impossible_splits_are_refused_at_start_up(make_checkpoint):
     assert not _child_processes(), "a refused start left a process behind"
 
 
-def test_a_dead_rank_fails_the_engine_at_once_and_leaves_no_process(checkpoints):
-    core = EngineCore(EngineConfig.create(str(checkpoints["qwen3_moe"]), tensor_parallel_size=2))
+def test_a_dead_rank_fails_the_engine_at_once_and_leaves_no_process(parallel_checkpoints):
+    core = EngineCore(EngineConfig.create(str(parallel_checkpoints["qwen3_moe"]), tensor_parallel_size=2))
     ranks = list(core.executor._procs)
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     for i, prompt in enumerate(_prompts()):

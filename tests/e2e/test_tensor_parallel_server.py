@@ -2,7 +2,8 @@
 rank, and a rank that dies turns the server unhealthy at once, ends the engine's
 processes and fails requests with a clear error (no hang, no orphan); with
 `--enable-expert-parallel --enable-eplb`, a mixture-of-experts model's answers stay those of
-one rank while its experts are moved between the ranks."""
+one rank while its experts are moved between the ranks; with
+`--prefill-context-parallel-size 2`, long prompts split over two ranks answer as one rank."""
 
 from __future__ import annotations
 
@@ -97,5 +98,21 @@ def test_expert_parallel_server_with_eplb_answers_as_one_rank(tmp_path, tokenize
         assert values["openinfer:eplb_rearrangements_total"] >= 4
         assert values["openinfer:eplb_experts_moved_total"] > 0
         assert values["openinfer:eplb_bytes_moved_total"] > 0
+    finally:
+        stop(proc)
+
+
+def test_context_parallel_server_answers_as_one_rank(qwen3_checkpoint):
+    prompts = [list(range(40, 140)), [500, 3, 77] * 20]  # split chunks, then decodes
+    offline = LLM(str(qwen3_checkpoint), progress=False)
+    want = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=8,
+                                                    ignore_eos=True))
+    base, proc = start_server(qwen3_checkpoint, "--prefill-context-parallel-size", "2")
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        answer = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        texts = {choice.index: choice.text for choice in answer.choices}
+        assert [texts[i] for i in range(len(prompts))] == [w.outputs[0].text for w in want]
     finally:
         stop(proc)
