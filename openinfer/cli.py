@@ -102,6 +102,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1,
                    help="split long prompt chunks' tokens over this many ranks (worker "
                         "processes, each with the whole model); Llama-family models")
+    g.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
+                   help="how the tensor/context-parallel ranks run: processes on this "
+                        "machine (mp) or Ray actors, across a Ray cluster's nodes with "
+                        "--ray-address (pip install 'openinfer[ray]')")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: whole experts spread over the tensor-parallel ranks "
                         "(instead of every expert sliced over them)")
@@ -153,6 +157,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
         prefill_context_parallel_size=args.prefill_context_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        ray_address=getattr(args, "ray_address", None),
         eplb_config=args.eplb_config,
         **(dict(data_parallel_size=args.data_parallel_size, data_parallel_rank=args.data_parallel_rank,
                 data_parallel_address=args.data_parallel_address,

@@ -304,6 +304,11 @@ class EngineConfig:
     eplb: EPLBConfig | None = None
     """Expert-parallel load balancing; None: off (experts stay where they were loaded)."""
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
+    distributed_executor_backend: str = "mp"
+    """How the ranks run: ``mp`` (processes on this machine) or ``ray`` (Ray actors, which
+    may span a cluster's nodes)."""
+    ray_address: str | None = None
+    """The Ray cluster the ``ray`` backend joins (None: a private local instance)."""
     prefill_context_parallel_size: int = 1
     """Ranks (worker processes, each with the whole model and KV cache) that split a long
     prompt chunk's tokens between them (openinfer/distributed/context_parallel.py)."""
@@ -360,6 +365,8 @@ class EngineConfig:
         data_parallel_address: str = "127.0.0.1",
         data_parallel_rpc_port: int | None = None,
         prefill_context_parallel_size: int = 1,
+        distributed_executor_backend: str = "mp",
+        ray_address: str | None = None,
     ) -> EngineConfig:
         """Build the whole config from flat options (the offline API's and the CLI's)."""
         device = resolve_device(device)
@@ -368,6 +375,9 @@ class EngineConfig:
         if enable_eplb and not enable_expert_parallel:
             raise ValueError("enable_eplb needs enable_expert_parallel (it balances experts "
                              "spread over ranks)")
+        if distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be mp or ray, got "
+                             f"{distributed_executor_backend!r}")
         if data_parallel_size > 1 and not enable_expert_parallel:
             raise ValueError("data_parallel_size > 1 inside one engine group needs "
                              "enable_expert_parallel (plain data parallelism is replicas "
@@ -410,6 +420,8 @@ class EngineConfig:
             data_parallel=DataParallelConfig(data_parallel_size, data_parallel_rank,
                                              data_parallel_address, data_parallel_rpc_port),
             prefill_context_parallel_size=prefill_context_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
+            ray_address=ray_address,
         )
 
 

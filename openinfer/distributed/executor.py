@@ -282,7 +282,7 @@ def _rank_main(config: EngineConfig, rank: int, port: int, conn: Connection, cor
 
     configure_logging()
     try:
-        worker = _start_worker(config, rank, port, progress)
+        worker = start_worker(config, rank, f"tcp://127.0.0.1:{port}", progress, rank)
     except BaseException as e:
         conn.send_bytes(pickle.dumps(("error", f"{type(e).__name__}: {e}")))
         logger.error("rank %d failed to start: %s", rank, traceback.format_exc())
@@ -304,7 +304,11 @@ def _rank_main(config: EngineConfig, rank: int, port: int, conn: Connection, cor
             return
 
 
-def _start_worker(config: EngineConfig, rank: int, port: int, progress: bool):
+def start_worker(config: EngineConfig, rank: int, init_method: str, progress: bool,
+                 cuda_index: int, share_cores: bool = True):
+    """Join the group at ``init_method`` as ``rank``, set this process's parallel state,
+    and load this rank's worker (on CUDA, on device ``cuda_index``; on a CPU, with
+    ``share_cores``, this machine's torch threads divided among the ranks)."""
     import torch.distributed as dist
 
     from openinfer.distributed.context_parallel import ContextParallel, set_cp
@@ -314,11 +318,11 @@ def _start_worker(config: EngineConfig, rank: int, port: int, progress: bool):
     size = config.num_ranks
     cuda = config.device.startswith("cuda")
     if cuda:
-        torch.cuda.set_device(rank)
-        config = replace(config, device=f"cuda:{rank}")
-    else:  # the ranks share the cores
+        torch.cuda.set_device(cuda_index)
+        config = replace(config, device=f"cuda:{cuda_index}")
+    elif share_cores:  # the ranks share this machine's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // size))
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method,
                             rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     if config.prefill_context_parallel_size > 1:  # every rank holds the whole model
         set_cp(ContextParallel(rank, size, dist.group.WORLD))

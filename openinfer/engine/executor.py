@@ -102,6 +102,10 @@ def make_executor(config: EngineConfig, progress: bool = True) -> Executor:
     from openinfer.distributed.executor import check_expert_parallel
 
     check_expert_parallel(config)
+    if config.num_ranks != 1 and config.distributed_executor_backend == "ray":
+        from openinfer.distributed.ray_executor import RayExecutor
+
+        return RayExecutor(config, progress)
     if config.num_ranks != 1:
         from openinfer.distributed.executor import MultiprocExecutor
 

@@ -41,8 +41,9 @@ def add_router_args(parser: argparse.ArgumentParser, data_parallel: bool = False
                    help="start the --data-parallel-size replicas as local processes, or as "
                         "Ray actors on a Ray cluster (pip install 'openinfer[ray]')")
     g.add_argument("--ray-address",
-                   help="Ray cluster to join, e.g. auto or HOST:6379 (default: start a "
-                        "local Ray instance)")
+                   help="Ray cluster to join, e.g. auto or HOST:6379, for --backend ray "
+                        "replicas or --distributed-executor-backend ray ranks (default: start "
+                        "a local Ray instance)")
     g.add_argument("--ray-num-cpus-per-replica", type=float, default=1,
                    help="CPUs Ray reserves for each replica (also its OMP_NUM_THREADS)")
 

@@ -1,5 +1,6 @@
 """`openinfer serve --data-parallel-size 2 --backend ray`: the replicas as Ray actors on a
-local Ray instance, behind the router, their KV events reaching it; nothing left behind."""
+local Ray instance, behind the router, their KV events reaching it; nothing left behind.
+`--distributed-executor-backend ray`: a tensor-parallel group's ranks as Ray actors."""
 
 from __future__ import annotations
 
@@ -74,3 +75,49 @@ def test_serve_data_parallel_on_ray(qwen3_checkpoint):
             httpx.get(f"{url}/health", timeout=5)
     _, alive = psutil.wait_procs(descendants, timeout=30)
     assert not alive, alive
+
+
+def _lives(p: psutil.Process) -> bool:
+    try:
+        return (p.status() != psutil.STATUS_ZOMBIE
+                and "resource_tracker" not in " ".join(p.cmdline()))
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_as_ray_actors(qwen3_checkpoint):
+    """`serve -tp 2 --distributed-executor-backend ray`: the ranks are Ray actors; the
+    answers are one rank's, and an actor that dies turns the server unhealthy and takes
+    Ray's processes with the engine (nothing left behind)."""
+    from openinfer import LLM, SamplingParams
+
+    want = LLM(str(qwen3_checkpoint), progress=False).generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].text
+    base, proc = start_server(qwen3_checkpoint, "--tensor-parallel-size", "2",
+                              "--distributed-executor-backend", "ray")
+    try:
+        assert _complete(base)[0] == want
+        engine = psutil.Process(proc.pid).children(recursive=True)
+        ranks = [p for p in engine if "RankActor" in " ".join(p.cmdline())]
+        assert len(ranks) == 2
+        ranks[1].kill()
+        resp = httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 50, "ignore_eos": True})
+        assert resp.status_code in (500, 503)
+
+        def unhealthy() -> bool:
+            health = httpx.get(f"{base}/health", timeout=5)
+            return health.status_code == 503 and "ray rank" in health.json()["reason"]
+
+        _wait_for(unhealthy)
+        # (but multiprocessing's resource tracker, which outlives its process; a zombie has
+        # exited, its parent not having reaped it yet)
+        _wait_for(lambda: not any(_lives(p) for p in engine))
+        assert proc.poll() is None  # the API process still answers (503s) until stopped
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
