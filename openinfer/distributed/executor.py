@@ -55,28 +55,12 @@ def check_context_parallel(config: EngineConfig) -> None:
     if config.tensor_parallel_size > 1:
         raise ValueError("prefill_context_parallel_size with tensor_parallel_size > 1 is not "
                          "supported yet")
-    if not config.device.startswith("cuda") and size > (os.cpu_count() or 1):
-        raise ValueError(f"prefill_context_parallel_size {size} is more ranks than CPU cores "
-                         f"({os.cpu_count()})")
-    if config.device.startswith("cuda") and torch.cuda.device_count() < size:
-        raise ValueError(f"prefill_context_parallel_size {size} needs {size} CUDA devices; "
-                         f"{torch.cuda.device_count()} visible")
+    _check_ranks_fit(config, size, "prefill_context_parallel_size")
     if not getattr(get_model_class(mc.architecture), "supports_context_parallel", False):
         raise ValueError(f"prefill_context_parallel_size {size}: {mc.architecture} cannot be "
                          "split by context yet (Llama-family models with full attention can)")
-    unsupported = {
-        "speculative decoding": config.speculative is not None,
-        "the KV host tier and file store": config.cache.kv_host_memory is not None
-        or config.cache.kv_store_dir is not None,
-        "disaggregation (--role / --kv-transfer-port)": config.kv_transfer.role != "both"
-        or config.kv_transfer.port is not None,
-        "--batch-invariant": config.model.batch_invariant,
-        "expert parallelism": config.enable_expert_parallel,
-    }
-    for feature, on in unsupported.items():
-        if on:
-            raise ValueError(f"prefill_context_parallel_size {size} does not run with "
-                             f"{feature} yet")
+    _refuse_unsupported(config, f"prefill_context_parallel_size {size}",
+                        {"expert parallelism": config.enable_expert_parallel})
 
 
 def check_tensor_parallel(config: EngineConfig) -> None:
@@ -88,13 +72,7 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
-    if config.device.startswith("cuda"):
-        if torch.cuda.device_count() < size:
-            raise ValueError(f"tensor_parallel_size {size} needs {size} CUDA devices; "
-                             f"{torch.cuda.device_count()} visible")
-    elif size > (os.cpu_count() or 1):
-        raise ValueError(f"tensor_parallel_size {size} is more ranks than CPU cores "
-                         f"({os.cpu_count()})")
+    _check_ranks_fit(config, size, "tensor_parallel_size")
     if not getattr(get_model_class(mc.architecture), "supports_tensor_parallel", False):
         raise ValueError(f"tensor_parallel_size {size}: {mc.architecture} cannot be split yet "
                          "(Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V2/V3 "
@@ -111,17 +89,7 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     if kv_heads % size and size % kv_heads:
         raise ValueError(f"tensor_parallel_size {size} and num_key_value_heads ({kv_heads}): "
                          "one must divide the other")
-    unsupported = {
-        "speculative decoding": config.speculative is not None,
-        "the KV host tier and file store": config.cache.kv_host_memory is not None
-        or config.cache.kv_store_dir is not None,
-        "disaggregation (--role / --kv-transfer-port)": config.kv_transfer.role != "both"
-        or config.kv_transfer.port is not None,
-        "--batch-invariant": config.model.batch_invariant,
-    }
-    for feature, on in unsupported.items():
-        if on:
-            raise ValueError(f"tensor_parallel_size {size} does not run with {feature} yet")
+    _refuse_unsupported(config, f"tensor_parallel_size {size}")
 
 
 def check_expert_parallel(config: EngineConfig) -> None:
@@ -146,19 +114,38 @@ def check_expert_parallel(config: EngineConfig) -> None:
         raise ValueError(f"expert parallel size {size} ({ranks}) does not divide the physical "
                          f"experts ({experts} routed + {redundant} redundant)")
     if dp.size > 1:
-        unsupported = {
-            "speculative decoding": config.speculative is not None,
-            "--async-scheduling": config.scheduler.async_scheduling,
-            "the KV host tier and file store": config.cache.kv_host_memory is not None
-            or config.cache.kv_store_dir is not None,
-            "disaggregation (--role / --kv-transfer-port)": config.kv_transfer.role != "both"
-            or config.kv_transfer.port is not None,
-            "--batch-invariant": config.model.batch_invariant,
-        }
-        for feature, on in unsupported.items():
-            if on:
-                raise ValueError(f"data-parallel attention with expert parallelism does not "
-                                 f"run with {feature} yet")
+        _refuse_unsupported(config, "data-parallel attention with expert parallelism",
+                            {"--async-scheduling": config.scheduler.async_scheduling})
+
+
+def _check_ranks_fit(config: EngineConfig, size: int, name: str) -> None:
+    """One CUDA device per rank; on a CPU, no more ranks than cores (on this machine: Ray
+    places its ranks on the cluster's nodes, and says when they do not fit)."""
+    if config.distributed_executor_backend == "ray":
+        return
+    if config.device.startswith("cuda"):
+        if torch.cuda.device_count() < size:
+            raise ValueError(f"{name} {size} needs {size} CUDA devices; "
+                             f"{torch.cuda.device_count()} visible")
+    elif size > (os.cpu_count() or 1):
+        raise ValueError(f"{name} {size} is more ranks than CPU cores ({os.cpu_count()})")
+
+
+def _refuse_unsupported(config: EngineConfig, what: str,
+                        more: dict[str, bool] | None = None) -> None:
+    """The features not composed with multi-rank engines yet, refused by name."""
+    unsupported = {
+        "speculative decoding": config.speculative is not None,
+        "the KV host tier and file store": config.cache.kv_host_memory is not None
+        or config.cache.kv_store_dir is not None,
+        "disaggregation (--role / --kv-transfer-port)": config.kv_transfer.role != "both"
+        or config.kv_transfer.port is not None,
+        "--batch-invariant": config.model.batch_invariant,
+        **(more or {}),
+    }
+    for feature, on in unsupported.items():
+        if on:
+            raise ValueError(f"{what} does not run with {feature} yet")
 
 
 class RankFailed(RuntimeError):

@@ -12,7 +12,7 @@ import time
 import httpx
 import psutil
 import pytest
-from server_process import MODEL, admin_workers, start_server
+from server_process import MODEL, admin_workers, start_server, stop
 
 # Only whether it is installed: importing ray here would change this test process for the
 # tests after it (it altered how an offline tokenizer decodes a partial UTF-8 byte).
@@ -116,8 +116,4 @@ def test_tensor_parallel_ranks_as_ray_actors(qwen3_checkpoint):
         _wait_for(lambda: not any(_lives(p) for p in engine))
         assert proc.poll() is None  # the API process still answers (503s) until stopped
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)

@@ -82,18 +82,12 @@ def test_expert_parallel_server_with_eplb_answers_as_one_rank(tmp_path, tokenize
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
         norm_topk_prob=True))
     prompts = [[7, 300, 41, 9, 12] * 3, [500, 3, 77], [12, 13, 14, 15] * 5]
-    offline = LLM(str(checkpoint), progress=False)
-    want = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
-                                                    ignore_eos=True))
+    want = _offline_texts(checkpoint, prompts, 24)
     eplb = json.dumps({"window_size": 3, "step_interval": 4, "num_redundant_experts": 2})
     base, proc = start_server(checkpoint, "--tensor-parallel-size", "2",
                               "--enable-expert-parallel", "--enable-eplb", "--eplb-config", eplb)
     try:
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-        answer = client.completions.create(model=MODEL, prompt=prompts, max_tokens=24,
-                                           temperature=0, extra_body={"ignore_eos": True})
-        texts = {choice.index: choice.text for choice in answer.choices}
-        assert [texts[i] for i in range(len(prompts))] == [w.outputs[0].text for w in want]
+        assert _server_texts(base, prompts, 24) == want
         values = metrics(base)
         assert values["openinfer:eplb_rearrangements_total"] >= 4
         assert values["openinfer:eplb_experts_moved_total"] > 0
@@ -104,15 +98,25 @@ def test_expert_parallel_server_with_eplb_answers_as_one_rank(tmp_path, tokenize
 
 def test_context_parallel_server_answers_as_one_rank(qwen3_checkpoint):
     prompts = [list(range(40, 140)), [500, 3, 77] * 20]  # split chunks, then decodes
-    offline = LLM(str(qwen3_checkpoint), progress=False)
-    want = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=8,
-                                                    ignore_eos=True))
+    want = _offline_texts(qwen3_checkpoint, prompts, 8)
     base, proc = start_server(qwen3_checkpoint, "--prefill-context-parallel-size", "2")
     try:
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-        answer = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8,
-                                           temperature=0, extra_body={"ignore_eos": True})
-        texts = {choice.index: choice.text for choice in answer.choices}
-        assert [texts[i] for i in range(len(prompts))] == [w.outputs[0].text for w in want]
+        assert _server_texts(base, prompts, 8) == want
     finally:
         stop(proc)
+
+
+def _offline_texts(checkpoint, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """One in-process engine's greedy answers: what the split engines must give."""
+    outs = LLM(str(checkpoint), progress=False).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return [o.outputs[0].text for o in outs]
+
+
+def _server_texts(base: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """The server's greedy answers to the prompts, sent as one batched request."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    answer = client.completions.create(model=MODEL, prompt=prompts, max_tokens=max_tokens,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    texts = {choice.index: choice.text for choice in answer.choices}
+    return [texts[i] for i in range(len(prompts))]
