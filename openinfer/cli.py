@@ -106,6 +106,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="how the tensor/context-parallel ranks run: processes on this "
                         "machine (mp) or Ray actors, across a Ray cluster's nodes with "
                         "--ray-address (pip install 'openinfer[ray]')")
+    g.add_argument("--nnodes", type=int, default=1,
+                   help="machines the tensor/context-parallel ranks span (mp backend; "
+                        "torchrun's names): node 0 serves, the others run `serve "
+                        "--node-rank I` with the same flags")
+    g.add_argument("--master-addr", default="127.0.0.1",
+                   help="node 0's address, where the ranks join (with --nnodes > 1)")
+    g.add_argument("--master-port", type=int, default=29500,
+                   help="the ranks' rendezvous port on --master-addr; the engine's calls "
+                        "use the next one ($OPENINFER_NODE_SECRET authenticates them)")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: whole experts spread over the tensor-parallel ranks "
                         "(instead of every expert sliced over them)")
@@ -159,6 +168,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         prefill_context_parallel_size=args.prefill_context_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         ray_address=getattr(args, "ray_address", None),
+        nnodes=args.nnodes, master_addr=args.master_addr, master_port=args.master_port,
         eplb_config=args.eplb_config,
         **(dict(data_parallel_size=args.data_parallel_size, data_parallel_rank=args.data_parallel_rank,
                 data_parallel_address=args.data_parallel_address,
@@ -211,6 +221,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     args.api_key = args.api_key or os.environ.get("OPENINFER_API_KEY") or None
     args.admin_api_key = args.admin_api_key or os.environ.get("OPENINFER_ADMIN_API_KEY") or None
+    if args.headless or args.node_rank > 0:
+        from openinfer.config import NodesConfig
+        from openinfer.distributed.nodes import serve_headless
+
+        if args.node_rank == 0:
+            raise SystemExit("--headless is for the nodes other than 0 (--node-rank I)")
+        nodes = NodesConfig(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+        return serve_headless(nodes, args.tensor_parallel_size
+                              * args.prefill_context_parallel_size)
     one_rank = args.data_parallel_rank is not None
     if (args.data_parallel_size > 1 and not one_rank) or args.backend == "ray" or args.disaggregate:
         from openinfer.router.launch import serve_data_parallel
@@ -349,6 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-engine-index", type=int, default=0,
                        help="the 'engine' label of this server's metrics (its data-parallel "
                             "rank; --data-parallel-size numbers its replicas)")
+    serve.add_argument("--node-rank", type=int, default=0,
+                       help="this machine's node of --nnodes: 0 serves; any other runs its "
+                            "share of the ranks headless, for node 0's engine")
+    serve.add_argument("--headless", action="store_true",
+                       help="run this node's ranks only (implied by --node-rank > 0)")
     serve.add_argument("--data-parallel-size", type=int, default=1,
                        help="run N engine replicas behind a router on --port; with "
                             "--enable-expert-parallel they are one group: attention data "

@@ -273,6 +273,34 @@ class DataParallelConfig:
 
 
 @dataclass(frozen=True)
+class NodesConfig:
+    """One tensor/context-parallel group over several machines, with torchrun's names: node
+    0 runs the server, the engine core and ranks 0..k-1 (k = ranks / nnodes); node i runs
+    ranks i·k..(i+1)·k-1 headless (``serve --node-rank i``). The ranks join torch.distributed
+    at ``master_addr:master_port`` and the engine core's calls at ``master_port + 1``."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} is not a node of nnodes {self.nnodes}")
+        if not 0 < self.master_port < 65535:
+            raise ValueError(f"master_port must be a TCP port below 65535 (the next one "
+                             f"carries the engine's calls), got {self.master_port}")
+
+    def local_ranks(self, num_ranks: int) -> range:
+        """The group's ranks that run on this node."""
+        if num_ranks % self.nnodes:
+            raise ValueError(f"{num_ranks} ranks do not split evenly over nnodes "
+                             f"{self.nnodes}")
+        per_node = num_ranks // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -312,6 +340,8 @@ class EngineConfig:
     prefill_context_parallel_size: int = 1
     """Ranks (worker processes, each with the whole model and KV cache) that split a long
     prompt chunk's tokens between them (openinfer/distributed/context_parallel.py)."""
+    nodes: NodesConfig = field(default_factory=NodesConfig)
+    """The machines the ranks run on (the ``mp`` backend; openinfer/distributed/nodes.py)."""
 
     @property
     def num_ranks(self) -> int:
@@ -367,6 +397,9 @@ class EngineConfig:
         prefill_context_parallel_size: int = 1,
         distributed_executor_backend: str = "mp",
         ray_address: str | None = None,
+        nnodes: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
     ) -> EngineConfig:
         """Build the whole config from flat options (the offline API's and the CLI's)."""
         device = resolve_device(device)
@@ -385,6 +418,12 @@ class EngineConfig:
         if data_parallel_size > 1 and tensor_parallel_size > 1:
             raise ValueError("data-parallel attention with tensor_parallel_size > 1 per rank "
                              "is not supported yet")
+        nodes = NodesConfig(nnodes, 0, master_addr, master_port)  # the engine runs on node 0
+        if nnodes > 1:
+            if distributed_executor_backend != "mp":
+                raise ValueError("nnodes > 1 is the mp backend's way over machines; the ray "
+                                 "backend places ranks on its cluster's nodes itself")
+            nodes.local_ranks(tensor_parallel_size * prefill_context_parallel_size)
         return EngineConfig(
             model=ModelConfig.from_pretrained(model, dtype=dtype, device=device,
                                               max_model_len=max_model_len,
@@ -422,6 +461,7 @@ class EngineConfig:
             prefill_context_parallel_size=prefill_context_parallel_size,
             distributed_executor_backend=distributed_executor_backend,
             ray_address=ray_address,
+            nodes=nodes,
         )
 
 

@@ -24,6 +24,7 @@ import pickle
 import random
 import signal
 import socket
+import time
 import traceback
 import weakref
 from dataclasses import replace
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from openinfer.config import EngineConfig
+from openinfer.distributed.nodes import JOIN_TIMEOUT_S, RemoteRanks, init_method
 from openinfer.engine.core_proc import die_with
 from openinfer.engine.executor import Executor
 
@@ -123,12 +125,15 @@ def _check_ranks_fit(config: EngineConfig, size: int, name: str) -> None:
     places its ranks on the cluster's nodes, and says when they do not fit)."""
     if config.distributed_executor_backend == "ray":
         return
+    here = len(config.nodes.local_ranks(size))
+    where = f" on each of {config.nodes.nnodes} nodes" if config.nodes.nnodes > 1 else ""
     if config.device.startswith("cuda"):
-        if torch.cuda.device_count() < size:
-            raise ValueError(f"{name} {size} needs {size} CUDA devices; "
+        if torch.cuda.device_count() < here:
+            raise ValueError(f"{name} {size} needs {here} CUDA devices{where}; "
                              f"{torch.cuda.device_count()} visible")
-    elif size > (os.cpu_count() or 1):
-        raise ValueError(f"{name} {size} is more ranks than CPU cores ({os.cpu_count()})")
+    elif here > (os.cpu_count() or 1):
+        raise ValueError(f"{name} {size} is {here} ranks{where}, more than CPU cores "
+                         f"({os.cpu_count()})")
 
 
 def _refuse_unsupported(config: EngineConfig, what: str,
@@ -161,36 +166,61 @@ class MultiprocExecutor(Executor):
                      else "tensor-parallel")
         if config.seed is None:  # unseeded sampling must draw the same on every rank
             config = replace(config, seed=random.randrange(2**31))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        local = config.nodes.local_ranks(self.size)
+        remote: RemoteRanks | None = None
+        if config.nodes.nnodes > 1:
+            init = init_method(config.nodes)
+            remote = RemoteRanks(config, range(local.stop, self.size))
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         ctx = mp.get_context("spawn")
         if mp.current_process().daemon:
             # The server's engine core is a daemonic process, and multiprocessing lets those
             # start no process. Its ranks cannot outlive it anyway (see _rank_main).
             mp.current_process().daemon = False
         self._conns: list[Connection] = []
-        self._procs: list[mp.Process] = []
-        for rank in range(self.size):
+        self._procs: list[mp.Process] = []  # this node's ranks (0..k-1)
+        for rank in local:
             parent, child = ctx.Pipe()
             # Not daemonic (a daemonic rank could not be joined at exit), but killed at exit
             # by the finalizer below, and by the kernel if the core dies (die_with).
             proc = ctx.Process(target=_rank_main, name=f"openinfer-tp{rank}",
-                               args=(config, rank, port, child, os.getpid(),
-                                     progress and rank == 0))
+                               args=(config, rank, init, child, os.getpid(),
+                                     progress and rank == 0, len(local)))
             proc.start()
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
         weakref.finalize(self, _kill_all, list(self._procs))  # also at interpreter exit
         try:
+            if remote is not None:
+                self._conns += self._join(remote)
             self._gather()  # each rank reports once its shard is loaded
         except BaseException:
             self._kill()
             raise
-        logger.info("%s: %d ranks (%s), worker pids %s", self.kind, self.size,
-                    "NCCL" if config.device.startswith("cuda") else "gloo",
-                    [p.pid for p in self._procs])
+        finally:
+            if remote is not None:
+                remote.close()
+        logger.info("%s: %d ranks (%s) on %d node(s), local worker pids %s", self.kind,
+                    self.size, "NCCL" if config.device.startswith("cuda") else "gloo",
+                    config.nodes.nnodes, [p.pid for p in self._procs])
+
+    def _join(self, remote: RemoteRanks) -> list[Connection]:
+        """The other nodes' connections, rank order, once all have joined; a local rank that
+        fails first (it answers only after the whole group has) fails the start at once."""
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while not remote.complete:
+            if wait([*self._conns, *(p.sentinel for p in self._procs)], timeout=0.2):
+                self._gather()  # raises: a local rank died or failed
+            if time.monotonic() > deadline:
+                raise RankFailed(f"ranks {remote.missing} did not join within "
+                                 f"{JOIN_TIMEOUT_S:.0f} s: start `openinfer serve` with the "
+                                 f"same parallel flags, --nnodes and --master-addr/--master-"
+                                 f"port, and each node's --node-rank, on the other nodes")
+        return [remote.conns[rank] for rank in sorted(remote.conns)]
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
@@ -227,6 +257,8 @@ class MultiprocExecutor(Executor):
                     continue
                 self._kill()
                 if status == "died":
+                    if rank >= len(self._procs):  # its node closed the connection
+                        raise RankFailed(f"{self.kind} rank {rank} (another node) died")
                     code = self._procs[rank].exitcode
                     raise RankFailed(f"{self.kind} rank {rank} died (exit code {code})")
                 raise RankFailed(f"{self.kind} rank {rank} failed: {value}")
@@ -249,6 +281,8 @@ class MultiprocExecutor(Executor):
 
     def _kill(self) -> None:
         _kill_all(self._procs)
+        for conn in self._conns[len(self._procs):]:  # other nodes' ranks end when it closes
+            conn.close()
 
 
 def _kill_all(procs: list[mp.Process]) -> None:
@@ -259,17 +293,23 @@ def _kill_all(procs: list[mp.Process]) -> None:
         proc.join(timeout=10)
 
 
-def _rank_main(config: EngineConfig, rank: int, port: int, conn: Connection, core_pid: int,
-               progress: bool) -> None:
-    """A rank's process: join the group, load this rank's shard, then run the core's calls
-    until shutdown (or until the core is gone)."""
+def _rank_main(config: EngineConfig, rank: int, init_method: str, conn: Connection,
+               core_pid: int, progress: bool, ranks_here: int) -> None:
+    """A rank's process on the engine's node: it dies with the engine core."""
     die_with(core_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
     from openinfer.logger import configure_logging
 
     configure_logging()
+    serve_rank(config, rank, init_method, conn, progress, cuda_index=rank, ranks_here=ranks_here)
+
+
+def serve_rank(config: EngineConfig, rank: int, init_method: str, conn: Connection,
+               progress: bool, cuda_index: int, ranks_here: int) -> None:
+    """Join the group, load this rank's shard, then run the core's calls from ``conn`` until
+    shutdown (or until the core is gone)."""
     try:
-        worker = start_worker(config, rank, f"tcp://127.0.0.1:{port}", progress, rank)
+        worker = start_worker(config, rank, init_method, progress, cuda_index, ranks_here)
     except BaseException as e:
         conn.send_bytes(pickle.dumps(("error", f"{type(e).__name__}: {e}")))
         logger.error("rank %d failed to start: %s", rank, traceback.format_exc())
@@ -285,17 +325,20 @@ def _rank_main(config: EngineConfig, rank: int, port: int, conn: Connection, cor
         except Exception as e:
             logger.error("rank %d: %s failed: %s", rank, method, traceback.format_exc())
             reply = ("error", f"{method}: {type(e).__name__}: {e}")
-        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:
+            return  # the core is gone
         if method == "shutdown":
             torch.distributed.destroy_process_group()
             return
 
 
 def start_worker(config: EngineConfig, rank: int, init_method: str, progress: bool,
-                 cuda_index: int, share_cores: bool = True):
+                 cuda_index: int, ranks_here: int | None):
     """Join the group at ``init_method`` as ``rank``, set this process's parallel state,
-    and load this rank's worker (on CUDA, on device ``cuda_index``; on a CPU, with
-    ``share_cores``, this machine's torch threads divided among the ranks)."""
+    and load this rank's worker (on CUDA, on device ``cuda_index``; on a CPU, this machine's
+    torch threads divided among the ``ranks_here`` that share it; None: left as they are)."""
     import torch.distributed as dist
 
     from openinfer.distributed.context_parallel import ContextParallel, set_cp
@@ -307,8 +350,8 @@ def start_worker(config: EngineConfig, rank: int, init_method: str, progress: bo
     if cuda:
         torch.cuda.set_device(cuda_index)
         config = replace(config, device=f"cuda:{cuda_index}")
-    elif share_cores:  # the ranks share this machine's cores
-        torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    elif ranks_here:
+        torch.set_num_threads(max(1, torch.get_num_threads() // ranks_here))
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method,
                             rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     if config.prefill_context_parallel_size > 1:  # every rank holds the whole model

@@ -53,7 +53,7 @@ class RankActor:
         # Ray gives a GPU actor one device, as its cuda:0; a CPU actor its reserved cores
         # (OMP_NUM_THREADS), which it does not share with the other ranks.
         self.worker = start_worker(config, rank, init_method, progress, cuda_index=0,
-                                   share_cores=False)
+                                   ranks_here=None)
 
     def call(self, method: str, args: tuple) -> Any:
         result = getattr(self.worker, method)(*args)

@@ -80,10 +80,13 @@ def test_impossible_splits_are_refused_at_start_up(make_checkpoint):
         (odd_heads, dict(tensor_parallel_size=2),
          "tensor_parallel_size 2 does not divide num_attention_heads (3)"),
         (fine, dict(tensor_parallel_size=(psutil.cpu_count() or 1) * 4),
-         "more ranks than CPU cores"),
+         "more than CPU cores"),
         (fine, dict(tensor_parallel_size=2, speculative_config={"method": "ngram",
                                                                 "num_speculative_tokens": 2}),
          "does not run with speculative decoding"),
+        (fine, dict(tensor_parallel_size=2, nnodes=3), "2 ranks do not split evenly over nnodes 3"),
+        (fine, dict(tensor_parallel_size=2, nnodes=2, distributed_executor_backend="ray"),
+         "the ray backend places ranks on its cluster's nodes itself"),
     ]
     for path, options, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):

@@ -8,6 +8,9 @@ one rank while its experts are moved between the ranks; with
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -60,16 +63,7 @@ def test_tensor_parallel_server_answers_and_a_dead_rank_makes_it_unhealthy(qwen3
             client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=50,
                                       extra_body={"ignore_eos": True})
         assert failed.value.status_code in (500, 503)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=5)
-            except urllib.error.HTTPError as e:
-                assert e.code == 503
-                assert "tensor-parallel rank" in json.loads(e.read())["reason"]
-                break
-            assert time.monotonic() < deadline, "the server stayed healthy"
-            time.sleep(0.2)
+        _wait_unhealthy(base, "tensor-parallel rank")
         psutil.wait_procs(engine, timeout=30)
         assert not _engine_processes(proc.pid), "an engine process outlived its dead rank"
         assert proc.poll() is None  # the API process still answers (503s) until stopped
@@ -120,3 +114,70 @@ def _server_texts(base: str, prompts: list[list[int]], max_tokens: int) -> list[
                                        temperature=0, extra_body={"ignore_eos": True})
     texts = {choice.index: choice.text for choice in answer.choices}
     return [texts[i] for i in range(len(prompts))]
+
+
+def test_tensor_parallel_over_two_nodes_answers_as_one_rank(qwen3_checkpoint, tmp_path,
+                                                             monkeypatch):
+    """`serve -tp 2 --nnodes 2` (node 0: the server and rank 0) with `serve --node-rank 1`
+    (rank 1, headless): the answers of one rank; the headless node's rank dying turns the
+    server unhealthy, and node 0's engine ends (no orphan). Both nodes are this machine."""
+    prompts = [[7, 300, 41, 9, 12] * 3, [500, 3, 77]]
+    want = _offline_texts(qwen3_checkpoint, prompts, 8)
+    port = _free_port_pair()
+    nodes = ["--nnodes", "2", "--master-port", str(port)]
+    monkeypatch.setenv("OPENINFER_NODE_SECRET", "test-secret")
+    with open(tmp_path / "node1.log", "w") as log:
+        headless = subprocess.Popen(  # started first: it waits for node 0
+            [sys.executable, "-m", "openinfer", "serve", "--model", str(qwen3_checkpoint),
+             "-tp", "2", *nodes, "--node-rank", "1"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        base, proc = start_server(qwen3_checkpoint, "-tp", "2", *nodes)
+        try:
+            assert _server_texts(base, prompts, 8) == want
+            remote = [p for p in psutil.Process(headless.pid).children()
+                      if "resource_tracker" not in " ".join(p.cmdline())]
+            assert len(remote) == 1
+            remote[0].kill()
+            with pytest.raises(openai.APIStatusError):
+                _server_texts(base, prompts, 8)
+            _wait_unhealthy(base, "tensor-parallel rank 1 (another node) died")
+            assert headless.wait(timeout=30) != 0, "the headless node outlived its rank"
+            deadline = time.monotonic() + 30
+            while _engine_processes(proc.pid):
+                assert time.monotonic() < deadline, "node 0's engine outlived the failure"
+                time.sleep(0.2)
+        finally:
+            stop(proc)
+    finally:
+        if headless.poll() is None:
+            headless.kill()
+        headless.wait(timeout=10)
+
+
+def _wait_unhealthy(base: str, reason: str) -> None:
+    """Until /health answers 503 with ``reason`` in its body (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/health", timeout=5)
+        except urllib.error.HTTPError as e:
+            assert e.code == 503
+            assert reason in json.loads(e.read())["reason"]
+            return
+        assert time.monotonic() < deadline, "the server stayed healthy"
+        time.sleep(0.2)
+
+
+def _free_port_pair() -> int:
+    """A port P with P + 1 free too (a node group's rendezvous and the engine's calls)."""
+    for _ in range(100):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports")
