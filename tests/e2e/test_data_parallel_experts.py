@@ -8,9 +8,13 @@ holding the whole model answers, while EPLB moves experts between them."""
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
+import psutil
+import pytest
 from conftest import build_checkpoint
 from server_process import MODEL, admin_workers, metrics, start_server, stop
 
@@ -53,5 +57,38 @@ def test_two_data_parallel_ranks_share_the_experts_and_answer_as_one(tmp_path, t
             assert values["openinfer:request_success_total[length]"] > before  # each took some
             assert values["openinfer:eplb_rearrangements_total"] >= 2
         assert sum(metrics(rank)["openinfer:eplb_experts_moved_total"] for rank in ranks) > 0
+
+        # Rank 1's engine dies: rank 0's next lockstep collective fails (it polls even when
+        # idle), so both ranks turn unhealthy at once, and the router stops sending them
+        # traffic, rather than anyone waiting on a group that cannot step.
+        engines = [_engine_core_of_rank(proc.pid, rank) for rank in (0, 1)]
+        engines[1].kill()
+        deadline = time.monotonic() + 60
+        while any(_health(rank) != 503 for rank in ranks):
+            assert time.monotonic() < deadline, [_health(rank) for rank in ranks]
+            time.sleep(0.2)
+        with pytest.raises(openai.APIStatusError) as failed:
+            _complete(router, prompts[0])
+        assert failed.value.status_code == 503
     finally:
         stop(proc)
+    _, alive = psutil.wait_procs(engines, timeout=30)
+    assert not alive, "rank 0's engine outlived the group"
+
+
+def _engine_core_of_rank(launcher_pid: int, rank: int) -> psutil.Process:
+    """The engine-core process of data-parallel rank ``rank``'s server."""
+    for server in psutil.Process(launcher_pid).children(recursive=True):
+        cmdline = server.cmdline()
+        if "--data-parallel-rank" in cmdline and \
+                cmdline[cmdline.index("--data-parallel-rank") + 1] == str(rank):
+            return next(p for p in server.children()
+                        if "resource_tracker" not in " ".join(p.cmdline()))
+    raise AssertionError(f"no server of rank {rank}")
+
+
+def _health(base: str) -> int:
+    try:
+        return httpx.get(f"{base}/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
