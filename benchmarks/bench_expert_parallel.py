@@ -28,7 +28,7 @@ from doc_sections import write_section
 
 from openinfer import LLM, SamplingParams
 from openinfer.demo import build_demo_tokenizer
-from openinfer.distributed.eplb import initial_placement, rebalance
+from openinfer.distributed.eplb import STICKINESS, initial_placement, rebalance
 
 REPO = Path(__file__).resolve().parent.parent
 EXPERTS, TOP_K = 16, 2
@@ -55,7 +55,9 @@ def placement_rows() -> list[dict]:
         loads = skewed_loads(256, 8, 8192, exponent, layers=8, seed=0)
         for ranks, redundant in ((8, 0), (8, 32), (32, 0), (32, 32), (64, 0), (64, 64)):
             before, after, bound = [], [], []
-            for load in loads:
+            moved = {0.0: [], STICKINESS: []}  # on the next window, by packing stickiness
+            shifted = {0.0: [], STICKINESS: []}
+            for layer, load in enumerate(loads):
                 start = initial_placement(256, ranks, redundant)
                 placed = rebalance(load, ranks, 256 + redundant, start)
                 copies = [len(r) for r in placed.replicas()]
@@ -63,11 +65,27 @@ def placement_rows() -> list[dict]:
                 before.append(start.imbalance(load))
                 after.append(placed.imbalance(load))
                 bound.append(max(1.0, max(w / c for w, c in zip(load, copies)) / mean))
+                # The next window: the same skew with ±5% noise per expert.
+                g = torch.Generator().manual_seed(layer)
+                noisy = [w * (0.95 + 0.1 * float(torch.rand(1, generator=g))) for w in load]
+                for stickiness in moved:
+                    first = rebalance(load, ranks, 256 + redundant, start, stickiness)
+                    second = rebalance(noisy, ranks, 256 + redundant, first, stickiness)
+                    moved[stickiness].append(_moved(first, second))
+                    shifted[stickiness].append(second.imbalance(noisy))
             rows.append(dict(exponent=exponent, ranks=ranks, redundant=redundant,
                              before=statistics.mean(before), after=statistics.mean(after),
-                             bound=statistics.mean(bound)))
+                             bound=statistics.mean(bound),
+                             moved={k: statistics.mean(v) for k, v in moved.items()},
+                             shifted={k: statistics.mean(v) for k, v in shifted.items()}))
             print(rows[-1], flush=True)
     return rows
+
+
+def _moved(first, second) -> int:
+    """Replicas a rank gains from ``first`` to ``second``: the experts to be sent."""
+    return sum(len(set(second.rank_experts(r)) - set(first.rank_experts(r)))
+               for r in range(first.num_ranks))
 
 
 def build_moe_checkpoint(out: Path) -> Path:
@@ -169,14 +187,21 @@ def main() -> None:
         "**EPLB placement** on synthetic skewed traces (DeepSeek-V3's shape: 256 routed "
         "experts, 8 distinct per token, 8192 tokens, Zipf popularity shuffled per layer; mean "
         "of 8 layers). Max/mean rank load with the experts in checkpoint order, after "
-        "`rebalance`, and the bound no placement beats (the heaviest replica alone):",
+        "`rebalance`, and the bound no placement beats (the heaviest replica alone). Then the "
+        "next window, the same skew with ±5% noise per expert: the replicas moved and the "
+        "max/mean after it, with plain greedy packing and with packing that prefers an "
+        f"expert's current rank within {STICKINESS:.0%} of a mean rank load (the default):",
         "",
-        "| Zipf exponent | ranks | redundant slots | before | after EPLB | bound |",
-        "|---|---|---|---|---|---|",
+        "| Zipf exponent | ranks | redundant slots | before | after EPLB | bound "
+        "| next window: moved, greedy | moved, sticky | max/mean greedy | max/mean sticky |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in placements:
+        moved, shifted = r["moved"], r["shifted"]
         lines.append(f"| {r['exponent']} | {r['ranks']} | {r['redundant']} | {r['before']:.2f} "
-                     f"| **{r['after']:.2f}** | {r['bound']:.2f} |")
+                     f"| **{r['after']:.2f}** | {r['bound']:.2f} | {moved[0.0]:.0f} "
+                     f"| **{moved[STICKINESS]:.0f}** | {shifted[0.0]:.2f} "
+                     f"| {shifted[STICKINESS]:.2f} |")
     lines += [
         "",
         f"**Through the engine** on {args.device}: a random-weight Qwen3-MoE (hidden 512, 6 "

@@ -10,7 +10,9 @@ multi-node serving):
    (its tokens are then split evenly over its replicas);
 2. pack: the replicas, heaviest first, each go to the rank with the least load that still
    has a free slot (every rank ends with exactly ``slots_per_rank``), avoiding a rank that
-   already holds the same expert;
+   already holds the same expert; but a rank that holds the expert now wins when its load
+   is within ``STICKINESS`` of a mean rank load of the least (on near-even loads the
+   greedy order alone would reshuffle most experts for nothing);
 3. keep in place: a replica whose rank already held that expert keeps its slot, so only
    the experts new to a rank have to be sent there.
 
@@ -23,6 +25,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+STICKINESS = 0.02
+"""How much more load (a fraction of the mean rank load) packing accepts to leave an
+expert on a rank that holds it already."""
 
 
 @dataclass(frozen=True)
@@ -94,9 +100,10 @@ def replicate(load: Sequence[float], num_physical: int, max_copies: int) -> list
 
 
 def rebalance(load: Sequence[float], num_ranks: int, num_physical: int,
-              current: Placement | None = None) -> Placement:
-    """The placement for ``load`` (tokens per expert over the last window), keeping the
-    replicas that stay on their rank in their ``current`` slots."""
+              current: Placement | None = None, stickiness: float = STICKINESS) -> Placement:
+    """The placement for ``load`` (tokens per expert over the last window), preferring the
+    ranks that hold an expert ``current``-ly and keeping the replicas that stay on their rank
+    in their slots."""
     num_experts = len(load)
     if num_physical < num_experts or num_physical % num_ranks:
         raise ValueError(f"{num_physical} physical slots cannot hold {num_experts} experts "
@@ -105,12 +112,21 @@ def rebalance(load: Sequence[float], num_ranks: int, num_physical: int,
     copies = replicate(load, num_physical, num_ranks)
     items = sorted(((load[e] / copies[e], e) for e in range(num_experts) for _ in range(copies[e])),
                    key=lambda item: (-item[0], item[1]))
+    slack = stickiness * sum(load) / num_ranks
+    holders = [set() for _ in range(num_experts)]  # the ranks holding each expert now
+    for rank in range(num_ranks if current else 0):
+        for expert in current.rank_experts(rank):
+            holders[expert].add(rank)
     rank_load = [0.0] * num_ranks
     assigned: list[list[int]] = [[] for _ in range(num_ranks)]
     for weight, expert in items:
         open_ranks = [r for r in range(num_ranks) if len(assigned[r]) < per_rank]
         fresh = [r for r in open_ranks if expert not in assigned[r]] or open_ranks
         rank = min(fresh, key=lambda r: (rank_load[r], r))
+        staying = [r for r in fresh if r in holders[expert]
+                   and rank_load[r] <= rank_load[rank] + slack]
+        if staying:
+            rank = min(staying, key=lambda r: (rank_load[r], r))
         assigned[rank].append(expert)
         rank_load[rank] += weight
     slots: list[int] = []
