@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 import openinfer.llm
 from openinfer.demo import build_demo_tokenizer
@@ -155,11 +156,45 @@ def run_disaggregated(path: Path, prompts: list[list[int]], params: dict,
     return tokens, prefill, decode
 
 
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+# A tiny DeepSeek-V4 with every layer type (sliding, CSA with its indexer, HCA) and hash and
+# score-routed MoE layers.
+DEEPSEEK_V4 = dict(
+    q_lora_rank=32, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=8,
+    moe_intermediate_size=32, layer_types=[SLIDING, CSA, HCA, CSA],
+    compress_rates={CSA: 4, HCA: 8}, mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
+    index_topk=64, hc_mult=4, hc_sinkhorn_iters=20, swiglu_limit=1.0,
+)
+
+
+def randomize_v4(path) -> None:
+    """transformers initialises sinks, position biases, mHC biases and scales, the expert-score
+    bias and tid2eid to constants: random values make every path matter."""
+    (file,) = path.glob("*.safetensors")
+    tensors = load_file(file)
+    g = torch.Generator().manual_seed(11)
+    for name, t in tensors.items():
+        if name.endswith(("attn_sink", ".ape", "_base")):
+            tensors[name] = torch.randn(t.shape, generator=g) * 0.5
+        elif name.endswith("_scale"):
+            tensors[name] = torch.rand(t.shape, generator=g) * 1.5 + 0.5
+        elif name.endswith("gate.bias"):
+            tensors[name] = torch.randn(t.shape, generator=g) * 0.1
+        elif name.endswith("tid2eid"):
+            experts = DEEPSEEK_V4["n_routed_experts"]
+            tensors[name] = torch.stack([torch.randperm(experts, generator=g)[:t.shape[1]]
+                                         for _ in range(t.shape[0])])
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
 # Llama with one KV head (replicated on both ranks), q/k/v/o and MLP biases (the row-parallel
 # bias added once), tied embeddings and an odd vocabulary (the vocab shards padded);
 # Qwen3-MoE with two KV heads (split), q/k norms, an untied LM head, a dense MLP in layer 0
 # and 8 experts (top 3) in layer 1; DeepSeek-V3 with MLA (heads split, the latent cache
-# whole on both ranks), a dense first layer, then 8 routed experts and a shared one.
+# whole on both ranks), a dense first layer, then 8 routed experts and a shared one;
+# DeepSeek-V4 (heads, sinks and output groups split; its one KV head, compressors and
+# indexer whole on both ranks).
 CHECKPOINTS = {
     "llama": dict(arch="LlamaForCausalLM", num_kv_heads=1, tie_word_embeddings=True,
                   vocab_size=1031, extra_config={"attention_bias": True, "mlp_bias": True}),
@@ -171,12 +206,16 @@ CHECKPOINTS = {
         v_head_dim=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
         moe_intermediate_size=32, first_k_dense_replace=1, n_group=4, topk_group=2,
         norm_topk_prob=True, routed_scaling_factor=2.5)),
+    "deepseek_v4": dict(arch="DeepseekV4ForCausalLM", num_layers=4, num_kv_heads=1, head_dim=32,
+                        intermediate_size=32, extra_config=DEEPSEEK_V4),
 }
 
 
 @pytest.fixture(scope="session")
 def parallel_checkpoints(tmp_path_factory, tokenizer):
     """The CHECKPOINTS, built once: the multi-rank tests' models."""
-    return {name: build_checkpoint(tmp_path_factory.mktemp(name), options["arch"], tokenizer,
-                                   **{k: v for k, v in options.items() if k != "arch"})
-            for name, options in CHECKPOINTS.items()}
+    paths = {name: build_checkpoint(tmp_path_factory.mktemp(name), options["arch"], tokenizer,
+                                    **{k: v for k, v in options.items() if k != "arch"})
+             for name, options in CHECKPOINTS.items()}
+    randomize_v4(paths["deepseek_v4"])
+    return paths

@@ -77,12 +77,13 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     _check_ranks_fit(config, size, "tensor_parallel_size")
     if not getattr(get_model_class(mc.architecture), "supports_tensor_parallel", False):
         raise ValueError(f"tensor_parallel_size {size}: {mc.architecture} cannot be split yet "
-                         "(Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V2/V3 "
+                         "(Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V2/V3/V4 "
                          "models can)")
     hf = mc.hf_config
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
-    sizes = [(heads, "num_attention_heads"), (hf["intermediate_size"], "intermediate_size")]
+    sizes = [(heads, "num_attention_heads"), (hf.get("intermediate_size", 0), "intermediate_size"),
+             (hf.get("o_groups", 0), "o_groups")]
     if hf.get("moe_intermediate_size") and not config.enable_expert_parallel:
         sizes.append((hf["moe_intermediate_size"], "moe_intermediate_size"))
     for n, what in sizes:

@@ -39,11 +39,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from openinfer.attention.metadata import AttentionMetadata
+from openinfer.distributed.parallel_state import get_tp
 from openinfer.kernels.paged_attention import write_kv
 from openinfer.kv.spec import CompressedSpec, KVSpec, SlidingWindowSpec
 from openinfer.layers.embedding import LMHead, VocabEmbedding
 from openinfer.layers.hyper_connections import HyperConnection, HyperHead, unweighted_rms_norm
-from openinfer.layers.linear import Linear, default_weight_loader
+from openinfer.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    RowParallelLinear,
+    default_weight_loader,
+    narrow,
+    reads_slices,
+)
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.moe import ClampedSiluAndMul, FusedExperts
 from openinfer.layers.norm import RMSNorm
@@ -82,6 +90,16 @@ class V4Rope:
 
 def _fp32_param(*shape: int, fill: float = 0.0) -> nn.Parameter:
     return nn.Parameter(torch.full(shape, fill, dtype=torch.float32), requires_grad=False)
+
+
+def _rank_rows(rank: int):
+    """A loader of rank ``rank``'s block of rows (as many as the parameter has)."""
+
+    @reads_slices
+    def load(param: nn.Parameter, loaded) -> None:
+        default_weight_loader(param, narrow(loaded, 0, rank * param.shape[0], param.shape[0]))
+
+    return load
 
 
 def _rows(cache: torch.Tensor, table: list[int], positions: range, block_size: int) -> torch.Tensor:
@@ -151,27 +169,37 @@ class Indexer(nn.Module):
 
 
 class V4Attention(nn.Module):
+    """Under tensor parallelism a rank holds its share of the query heads (``wq_b``'s rows,
+    their sinks) and of the output groups (each group reads a contiguous run of heads:
+    ``wo_a``'s rows and ``wo_b``'s columns, summed by ``wo_b``'s all-reduce). The one
+    key/value head, the compressors and the indexer are shared by all heads, so every rank
+    computes and caches them whole (as MLA's latent)."""
+
     def __init__(self, hf: dict, layer: int, ropes: dict[str, V4Rope]) -> None:
         super().__init__()
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
+        tp = get_tp()
         self.kind = hf["layer_types"][layer]
-        self.num_heads, self.head_dim = hf["num_attention_heads"], hf["head_dim"]
+        self.num_heads = tp.split(hf["num_attention_heads"], "num_attention_heads")  # this rank's
+        self.head_dim = hf["head_dim"]
         self.window = hf["sliding_window"]
         self.eps = eps
         self.rope = ropes["main" if self.kind == SLIDING else "compress"]
         self.wq_a = Linear(hidden, hf["q_lora_rank"])
         self.q_norm = RMSNorm(hf["q_lora_rank"], eps, fp32_weight=True)
-        self.wq_b = Linear(hf["q_lora_rank"], self.num_heads * self.head_dim)
+        self.wq_b = ColumnParallelLinear(hf["q_lora_rank"], hf["num_attention_heads"] * self.head_dim,
+                                         what="num_attention_heads x head_dim")
         self.wkv = Linear(hidden, self.head_dim)
         self.norm = RMSNorm(self.head_dim, eps, fp32_weight=True)
-        self.groups, self.group_rank = hf["o_groups"], hf["o_lora_rank"]
+        self.groups, self.group_rank = tp.split(hf["o_groups"], "o_groups"), hf["o_lora_rank"]
         self.wo_a = nn.Module()  # grouped: [groups * rank, heads * head_dim / groups]
         self.wo_a.weight = nn.Parameter(
             torch.empty(self.groups * self.group_rank, self.num_heads * self.head_dim // self.groups),
             requires_grad=False)
-        self.wo_a.weight.weight_loader = default_weight_loader
-        self.wo_b = Linear(self.groups * self.group_rank, hidden)
+        self.wo_a.weight.weight_loader = _rank_rows(tp.rank)
+        self.wo_b = RowParallelLinear(hf["o_groups"] * self.group_rank, hidden)
         self.attn_sink = _fp32_param(self.num_heads)
+        self.attn_sink.weight_loader = _rank_rows(tp.rank)
         self.ratio = 0
         if self.kind != SLIDING:
             rates = {**DEFAULT_RATES, **(hf.get("compress_rates") or {})}
@@ -468,6 +496,8 @@ class DeepseekV4Model(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     """Module names follow DeepSeek's checkpoint (``attn.wq_a``, ``ffn.experts.<e>.w1``,
     ``hc_attn_fn``, ``head``: what transformers writes and the Hub holds)."""
+
+    supports_tensor_parallel = True
 
     # Per-expert w1 (gate) / w3 (up) / w2 (down) into the stacked expert tensors; the
     # shared expert's w1/w3 into its merged gate/up projection, w2 as its down projection.

@@ -4,15 +4,9 @@ one without: every reply is the same, and the caching server reports cached prom
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-from conftest import build_checkpoint
+from conftest import DEEPSEEK_V4, build_checkpoint, randomize_v4
 from server_process import MODEL, start_servers, stop
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
-from test_deepseek_v4 import V4, _randomize  # noqa: E402
 
 TURNS = 32
 
@@ -21,10 +15,10 @@ TURNS = 32
 def test_32_turn_chat_gives_the_same_replies_with_and_without_caching(tmp_path, tokenizer):
     import openai
 
-    path = build_checkpoint(tmp_path / "v4", "DeepseekV4ForCausalLM", tokenizer, extra_config=V4,
+    path = build_checkpoint(tmp_path / "v4", "DeepseekV4ForCausalLM", tokenizer, extra_config=DEEPSEEK_V4,
                             num_layers=4, num_heads=4, num_kv_heads=1, head_dim=32,
                             intermediate_size=32, max_position_embeddings=4096)
-    _randomize(path)
+    randomize_v4(path)
     common = ("--block-size", "4", "--max-model-len", "2048")
     (cached_url, cached), (plain_url, plain) = start_servers(  # both at once
         (path, *common, "--swa-snapshot-interval", "16"), (path, *common, "--no-prefix-caching"))

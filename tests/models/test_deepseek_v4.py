@@ -5,55 +5,24 @@ hyper-connections; through the paged engine with prefix caching, the same tokens
 from __future__ import annotations
 
 import torch
-from conftest import run_disaggregated
+from conftest import DEEPSEEK_V4, randomize_v4, run_disaggregated
 from test_hf_parity import PagedModel, _hf_logits, _prompts
 
 from openinfer import LLM, SamplingParams
 
-SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-V4 = dict(
-    q_lora_rank=32, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=8,
-    moe_intermediate_size=32, layer_types=[SLIDING, CSA, HCA, CSA],
-    compress_rates={CSA: 4, HCA: 8}, mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-    sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
-    index_topk=64, hc_mult=4, hc_sinkhorn_iters=20, swiglu_limit=1.0,
-)
-
 
 def _checkpoint(make_checkpoint, **overrides):
-    path = make_checkpoint("DeepseekV4ForCausalLM", extra_config={**V4, **overrides}, num_layers=4,
-                           num_heads=4, num_kv_heads=1, head_dim=32, intermediate_size=32)
-    _randomize(path)
+    path = make_checkpoint("DeepseekV4ForCausalLM", extra_config={**DEEPSEEK_V4, **overrides},
+                           num_layers=4, num_heads=4, num_kv_heads=1, head_dim=32, intermediate_size=32)
+    randomize_v4(path)
     return path
-
-
-def _randomize(path) -> None:
-    """transformers initialises sinks, position biases, mHC biases and scales, the expert-score
-    bias and tid2eid to constants: random values make every path matter."""
-    from safetensors.torch import load_file, save_file
-
-    (file,) = path.glob("*.safetensors")
-    tensors = load_file(file)
-    g = torch.Generator().manual_seed(11)
-    for name, t in tensors.items():
-        if name.endswith(("attn_sink", ".ape", "_base")):
-            tensors[name] = torch.randn(t.shape, generator=g) * 0.5
-        elif name.endswith("_scale"):
-            tensors[name] = torch.rand(t.shape, generator=g) * 1.5 + 0.5
-        elif name.endswith("gate.bias"):
-            tensors[name] = torch.randn(t.shape, generator=g) * 0.1
-        elif name.endswith("tid2eid"):
-            experts = V4["n_routed_experts"]
-            tensors[name] = torch.stack([torch.randperm(experts, generator=g)[:t.shape[1]]
-                                         for _ in range(t.shape[0])])
-    save_file(tensors, file, metadata={"format": "pt"})
 
 
 def test_prompt_chunks_and_decodes_match_transformers(make_checkpoint, hf_model_loader):
     path = _checkpoint(make_checkpoint)
     ours, hf = PagedModel(path, attention="torch"), hf_model_loader(path)
     kinds = [layer.attn.kind for layer in ours.model.model.layers]
-    assert kinds == V4["layer_types"]
+    assert kinds == DEEPSEEK_V4["layer_types"]
     a, b = _prompts(ours.config.vocab_size, [45, 29])
     first = ours.step([(0, a[:14], 0), (1, b, 0)])  # a chunk of a, all of b
     torch.testing.assert_close(first[14:], _hf_logits(hf, b), atol=2e-5, rtol=1e-4)
@@ -141,9 +110,9 @@ def test_bfloat16_is_as_close_to_the_exact_answer_as_transformers(make_checkpoin
     """A bf16 checkpoint: transformers in float32 computes its exact answer. openinfer in bf16
     keeps the same parameters in float32 as the reference (norms, hyper-connections, sinks,
     gate biases, position biases) and is, on average, as close to it as transformers' bf16."""
-    path = make_checkpoint("DeepseekV4ForCausalLM", extra_config=V4, num_layers=4, num_heads=4,
+    path = make_checkpoint("DeepseekV4ForCausalLM", extra_config=DEEPSEEK_V4, num_layers=4, num_heads=4,
                            num_kv_heads=1, head_dim=32, intermediate_size=32, dtype=torch.bfloat16)
-    _randomize(path)
+    randomize_v4(path)
     ours, truth = PagedModel(path, dtype="bfloat16", attention="torch"), hf_model_loader(path)
     theirs = type(truth).from_pretrained(path, dtype=torch.bfloat16).eval()
     fp32 = {n for n, p in ours.model.named_parameters() if p.dtype == torch.float32}
