@@ -84,6 +84,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "shared --kv-store-dir)")
     d.add_argument("--kv-transfer-host", default="127.0.0.1",
                    help="address the KV server binds and advertises")
+    d.add_argument("--kv-transfer-secret",
+                   help="a secret the prefill and decode instances share: the KV server refuses "
+                        "pulls without it (unset: $OPENINFER_KV_TRANSFER_SECRET, else none)")
     d.add_argument("--kv-transfer-port", type=int,
                    help="KV server port (unset: any free port for --role prefill)")
     d.add_argument("--kv-transfer-timeout", type=float, default=10.0,
@@ -176,6 +179,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
            if getattr(args, "data_parallel_rank", None) is not None else {}),
         kv_role=args.kv_role, kv_connector=args.kv_connector,
         kv_transfer_host=args.kv_transfer_host, kv_transfer_port=args.kv_transfer_port,
+        kv_transfer_secret=(args.kv_transfer_secret
+                            or os.environ.get("OPENINFER_KV_TRANSFER_SECRET") or None),
         kv_transfer_timeout=args.kv_transfer_timeout, kv_lease_s=args.kv_lease_timeout,
         kv_load_failure_policy=args.kv_load_failure_policy,
         attention_backend=args.attention_backend,

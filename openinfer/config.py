@@ -188,6 +188,9 @@ class KVTransferConfig:
     """A prefill instance frees KV nobody pulled (or renewed) for this long."""
     load_failure_policy: str = "recompute"
     """When a pull fails: recompute the missing blocks locally, or fail the request."""
+    secret: str | None = field(default=None, repr=False)
+    """Shared by the prefill and decode instances: the KV server refuses (and counts) a
+    connection whose frames do not carry it. None: any puller that names a live lease."""
 
     def __post_init__(self) -> None:
         if self.role not in KV_ROLES:
@@ -382,6 +385,7 @@ class EngineConfig:
         kv_transfer_timeout: float = 10.0,
         kv_lease_s: float = 30.0,
         kv_load_failure_policy: str = "recompute",
+        kv_transfer_secret: str | None = None,
         attention_backend: str = "auto",
         batch_invariant: bool = False,
         moe_expert_stats: bool = False,
@@ -449,7 +453,7 @@ class EngineConfig:
             kv_transfer=KVTransferConfig(
                 role=kv_role, connector=kv_connector, host=kv_transfer_host,
                 port=kv_transfer_port, timeout_s=kv_transfer_timeout, lease_s=kv_lease_s,
-                load_failure_policy=kv_load_failure_policy),
+                load_failure_policy=kv_load_failure_policy, secret=kv_transfer_secret),
             attention_backend=attention_backend,
             moe_expert_stats=moe_expert_stats,
             speculative=SpeculativeConfig.parse(speculative_config),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -85,6 +86,7 @@ class EngineCore:
                                    else None)
         self._layout: BlockLayout | None = None
         self.has_tiers = self._attach_kv_tiers(groups)
+        self._lease_requests: dict[str, str] = {}  # live KV lease id -> its request
         self.kv_server_address = self._attach_kv_transfer(groups)
         self.structured: StructuredOutputManager | None = None
         self._refused: list[EngineCoreOutput] = []
@@ -282,9 +284,14 @@ class EngineCore:
                 out.kv_transfer_params = None
                 self.kv.release(out.request_id)
                 continue
-            self.executor.collective_rpc("add_lease", out.request_id, holds[out.request_id])
+            # The lease is named by 128 random bits, not the request id: only the client the
+            # answer went to (and the decode instance it hands it on to) can pull its blocks.
+            lease_id = secrets.token_hex(16)
+            self._lease_requests[lease_id] = out.request_id
+            self.executor.collective_rpc("add_lease", lease_id, holds[out.request_id])
             host, port = self.kv_server_address
-            out.kv_transfer_params.update(remote_host=host, remote_port=port)
+            out.kv_transfer_params.update(remote_lease_id=lease_id, remote_host=host,
+                                          remote_port=port)
         self.collect_leases()
         failed, self.scheduler.failed = self.scheduler.failed, []
         return [EngineCoreOutput(req.request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value,
@@ -297,7 +304,7 @@ class EngineCore:
             return 0
         ended = self.executor.call("collect_leases")
         for lease_id in ended:
-            self.kv.release(lease_id)
+            self.kv.release(self._lease_requests.pop(lease_id))
         return len(ended)
 
     def _flush_events(self) -> None:

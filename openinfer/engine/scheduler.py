@@ -447,8 +447,8 @@ class Scheduler:
                 self._finish(req, status)
                 held = self.new_holds.get(request_id)
                 if held is not None:
-                    outputs[-1].kv_transfer_params = {"remote_lease_id": request_id,
-                                                      "remote_block_hashes": list(held)}
+                    # (the engine core adds the lease id and the KV server's address)
+                    outputs[-1].kv_transfer_params = {"remote_block_hashes": list(held)}
         return outputs
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:

@@ -237,10 +237,10 @@ class Worker:
         if pulls:
             self.mover.attach_connector(make_connector(
                 kt.connector, layout.describe(), layout.block_bytes, kt.timeout_s,
-                self.mover.store))
+                self.mover.store, kt.secret))
         if serves:
             self.kv_server = KVServer(layout, self._layout_caches(layout), kt.host,
-                                      kt.port or 0, kt.lease_s)
+                                      kt.port or 0, kt.lease_s, kt.secret)
             logger.info("KV server on %s:%d (leases of %.0f s)", self.kv_server.host,
                         self.kv_server.port, kt.lease_s)
 
@@ -331,6 +331,7 @@ class Worker:
         if self.kv_server is not None:
             stats["kv_leases"] = self.kv_server.num_leases
             stats["kv_bytes_served"] = self.kv_server.bytes_sent
+            stats["kv_transfer_rejected"] = self.kv_server.num_rejected
         return stats
 
     def close_kv_server(self) -> None:

@@ -294,6 +294,8 @@ class _EngineStats(Collector):
         ("kv_remote_pull_failures", "kv_remote_pull_failures",
          "Pulls from prefill instances that failed (the rest was recomputed or failed)"),
         ("kv_bytes_served", "kv_bytes_served", "Bytes a prefill instance sent to decode instances"),
+        ("kv_transfer_rejected", "kv_transfer_rejected",
+         "KV server connections refused and closed (unknown lease, wrong secret, bad request)"),
         ("swa_replayed_tokens", "swa_replayed_tokens",
          "Prefix-hit tokens recomputed because no window snapshot was cached at their end "
          "(sliding-window models)"),

@@ -22,6 +22,7 @@ connection, and let it RDMA-write straight into device blocks instead of host sl
 from __future__ import annotations
 
 import contextlib
+import secrets
 import socket
 import threading
 import time
@@ -37,13 +38,24 @@ PutBlock = Callable[[int, memoryview], None]
 """Called with (index into the requested hashes, the block's bytes), in order."""
 
 
+SEGMENT_PREFIX = "openinfer-kv-"
+"""Shared-memory segments a KV server may write into are named so (and 128 random bits):
+it never writes into a segment a puller names otherwise."""
+
+
 class KVConnector:
     name = "base"
 
-    def __init__(self, layout: dict, block_bytes: int, timeout_s: float) -> None:
+    def __init__(self, layout: dict, block_bytes: int, timeout_s: float,
+                 secret: str | None = None) -> None:
         self.layout = layout
         self.block_bytes = block_bytes
         self.timeout_s = timeout_s
+        self.secret = secret
+
+    def _frame(self, **fields) -> dict:
+        """A request frame to the KV server, with the shared secret when there is one."""
+        return {**fields, "secret": self.secret} if self.secret else fields
 
     def fetch(self, params: KVTransferParams, hashes: list[bytes], put: PutBlock) -> int:
         """Deliver the leading blocks of ``hashes`` the prefill instance holds; returns
@@ -78,9 +90,9 @@ class TcpConnector(KVConnector):
         with self._connect(params) as sock:
             try:
                 shm = self._segment(len(hashes))
-                send_frame(sock, {"op": "pull", "lease": params.remote_lease_id,
-                                  "hashes": hashes, "layout": self.layout, "mode": self.mode,
-                                  "shm": shm.name if shm else None, "release": True})
+                send_frame(sock, self._frame(
+                    op="pull", lease=params.remote_lease_id, hashes=hashes, layout=self.layout,
+                    mode=self.mode, shm=shm.name if shm else None, release=True))
                 while True:
                     header, payload = recv_frame(sock, self.block_bytes)
                     if header.get("op") == "end":
@@ -115,8 +127,9 @@ LOCAL_SEGMENTS: set[str] = set()
 class ShmConnector(TcpConnector):
     name = mode = "shm"
 
-    def __init__(self, layout: dict, block_bytes: int, timeout_s: float) -> None:
-        super().__init__(layout, block_bytes, timeout_s)
+    def __init__(self, layout: dict, block_bytes: int, timeout_s: float,
+                 secret: str | None = None) -> None:
+        super().__init__(layout, block_bytes, timeout_s, secret)
         # One segment per pulling thread, kept and grown: a fresh segment per pull costs a
         # page fault per 4 KiB on both sides, more than the copy itself.
         self._local = threading.local()
@@ -129,7 +142,8 @@ class ShmConnector(TcpConnector):
         if shm is None or shm.size < size:
             if shm is not None:
                 self._drop(shm)
-            shm = shared_memory.SharedMemory(create=True, size=size)
+            shm = shared_memory.SharedMemory(f"{SEGMENT_PREFIX}{secrets.token_hex(16)}",
+                                             create=True, size=size)
             LOCAL_SEGMENTS.add(shm.name)
             with self._lock:
                 self._all.append(shm)
@@ -160,8 +174,8 @@ class FileConnector(KVConnector):
     name = "file"
 
     def __init__(self, layout: dict, block_bytes: int, timeout_s: float,
-                 store: FileStore) -> None:
-        super().__init__(layout, block_bytes, timeout_s)
+                 store: FileStore, secret: str | None = None) -> None:
+        super().__init__(layout, block_bytes, timeout_s, secret)
         self.store = store
 
     def fetch(self, params: KVTransferParams, hashes: list[bytes], put: PutBlock) -> int:
@@ -186,16 +200,17 @@ class FileConnector(KVConnector):
             raise
         finally:
             with contextlib.suppress(KVTransferError, OSError), self._connect(params) as sock:
-                send_frame(sock, {"op": "release", "lease": params.remote_lease_id})
+                send_frame(sock, self._frame(op="release", lease=params.remote_lease_id))
                 recv_frame(sock, 0)  # the lease is no longer needed either way
         return delivered
 
 
 def make_connector(name: str, layout: dict, block_bytes: int, timeout_s: float,
-                   store: FileStore | None) -> KVConnector:
+                   store: FileStore | None, secret: str | None = None) -> KVConnector:
     if name == "file":
         if store is None:
             raise ValueError("--kv-connector file needs --kv-store-dir (the store both "
                              "instances share)")
-        return FileConnector(layout, block_bytes, timeout_s, store)
-    return {"tcp": TcpConnector, "shm": ShmConnector}[name](layout, block_bytes, timeout_s)
+        return FileConnector(layout, block_bytes, timeout_s, store, secret)
+    return {"tcp": TcpConnector, "shm": ShmConnector}[name](layout, block_bytes, timeout_s,
+                                                            secret)

@@ -18,6 +18,7 @@ this same lease protocol deciding when the blocks may be reused.)
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import socket
 import threading
@@ -30,7 +31,7 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from openinfer.kv.spec import BlockLayout
-from openinfer.transfer.connector import LOCAL_SEGMENTS
+from openinfer.transfer.connector import LOCAL_SEGMENTS, SEGMENT_PREFIX
 from openinfer.transfer.protocol import KVTransferError, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class _Lease:
 
 class KVServer:
     def __init__(self, layout: BlockLayout, device_caches: list[torch.Tensor], host: str,
-                 port: int, lease_s: float) -> None:
+                 port: int, lease_s: float, secret: str | None = None) -> None:
         self.block_layout = layout
         self.device_caches = device_caches
         """The layout groups' device tensors (a block's bytes are its pages in each, in order)."""
@@ -59,8 +60,12 @@ class KVServer:
         self._lock = threading.Lock()
         self._sock = socket.create_server((host, port), backlog=128)
         self.host, self.port = host, self._sock.getsockname()[1]
+        self.secret = secret
         self.bytes_sent = 0
         self.num_pulls = 0
+        self.num_rejected = 0
+        """Connections refused and closed: a wrong or missing secret, a lease that is not
+        live (lease ids are 128 random bits: a puller cannot guess one), a bad request."""
         self._closed = False
         threading.Thread(target=self._accept_loop, name="openinfer-kv-server", daemon=True).start()
 
@@ -114,15 +119,39 @@ class KVServer:
             try:
                 while True:
                     header, _ = recv_frame(conn, max_payload=0)
-                    if header.get("op") == "pull":
+                    refusal = self._refusal(header)
+                    if refusal is not None:
+                        self.num_rejected += 1
+                        logger.warning("KV server: refused a connection: %s", refusal)
+                        send_frame(conn, {"op": "end", "n": 0, "error": refusal})
+                        return  # closed: nothing more is read from it
+                    if header["op"] == "pull":
                         self._pull(conn, header)
-                    elif header.get("op") == "release":
-                        self._release(str(header.get("lease")))
-                        send_frame(conn, {"op": "ok"})
                     else:
-                        send_frame(conn, {"op": "end", "n": 0, "error": "unknown op"})
+                        self._release(header["lease"])
+                        send_frame(conn, {"op": "ok"})
             except (KVTransferError, OSError):
                 return  # the puller hung up (normally, after its last frame) or failed
+
+    def _refusal(self, header: dict) -> str | None:
+        """Why a request frame is refused, or None. A pull or release must carry the
+        secret (when one is set) and name a live lease; a pull into shared memory must
+        name a segment a connector made."""
+        given = header.get("secret")
+        if self.secret is not None and not (
+                isinstance(given, str) and hmac.compare_digest(given.encode(), self.secret.encode())):
+            return "wrong or missing KV transfer secret"
+        if header.get("op") not in ("pull", "release"):
+            return "unknown op"
+        lease = header.get("lease")
+        with self._lock:
+            live = isinstance(lease, str) and lease in self._leases
+        if not live:
+            return "no such lease (expired?)"
+        if header["op"] == "pull" and header.get("mode") == "shm" and not (
+                isinstance(header.get("shm"), str) and header["shm"].startswith(SEGMENT_PREFIX)):
+            return "not a KV connector's shared-memory segment"
+        return None
 
     def _pull(self, conn: socket.socket, header: dict) -> None:
         lease_id = str(header.get("lease"))

@@ -185,3 +185,64 @@ def test_fail_policy_fails_the_request_and_keeps_serving(engine, plain):
     assert decode.generate(prompts[:1], SamplingParams(**DECODE))[0].outputs[0].token_ids == expected
     time.sleep(0.3)
     _wait_leases_freed(prefill)
+
+
+def _ask(port: int, frame: dict) -> tuple[dict, bool]:
+    """One raw request frame to a KV server: its first answer, and whether it then closed
+    the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        send_frame(sock, frame)
+        header, _ = recv_frame(sock, 1 << 20)
+        sock.settimeout(2)
+        try:
+            closed = sock.recv(1) == b""
+        except TimeoutError:
+            closed = False
+        return header, closed
+
+
+def test_a_lease_is_readable_only_by_who_holds_its_random_id_and_the_secret(engine, plain):
+    """A lease is named by 128 random bits, not the request id; the KV server refuses, counts
+    and closes a connection that names anything else, lacks the shared secret, or asks it to
+    write into a shared-memory segment no connector made, and lends nothing to it; the decode
+    instance holding the id and the secret pulls as usual."""
+    prefill = engine(kv_role="prefill", kv_transfer_secret="s3cret", kv_lease_s=5)
+    decode = engine(kv_role="decode", kv_transfer_secret="s3cret")
+    prompts = _prompts(1, seed=7)
+    out = prefill.generate(prompts, SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={
+        "do_remote_decode": True}))[0]
+    params = out.kv_transfer_params
+    lease, port = params["remote_lease_id"], params["remote_port"]
+    assert len(bytes.fromhex(lease)) == 16 and lease != out.request_id
+    server = prefill.engine.core.executor.worker.kv_server
+    layout = server.layout
+    pull = dict(op="pull", hashes=params["remote_block_hashes"], layout=layout, mode="tcp",
+                shm=None, release=False)
+    attempts = [
+        dict(pull, lease=out.request_id, secret="s3cret"),                 # the request id
+        dict(pull, lease=lease),                                          # no secret
+        dict(pull, lease=lease, secret="guess"),                          # a wrong secret
+        dict(pull, lease=lease, secret="s3cret", mode="shm", shm="psm_victim"),
+        dict(op="release", lease=lease, secret="wrong"),
+        dict(op="stat", lease=lease, secret="s3cret"),
+    ]
+    for frame in attempts:
+        header, closed = _ask(port, frame)
+        assert header["op"] == "end" and header["n"] == 0 and header["error"], frame
+        assert closed, frame
+    assert server.num_rejected == len(attempts) and server.bytes_sent == 0
+    assert server.num_leases == 1  # the refused release released nothing
+    stats = prefill.engine.core.stats()
+    assert stats["kv_transfer_rejected"] == len(attempts)
+    # The holder of the id and the secret: the blocks, and the tokens of a plain run.
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, SamplingParams(**DECODE))]
+    assert _decode(decode, prompts, [params]) == expected
+    assert decode.engine.core.scheduler.num_remote_blocks_pulled == PROMPT_LEN // 16
+    _wait_leases_freed(prefill)
+    # A decode instance without the secret is refused, and recomputes.
+    stranger = engine(kv_role="decode")
+    params = _prefill(prefill, prompts)
+    assert _decode(stranger, prompts, params) == expected
+    assert stranger.engine.core.scheduler.num_remote_blocks_pulled == 0
+    assert server.num_rejected == len(attempts) + 1
+    _wait_leases_freed(prefill, timeout_s=10)  # its refused release did not: it expires
