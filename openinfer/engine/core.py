@@ -87,6 +87,8 @@ class EngineCore:
         self._layout: BlockLayout | None = None
         self.has_tiers = self._attach_kv_tiers(groups)
         self._lease_requests: dict[str, str] = {}  # live KV lease id -> its request
+        self.num_aborted = 0
+        """Live requests ended from outside (a client gone, a stop string met)."""
         self.kv_server_address = self._attach_kv_transfer(groups)
         self.structured: StructuredOutputManager | None = None
         self._refused: list[EngineCoreOutput] = []
@@ -203,7 +205,8 @@ class EngineCore:
         return self.structured
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        ended = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.num_aborted += len(ended)
         self._release_if_idle()
 
     def has_unfinished_requests(self) -> bool:
@@ -327,6 +330,7 @@ class EngineCore:
             "num_running": s.num_running, "num_waiting": s.num_waiting,
             "num_loading": s.num_waiting_for_kv, "kv_cache_usage": kv.usage,
             "num_preemptions": s.num_preemptions,
+            "num_aborted": self.num_aborted,
             "prefix_cache_queries": kv.num_queried_tokens, "prefix_cache_hits": kv.num_hit_tokens,
             "prefix_cache_hits_by_tier": dict(kv.hit_tokens_by_tier),
             "prefix_cache_blocks": kv.num_cached_blocks,

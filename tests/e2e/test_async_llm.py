@@ -66,7 +66,8 @@ def test_streamed_outputs_equal_offline_and_aborts_free_blocks(qwen3_checkpoint)
                 await _stream(llm, "", GREEDY, "bad")
 
             # Consumers that walk away mid-stream abort their requests.
-            long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+            long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+            aborted = llm.client.stats["num_aborted"]
             for i in range(4):
                 async for _ in llm.generate(PROMPTS[i % 3], long, f"gone{i}"):
                     break
@@ -77,6 +78,8 @@ def test_streamed_outputs_equal_offline_and_aborts_free_blocks(qwen3_checkpoint)
                 await asyncio.sleep(0.05)
             assert llm.client.stats["num_running"] == 0
             assert llm.client.stats["kv_cache_usage"] == 0
+            # The core ended all four live (none ran to its 400 tokens first).
+            assert llm.client.stats["num_aborted"] == aborted + 4
             assert not llm.output_processor.has_unfinished_requests()
             again = await _stream(llm, PROMPTS[0], GREEDY, "again")
             assert again[0]["tokens"] == expected[0].outputs[0].token_ids

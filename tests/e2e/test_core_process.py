@@ -54,6 +54,8 @@ def test_core_process_serves_aborts_and_shuts_down(qwen3_checkpoint):
                 if client.stats.get("num_running") == 0 and client.stats["kv_cache_usage"] == 0:
                     break
                 await asyncio.sleep(0.05)
+            # The core ended it live (it did not run to its 400 tokens first).
+            assert client.stats["num_aborted"] == 1
             assert client.stats["num_running"] == 0 and client.stats["num_waiting"] == 0
             assert client.stats["kv_cache_usage"] == 0
             assert client.num_unfinished == 0
