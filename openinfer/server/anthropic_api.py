@@ -18,7 +18,12 @@ from openinfer.outputs import CompletionOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.chat_output import ChatOutput, ToolPlan, plan_tools
 from openinfer.server.errors import APIError, anthropic_error_body
-from openinfer.server.openai_protocol import kv_transfer_field, structured_param
+from openinfer.server.openai_protocol import (
+    MAX_MESSAGES,
+    MAX_STOP,
+    kv_transfer_field,
+    structured_param,
+)
 from openinfer.server.prompt import PromptRenderer, is_special_token
 from openinfer.server.tool_parsers import ToolParser
 from openinfer.transfer.params import KVTransferParams
@@ -39,9 +44,9 @@ class MessagesRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int
-    messages: list[AnthropicMessage] = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | list[dict[str, Any]] | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOP)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

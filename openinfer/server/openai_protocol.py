@@ -19,13 +19,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.errors import APIError
 from openinfer.structured.params import StructuredOutputsParams
 from openinfer.transfer.params import KVTransferParams
+
+# Caps on what one request may ask for (beyond them: a 400 naming the field and the cap).
+# A request's cost is bounded by them and the body size (--max-body-bytes): no single
+# client can queue unbounded work with one call.
+MAX_N = 128
+"""Samples per prompt (``n``)."""
+MAX_PROMPTS = 1024
+"""Prompts in one /v1/completions batch."""
+MAX_STOP = 64
+"""Stop strings (``stop``, Anthropic's ``stop_sequences``)."""
+MAX_MESSAGES = 4096
+"""Chat messages in one conversation (OpenAI's and Anthropic's)."""
+MAX_LOGPROBS = 20
+"""Top log probabilities per token (``logprobs``, ``top_logprobs``; OpenAI's cap)."""
 
 
 def _unset(value: Any) -> bool:
@@ -72,7 +86,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(default=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float = 0.0
@@ -80,7 +94,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     """Token id (as a string, OpenAI's shape) -> bias added to its logit, in [-100, 100]."""
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted, no effect on the output.
@@ -267,12 +281,20 @@ def kv_transfer_field(out: RequestOutput) -> dict:
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     prompt_embeds: Any = None
     add_special_tokens: bool = True
     """Whether the tokenizer adds its special tokens (e.g. BOS) to a text prompt."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _few_enough_prompts(cls, prompt):
+        batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+        if batch and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+        return prompt
 
 
 class ChatMessage(BaseModel):
@@ -283,7 +305,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     tools: list[dict[str, Any]] | None = None
     """OpenAI function tools; the chat template receives them (server/chat_output.py)."""
     tool_choice: str | dict[str, Any] | None = None
@@ -292,7 +314,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     """Render the last (assistant) message open, so the model continues it (vLLM's field)."""

@@ -19,6 +19,7 @@ from server_process import MODEL, process_running, start_servers
 from server_process import metrics as _metrics
 
 from openinfer import LLM, SamplingParams
+from openinfer.server.openai_protocol import MAX_LOGPROBS, MAX_MESSAGES, MAX_N, MAX_PROMPTS, MAX_STOP
 
 SERVERS = {  # every server this module starts, by the test(s) using it: name -> flags
     "shared": ("--kv-cache-memory", "16MiB"),  # the `server` fixture
@@ -296,6 +297,11 @@ def _post(base: str, path: str, body: bytes | dict) -> tuple[int, dict]:
     ({"model": MODEL, "prompt": "hi", "kv_transfer_params": {
         "remote_host": "h", "remote_port": 1, "remote_block_hashes": ["zz"]}}, 400,
      "kv_transfer_params"),
+    # Caps on what one request may ask for.
+    ({"model": MODEL, "prompt": "hi", "n": MAX_N + 1}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "stop": ["x"] * (MAX_STOP + 1)}, 400, "stop"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": MAX_LOGPROBS + 1}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": ["hi"] * (MAX_PROMPTS + 1)}, 400, "prompt"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, param):
     base, _ = server
@@ -446,6 +452,24 @@ def test_anthropic_messages_and_streaming(server, offline):
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == expected.text and final.stop_reason == message.stop_reason
+
+
+@pytest.mark.slow
+def test_chat_and_messages_caps_name_the_field_and_the_cap(server):
+    base, _ = server
+    many = [{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)
+    code, body = _post(base, "/v1/chat/completions", {"model": MODEL, "messages": many})
+    assert code == 400 and body["error"]["param"] == "messages"
+    assert str(MAX_MESSAGES) in body["error"]["message"]
+    code, body = _post(base, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": many})
+    assert code == 400 and str(MAX_MESSAGES) in body["error"]["message"]
+    code, body = _post(base, "/v1/messages", {
+        "model": MODEL, "max_tokens": 4, "messages": many[:1],
+        "stop_sequences": ["x"] * (MAX_STOP + 1)})
+    assert code == 400 and "stop_sequences" in body["error"]["message"]
+    code, body = _post(base, "/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                 "n": MAX_N + 1})
+    assert str(MAX_N) in body["error"]["message"]
 
 
 @pytest.mark.slow
