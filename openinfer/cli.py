@@ -224,8 +224,11 @@ def warn_if_demo_model(model: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
-    args.api_key = args.api_key or os.environ.get("OPENINFER_API_KEY") or None
+    args.api_key = args.api_key or [
+        key for key in os.environ.get("OPENINFER_API_KEY", "").split(",") if key]
     args.admin_api_key = args.admin_api_key or os.environ.get("OPENINFER_ADMIN_API_KEY") or None
+    if args.cache_salt_per_api_key and not args.api_key:
+        raise SystemExit("--cache-salt-per-api-key needs --api-key (the keys it salts by)")
     if args.headless or args.node_rank > 0:
         from openinfer.config import NodesConfig
         from openinfer.distributed.nodes import serve_headless
@@ -253,9 +256,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.chat_template is not None and llm.tokenizer is not None:
         llm.tokenizer.chat_template = load_chat_template(args.chat_template)
     name = args.served_model_name or llm.config.model.served_name
-    limits = ServerLimits(api_key=args.api_key, admin_api_key=args.admin_api_key,
+    limits = ServerLimits(api_keys=tuple(args.api_key), admin_api_key=args.admin_api_key,
                           max_body_bytes=args.max_body_bytes,
-                          max_waiting_requests=args.max_waiting_requests)
+                          max_waiting_requests=args.max_waiting_requests,
+                          cache_salt_per_api_key=args.cache_salt_per_api_key)
     url = f"http://{args.host}:{args.port}"
     app = build_app(llm, name, limits,
                     sampling_defaults=sampling_defaults(llm.config.model.path,
@@ -335,11 +339,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name",
                        help="model name clients use (unset: the model's, e.g. smollm2-135m-instruct)")
-    serve.add_argument("--api-key", help="require this key (Authorization: Bearer KEY); "
-                                         "unset: $OPENINFER_API_KEY, else no key")
+    serve.add_argument("--api-key", nargs="+", default=[], metavar="KEY",
+                       help="require one of these keys (Authorization: Bearer KEY); unset: "
+                            "$OPENINFER_API_KEY (comma-separated), else no key")
     serve.add_argument("--admin-api-key", help="key of the admin endpoints (/v1/cache/reset); unset: "
-                                               "$OPENINFER_ADMIN_API_KEY, else --api-key, else "
-                                               "they are refused")
+                                               "$OPENINFER_ADMIN_API_KEY, else the --api-key "
+                                               "when there is one, else they are refused")
+    serve.add_argument("--cache-salt-per-api-key", action="store_true",
+                       help="salt each request's prefix cache by its API key: tenants never "
+                            "hit (or time) each other's cached prompts")
     serve.add_argument("--chat-template", help="a Jinja chat template, or a file holding one, "
                                                "instead of the model's")
     serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSER_NAMES),

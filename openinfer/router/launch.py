@@ -79,7 +79,8 @@ def run_router(urls: list[str], tokenizer_path: str, args: argparse.Namespace,
     pd = f" (prefill: {', '.join(prefill_urls)})" if prefill_urls else ""
     logger.info("router (%s) over %s%s on http://%s:%s", args.policy, ", ".join(urls), pd, host,
                 port)
-    admin_key = getattr(args, "admin_api_key", None) or getattr(args, "api_key", None)
+    keys = getattr(args, "api_key", None) or []
+    admin_key = getattr(args, "admin_api_key", None) or (keys[0] if len(keys) == 1 else None)
     serve(build_router_app(state, admin_key), sock, log_level=args.log_level,
           access_log=not getattr(args, "disable_uvicorn_access_log", False))
 

@@ -22,7 +22,7 @@ from openinfer.sampling_params import SamplingParams
 from openinfer.server.anthropic_api import install_anthropic_routes
 from openinfer.server.chat_output import ChatOutput, plan_tools
 from openinfer.server.errors import APIError, error_body, install_error_handlers
-from openinfer.server.limits import ServerLimits, install_limits
+from openinfer.server.limits import ServerLimits, install_limits, salted
 from openinfer.server.metrics import ServerMetrics
 from openinfer.server.openai_protocol import (
     ChatCompletionRequest,
@@ -142,6 +142,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
         ``constraint_source``, the field the client used."""
         if llm.client.dead_reason is not None:  # fail before a stream sends its 200
             raise EngineDeadError(llm.client.dead_reason)
+        params.cache_salt = salted(params.cache_salt)  # within the API key's, if so salted
         try:  # tokenized, truncated, checked
             text, token_ids = llm.inputs.process(prompt, params)
         except ValueError as e:

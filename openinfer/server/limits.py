@@ -1,7 +1,10 @@
-"""Admission control in front of the routes: API key, body size, queue depth."""
+"""Admission control in front of the routes: API keys, body size, queue depth; and the
+tenant salt of a request's prefix cache (--cache-salt-per-api-key)."""
 
 from __future__ import annotations
 
+import contextvars
+import hashlib
 import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,19 +20,43 @@ PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/kv_events"})
 ADMIN_PATHS = frozenset({"/v1/cache/reset"})
 
 
+TENANT_SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("tenant_salt",
+                                                                       default=None)
+"""The prefix-cache salt of the request being handled (set by the middleware when caches
+are salted per API key; the handler's task inherits it)."""
+
+
+def salted(cache_salt: str | None) -> str | None:
+    """A request's ``cache_salt`` within its tenant's: blocks hashed under one API key never
+    match another's, so a tenant cannot hit, or time, another's cached prefix."""
+    tenant = TENANT_SALT.get()
+    if tenant is None:
+        return cache_salt
+    return tenant if cache_salt is None else f"{tenant}/{cache_salt}"
+
+
 @dataclass(frozen=True)
 class ServerLimits:
-    api_key: str | None = None
-    """When set, every non-public request needs ``Authorization: Bearer <key>`` (or x-api-key)."""
+    api_keys: tuple[str, ...] = ()
+    """When set, every non-public request needs ``Authorization: Bearer <key>`` (or x-api-key)
+    with one of them."""
     max_body_bytes: int = 8 * 1024 * 1024
     """Larger request bodies get 413 before they are read."""
     max_waiting_requests: int | None = None
     """When the engine's waiting queue is deeper than this, new generations get 503."""
     retry_after_s: int = 1
     admin_api_key: str | None = None
-    """Key of the admin endpoints (ADMIN_PATHS); when None they take ``api_key``, and when
-    neither is set they are refused (403): nobody can empty a cache anonymously."""
+    """Key of the admin endpoints (ADMIN_PATHS); when None they take the API key if there is
+    exactly one (several keys are several tenants: none of them is the admin), else they are
+    refused (403): nobody can empty a cache anonymously."""
+    cache_salt_per_api_key: bool = False
+    """Salt every request's prefix cache by the API key it presented."""
 
+    @property
+    def admin_key(self) -> str | None:
+        if self.admin_api_key is not None:
+            return self.admin_api_key
+        return self.api_keys[0] if len(self.api_keys) == 1 else None
 
 def bearer_token(request: Request) -> str:
     """The key a client presented: ``Authorization: Bearer KEY`` or Anthropic's ``x-api-key``."""
@@ -57,12 +84,13 @@ def install_limits(app: FastAPI, limits: ServerLimits, num_waiting: Callable[[],
     @app.middleware("http")
     async def admit(request: Request, call_next):
         path = request.url.path
+        given = bearer_token(request)
         if path in ADMIN_PATHS:
-            refusal = admin_refusal(request, limits.admin_api_key or limits.api_key)
+            refusal = admin_refusal(request, limits.admin_key)
             if refusal is not None:
                 return refusal
-        elif (limits.api_key is not None and path not in PUBLIC_PATHS
-              and not key_matches(bearer_token(request), limits.api_key)):
+        elif (limits.api_keys and path not in PUBLIC_PATHS
+              and not any([key_matches(given, key) for key in limits.api_keys])):
             return error_response(request, 401, "invalid or missing API key",
                                   "authentication_error", code="invalid_api_key")
         length = request.headers.get("content-length")
@@ -77,4 +105,6 @@ def install_limits(app: FastAPI, limits: ServerLimits, num_waiting: Callable[[],
             return error_response(request, 503, "the server is overloaded; retry later",
                                   "server_overloaded", code="overloaded",
                                   headers={"Retry-After": str(limits.retry_after_s)})
+        if limits.cache_salt_per_api_key:
+            TENANT_SALT.set("key:" + hashlib.sha256(given.encode()).hexdigest()[:32])
         return await call_next(request)

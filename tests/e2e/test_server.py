@@ -27,6 +27,8 @@ SERVERS = {  # every server this module starts, by the test(s) using it: name ->
     "limits": ("--api-key", "sekrit", "--max-body-bytes", "2000", "--max-num-seqs", "1",
                "--max-waiting-requests", "0"),  # test_api_key_body_size_and_queue_limits
     "dead_engine": (),  # test_a_dead_engine_gives_503_not_hangs kills its engine core
+    "tenants": ("--api-key", "alice-key", "bob-key", "--cache-salt-per-api-key",
+                "--admin-api-key", "root-key"),  # test_tenants_never_share_cached_prefixes
 }
 
 
@@ -384,6 +386,36 @@ def test_api_key_body_size_and_queue_limits(servers):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_tenants_never_share_cached_prefixes(servers):
+    """--cache-salt-per-api-key: a prompt cached under one API key is a miss under another
+    (no hit, so nothing to time either); within a key, hits and cache_salt work as usual. Of
+    several API keys none is the admin's."""
+    base, _ = servers["tenants"]
+
+    def cached(key: str, **extra) -> int:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+        usage = client.completions.create(model=MODEL, prompt=list(range(5, 45)), max_tokens=2,
+                                          extra_body=extra).usage
+        return usage.prompt_tokens_details.cached_tokens
+
+    assert cached("alice-key") == 0
+    assert cached("alice-key") == 32
+    assert cached("bob-key") == 0       # the same prompt, another tenant: a miss
+    assert cached("bob-key") == 32
+    assert cached("alice-key", cache_salt="s") == 0   # a salt within the tenant's
+    code, _ = _post(base, "/v1/completions", {"model": MODEL, "prompt": "hi"})
+    assert code == 401
+    for key, status in (("alice-key", 401), ("root-key", 200)):
+        req = urllib.request.Request(f"{base}/v1/cache/reset", method="POST",
+                                     headers={"Authorization": f"Bearer {key}"})
+        try:
+            code = urllib.request.urlopen(req, timeout=30).status
+        except urllib.error.HTTPError as e:
+            code = e.code
+        assert code == status, key
 
 
 @pytest.mark.slow
