@@ -252,7 +252,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     sock = bind_socket(args.host, args.port)  # a port in use fails now, not after the load
     warn_if_demo_model(args.model)
-    llm = AsyncLLM(args.model, **engine_kwargs(args))
+    restarts = args.max_engine_restarts if args.restart_on_engine_failure else 0
+    llm = AsyncLLM(args.model, max_engine_restarts=restarts, **engine_kwargs(args))
     if args.chat_template is not None and llm.tokenizer is not None:
         llm.tokenizer.chat_template = load_chat_template(args.chat_template)
     name = args.served_model_name or llm.config.model.served_name
@@ -373,6 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="openinfer's and uvicorn's log level")
     serve.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="no log line per HTTP request")
+    serve.add_argument("--restart-on-engine-failure", action="store_true",
+                       help="start the engine process again when it dies (requests in flight "
+                            "fail; /health answers 503 until it is back), after 1, 2, 4, ... s")
+    serve.add_argument("--max-engine-restarts", type=int, default=5,
+                       help="with --restart-on-engine-failure: restarts within 10 minutes "
+                            "before the engine is left dead")
     serve.add_argument("--shutdown-timeout", type=int, default=30,
                        help="seconds to let in-flight requests finish on SIGTERM/Ctrl-C")
     serve.add_argument("--metrics-prefix", default="openinfer",

@@ -29,13 +29,16 @@ class RequestFailedError(RuntimeError):
     policy); the engine itself is fine."""
 
 class AsyncLLM:
-    def __init__(self, model: str, **engine_options) -> None:
+    def __init__(self, model: str, max_engine_restarts: int = 0, **engine_options) -> None:
+        """``max_engine_restarts``: how often within 10 minutes a dead engine-core process is
+        started again (0: never; see EngineCoreClient)."""
         self.config = EngineConfig.create(model, **engine_options)
         self.inputs = InputProcessor(self.config)
         self.tokenizer = self.inputs.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         # The resolved local path: the engine process must not resolve (or download) again.
-        self.client = EngineCoreClient({"model": self.config.model.path, **engine_options})
+        self.client = EngineCoreClient({"model": self.config.model.path, **engine_options},
+                                       max_restarts=max_engine_restarts)
         self._core_outputs: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self._pump: asyncio.Task | None = None

@@ -29,6 +29,9 @@ from openinfer.engine.outputs import EngineCoreOutput
 from openinfer.sampling_params import SamplingParams
 
 DEATH_CHECK_MS = 1000  # how often a quiet output socket makes us check the core is alive
+RESTART_WINDOW_S = 600.0
+"""Restarts are bounded per window: a core that keeps dying is left dead (and reported)."""
+MAX_RESTART_BACKOFF_S = 30.0
 
 
 class EngineDeadError(RuntimeError):
@@ -36,9 +39,17 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCoreClient:
-    def __init__(self, engine_options: dict, startup_timeout_s: float = 600.0) -> None:
+    def __init__(self, engine_options: dict, startup_timeout_s: float = 600.0,
+                 max_restarts: int = 0) -> None:
+        """``max_restarts``: how many times within ``RESTART_WINDOW_S`` a core that died is
+        started again (after 1, 2, 4, ... s); 0: a dead core stays dead."""
         self.engine_options = engine_options
         self.startup_timeout_s = startup_timeout_s
+        self.max_restarts = max_restarts
+        self.num_restarts = 0
+        """Cores started again after one died."""
+        self._failures: list[float] = []  # when cores died, within the window
+        self._restarter: asyncio.Task | None = None
         self.info: dict = {}
         """What the core reported when ready: num_blocks, block_size, max_model_len,
         compute_info (dtype, gemm, cpu_capability, attention: EngineCore.compute_info)."""
@@ -57,13 +68,17 @@ class EngineCoreClient:
 
     async def start(self) -> None:
         base = Path(self._tmpdir.name)
-        input_addr, output_addr = f"ipc://{base}/input", f"ipc://{base}/output"
-        self._input.bind(input_addr)
-        self._output.bind(output_addr)
+        self._addresses = f"ipc://{base}/input", f"ipc://{base}/output"
+        self._input.bind(self._addresses[0])
+        self._output.bind(self._addresses[1])
+        await self._start_core()
+        self._receiver = asyncio.create_task(self._receive_loop())
+
+    async def _start_core(self) -> None:
+        """Spawn a core on our sockets and wait for its READY."""
         # spawn, not fork: the core owns its own torch/ZMQ state from a clean interpreter.
         self._process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(self.engine_options, input_addr, output_addr,
-                                          os.getpid()),
+            target=run_engine_core, args=(self.engine_options, *self._addresses, os.getpid()),
             name="openinfer-engine-core", daemon=True)
         self._process.start()
         deadline = time.monotonic() + self.startup_timeout_s
@@ -72,14 +87,16 @@ class EngineCoreClient:
                 kind, body = protocol.decode(await self._output.recv())
                 if kind == protocol.READY:
                     self.info = body
-                    break
+                    return
+                if kind in (protocol.OUTPUTS, protocol.UTILITY_RESULT):
+                    continue  # a dead predecessor's last words
                 raise EngineDeadError(f"engine core failed to start: {body}")
             if not self._process.is_alive():
                 raise EngineDeadError(f"engine core exited during startup "
                                       f"(exit code {self._process.exitcode})")
             if time.monotonic() > deadline:
+                self._process.kill()
                 raise EngineDeadError("engine core did not start in time")
-        self._receiver = asyncio.create_task(self._receive_loop())
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float | None = None,
@@ -164,6 +181,35 @@ class EngineCoreClient:
         for queue in {id(q): q for q in self._queues.values()}.values():
             queue.put_nowait(EngineDeadError(reason))
         self._queues.clear()
+        if self.max_restarts:
+            self._restarter = asyncio.create_task(self._restart(reason))
+
+    async def _restart(self, reason: str) -> None:
+        """Start a new core after a backoff, while the window's restarts last; requests in
+        flight have failed already, and new ones are refused until it is READY."""
+        while True:
+            now = time.monotonic()
+            self._failures = [t for t in self._failures if now - t < RESTART_WINDOW_S] + [now]
+            if len(self._failures) > self.max_restarts:
+                self._dead = (f"{reason}; not restarted: {len(self._failures)} engine core "
+                              f"failures within {RESTART_WINDOW_S:.0f} s")
+                return
+            delay = min(MAX_RESTART_BACKOFF_S, 2.0 ** (len(self._failures) - 1))
+            self._dead = f"{reason}; restarting the engine core in {delay:.0f} s"
+            await asyncio.sleep(delay)
+            if self._process is not None and self._process.is_alive():
+                self._process.kill()
+            await asyncio.get_running_loop().run_in_executor(None, self._process.join)
+            try:
+                await self._start_core()
+            except EngineDeadError as e:
+                reason = str(e)
+                continue
+            self.stats = {}
+            self.num_restarts += 1
+            self._dead = None
+            self._receiver = asyncio.create_task(self._receive_loop())
+            return
 
     @property
     def dead_reason(self) -> str | None:
@@ -176,6 +222,10 @@ class EngineCoreClient:
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core process (it finishes nothing further) and release sockets."""
+        if self._restarter is not None:
+            self._restarter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._restarter
         if self._receiver is not None:
             self._receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -77,9 +77,11 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
     @app.get("/health")
     async def health() -> JSONResponse:
         dead = llm.client.dead_reason
+        restarts = llm.client.num_restarts
         if dead is not None:  # load balancers take this replica out of rotation
-            return JSONResponse({"status": "dead", "reason": dead}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "dead", "reason": dead, "engine_restarts": restarts},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "engine_restarts": restarts})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -26,7 +26,8 @@ SERVERS = {  # every server this module starts, by the test(s) using it: name ->
     "clean_shutdown": (),  # test_models_and_clean_shutdown stops it
     "limits": ("--api-key", "sekrit", "--max-body-bytes", "2000", "--max-num-seqs", "1",
                "--max-waiting-requests", "0"),  # test_api_key_body_size_and_queue_limits
-    "dead_engine": (),  # test_a_dead_engine_gives_503_not_hangs kills its engine core
+    # test_a_dead_engine_gives_503_then_restarts kills its engine core, twice
+    "dead_engine": ("--restart-on-engine-failure", "--max-engine-restarts", "1"),
     "tenants": ("--api-key", "alice-key", "bob-key", "--cache-salt-per-api-key",
                 "--admin-api-key", "root-key"),  # test_tenants_never_share_cached_prefixes
 }
@@ -517,8 +518,37 @@ def test_anthropic_errors_have_anthropic_shape(server):
     assert body["error"]["type"] == "invalid_request_error" and "max" in body["error"]["message"]
 
 
+def _health(base: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _kill_engine_core(proc: subprocess.Popen) -> None:
+    core = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "spawn_main"],
+                          capture_output=True, text=True).stdout.split()
+    assert len(core) == 1
+    os.kill(int(core[0]), signal.SIGKILL)
+
+
+def _wait_health(base: str, status: int, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        code, body = _health(base)
+        if code == status:
+            return body
+        assert time.monotonic() < deadline, f"/health stayed {code}: {body}"
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
-def test_a_dead_engine_gives_503_not_hangs(servers):
+def test_a_dead_engine_gives_503_then_restarts(servers, offline):
+    """--restart-on-engine-failure --max-engine-restarts 1: the engine core killed under a
+    stream ends that stream with an error event (no hang), /health says 503 while a new core
+    starts, then the server answers again as before; killed a second time within the window,
+    it is left dead and says so (503, engine_dead) rather than restarting forever."""
     base, proc = servers["dead_engine"]
     try:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
@@ -526,22 +556,23 @@ def test_a_dead_engine_gives_503_not_hangs(servers):
         stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=400,
                                            extra_body={"ignore_eos": True}, stream=True)
         next(iter(stream))
-        core = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "spawn_main"],
-                              capture_output=True, text=True).stdout.split()
-        assert len(core) == 1
-        os.kill(int(core[0]), signal.SIGKILL)
+        _kill_engine_core(proc)
         # The open stream ends with an error event (the client raises it) instead of hanging.
         with pytest.raises(openai.APIError, match="engine"):
             list(stream)
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=5)
-            except urllib.error.HTTPError as e:
-                assert e.code == 503
-                break
-            time.sleep(0.1)
-        else:
-            pytest.fail("/health kept saying ok after the engine died")
+        assert "restarting" in _wait_health(base, 503, 30)["reason"]
+        assert _wait_health(base, 200)["engine_restarts"] == 1
+        prompt = [7, 300, 41, 9, 12] * 3
+        want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8))
+        answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                           temperature=0)
+        assert answer.choices[0].text == want[0].outputs[0].text
+
+        _kill_engine_core(proc)
+        reason = _wait_health(base, 503, 30)["reason"]
+        time.sleep(2)  # (past the first backoff: it is not restarting)
+        code, body = _health(base)
+        assert code == 503 and "not restarted" in body["reason"], (reason, body)
         code, body = _post(base, "/v1/completions", {"model": MODEL, "prompt": "hi"})
         assert code == 503 and body["error"]["code"] == "engine_dead"
     finally:
