@@ -27,7 +27,7 @@ serve: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_offline.py
