@@ -22,7 +22,6 @@ from contextlib import asynccontextmanager
 from urllib.parse import urlparse
 
 import httpx
-import msgpack
 import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
@@ -32,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.router.metrics import cluster_exposition, replica_load
 from openinfer.router.pd import prefill_first
-from openinfer.router.policies import Router, RouterConfig, Worker
+from openinfer.router.policies import Router, RouterConfig, Worker, parse_event_batch
 from openinfer.server.anthropic_api import MessagesRequest, openai_tools
 from openinfer.server.errors import error_body
 from openinfer.server.limits import admin_refusal
@@ -176,14 +175,14 @@ class RouterState:
                 while True:
                     _, seq_bytes, payload = await sub.recv_multipart()
                     seq = int.from_bytes(seq_bytes, "big")
-                    batch = msgpack.unpackb(payload)
-                    if not worker.index.apply(seq, batch["events"]):
+                    events = parse_event_batch(payload)
+                    if not worker.index.apply(seq, events):
                         if replay is not None:
                             await self._replay(worker, replay)
-                        if not worker.index.apply(seq, batch["events"]):
+                        if not worker.index.apply(seq, events):
                             worker.index.reset()  # lost for good: start over from here
                             worker.index.next_seq = seq
-                            worker.index.apply(seq, batch["events"])
+                            worker.index.apply(seq, events)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a broken event stream must not take the router down
@@ -203,7 +202,7 @@ class RouterState:
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if seq < 0:
                     break
-                worker.index.apply(seq, msgpack.unpackb(payload)["events"])
+                worker.index.apply(seq, parse_event_batch(payload))
         finally:
             sock.close(linger=0)
 

@@ -23,9 +23,35 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import msgpack
+
 from openinfer.kv.block_hash import BlockHash
 
 POLICIES = ("round_robin", "least_load", "power_of_two", "cache_aware")
+EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+
+
+def parse_event_batch(payload: bytes) -> list[dict]:
+    """A replica's KV-event batch (msgpack ``{"events": [...]}``, vLLM's schema) as the
+    events the index applies; ValueError for anything else, so a broken or hostile stream
+    is refused whole instead of half applied. Unknown event types pass (and are skipped)."""
+    try:
+        batch = msgpack.unpackb(payload)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise ValueError(f"undecodable KV event batch: {e}") from None
+    events = batch.get("events") if isinstance(batch, dict) else None
+    if not isinstance(events, list):
+        raise ValueError("a KV event batch is a map with a list of events")
+    for event in events:
+        if not isinstance(event, dict):
+            raise ValueError("a KV event is a map")
+        if event.get("type") in ("BlockStored", "BlockRemoved"):
+            hashes = event.get("block_hashes")
+            if not (isinstance(hashes, list) and all(isinstance(h, bytes) for h in hashes)):
+                raise ValueError(f"{event['type']}.block_hashes is a list of byte strings")
+            if not isinstance(event.get("medium") or "", str):
+                raise ValueError(f"{event['type']}.medium is a string")
+    return events
 
 
 class WorkerCacheIndex:

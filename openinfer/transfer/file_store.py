@@ -124,8 +124,10 @@ class FileStore:
         start = len(MAGIC) + _LEN.size
         try:
             header = json.loads(data[start:start + length])
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # (RecursionError: "[[[[..." nested deep)
             raise StoreFileError(f"unreadable header: {e}") from e
+        if not isinstance(header, dict):
+            raise StoreFileError("the header is not a JSON object")
         if header.get("version") != FORMAT_VERSION:
             raise StoreFileError(f"format version {header.get('version')}")
         for key, value in self._expected.items():

@@ -148,7 +148,14 @@ class KVServer:
             live = isinstance(lease, str) and lease in self._leases
         if not live:
             return "no such lease (expired?)"
-        if header["op"] == "pull" and header.get("mode") == "shm" and not (
+        if header["op"] == "release":
+            return None
+        hashes = header.get("hashes")
+        if not (isinstance(hashes, list) and all(isinstance(h, bytes) for h in hashes)):
+            return "a pull names its blocks as a list of hashes"
+        if header.get("mode", "tcp") not in ("tcp", "shm"):
+            return "a pull's mode is tcp or shm"
+        if header.get("mode") == "shm" and not (
                 isinstance(header.get("shm"), str) and header["shm"].startswith(SEGMENT_PREFIX)):
             return "not a KV connector's shared-memory segment"
         return None
