@@ -1,0 +1,273 @@
+"""Soak: many mixed requests against one real server with the L2 (host) and L3 (file) KV
+tiers on, checking that nothing is lost and nothing grows.
+
+The mix (seeded): completions and chat completions, streamed and not, some with n = 2;
+Anthropic messages; 10% of streams closed by the client after their first chunk (aborts);
+5% bad requests (each must get its 4xx); short and long prompts, most starting with one of
+a few shared prefixes (prefix-cache and tier traffic). Every request must end in its
+expected outcome: an answer, a well-formed error, or the abort. Afterwards the engine must
+be idle with its KV usage back to 0; the resident memory, open files and threads of the
+server and its engine process are sampled throughout (start after warm-up, peak, end).
+
+    .venv/bin/python benchmarks/soak.py [--requests 10000] [--concurrency 32] [--no-write]
+
+Figures go to docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+from bench_server import ensure_demo_model, start_server
+from doc_sections import write_section
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS = ["cache", "block", "token", "prefix", "tier", "store", "decode", "prefill", "router",
+         "replica", "batch", "step", "window", "expert", "rank", "lease", "event", "request"]
+PREFIXES = [" ".join(random.Random(p).choices(WORDS, k=120)) for p in range(6)]
+BAD = [  # (path, body, the status it must get)
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "no_such_field": 1}, 400),
+    ("/v1/completions", {"prompt": "hi", "n": 10_000}, 400),
+    ("/v1/chat/completions", {"messages": []}, 400),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**7}, 400),
+    ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404),
+]
+
+
+def prompt_text(rng: random.Random) -> str:
+    suffix = " ".join(rng.choices(WORDS, k=rng.choice((8, 40, 300))))
+    return suffix if rng.random() < 0.2 else f"{rng.choice(PREFIXES)} {suffix}"
+
+
+def plan(i: int) -> tuple[str, str, dict, int | None]:
+    """Request ``i``: (kind, path, body, the 4xx it must get or None)."""
+    rng = random.Random(i)
+    if rng.random() < 0.05:
+        path, body, status = rng.choice(BAD)
+        return "bad", path, {"model": "soak", "max_tokens": 4, **body}, status
+    text, tokens = prompt_text(rng), rng.choice((4, 16, 48))
+    stream = rng.random() < 0.5
+    kind = rng.choice(("completions", "chat", "messages"))
+    if kind == "completions":
+        body = {"prompt": text, "n": 2 if rng.random() < 0.1 else 1}
+        path = "/v1/completions"
+    elif kind == "chat":
+        body = {"messages": [{"role": "user", "content": text}]}
+        path = "/v1/chat/completions"
+    else:
+        body = {"messages": [{"role": "user", "content": text}]}
+        path = "/v1/messages"
+    body.update(model="soak", max_tokens=tokens, stream=stream, temperature=0.8)
+    if kind != "messages":  # (Anthropic's API has no seed)
+        body["seed"] = i
+    if stream and rng.random() < 0.2:  # 10% of all requests
+        return "abort", path, body, None
+    return f"{kind}{'_stream' if stream else ''}", path, body, None
+
+
+async def run_one(http: httpx.AsyncClient, i: int) -> tuple[str, str]:
+    kind, path, body, want = plan(i)
+    try:
+        if body.get("stream"):
+            async with http.stream("POST", path, json=body) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    return kind, _status(resp, want)
+                async for line in resp.aiter_lines():
+                    if kind == "abort" and line.startswith("data:"):
+                        return kind, "aborted"  # closing the stream aborts the request
+                    if _error_event(line):
+                        print(f"request {i}: error event {line[:300]}", flush=True)
+                        return kind, "error event"
+                return kind, "ok"
+        resp = await http.post(path, json=body)
+        return kind, _status(resp, want)
+    except httpx.HTTPError as e:
+        return kind, f"transport {type(e).__name__}"
+
+
+def _error_event(line: str) -> bool:
+    """An SSE line that reports an error: OpenAI's ``data: {"error": ...}``, Anthropic's
+    ``event: error``."""
+    if line.strip() == "event: error":
+        return True
+    if not line.startswith("data:") or line.strip() == "data: [DONE]":
+        return False
+    try:
+        event = json.loads(line[5:])
+    except ValueError:
+        return True  # not JSON: broken
+    return isinstance(event, dict) and ("error" in event or event.get("type") == "error")
+
+
+def _status(resp: httpx.Response, want: int | None) -> str:
+    if resp.status_code == 200:
+        return "ok" if want is None else "200 (expected an error)"
+    try:
+        error = resp.json().get("error") or {}
+        shaped = isinstance(error, dict) and error.get("message") and error.get("type")
+    except (ValueError, AttributeError):
+        shaped = False
+    if resp.status_code == want and shaped:
+        return f"expected {want}"
+    return f"{resp.status_code}{'' if shaped else ' (malformed)'}"
+
+
+class Sampler:
+    """RSS, open files and threads of the server and its descendants, every 0.5 s."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.samples: dict[str, list[tuple[int, int, int]]] = collections.defaultdict(list)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _procs(self) -> dict[str, psutil.Process]:
+        root = psutil.Process(self.pid)
+        out = {"api server": root}
+        for child in root.children(recursive=True):
+            try:
+                line = " ".join(child.cmdline())
+            except psutil.Error:
+                continue
+            if "spawn_main" in line:
+                out["engine core"] = child
+        return out
+
+    def sample(self) -> None:
+        for name, proc in self._procs().items():
+            try:
+                with proc.oneshot():
+                    self.samples[name].append((proc.memory_info().rss, proc.num_fds(),
+                                               proc.num_threads()))
+            except psutil.Error:
+                pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self.sample()
+
+    def start(self) -> None:
+        self.samples.clear()
+        self.sample()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+async def soak(base: str, n: int, concurrency: int, sampler: Sampler) -> tuple[dict, float]:
+    outcomes: collections.Counter = collections.Counter()
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as http:
+        for i in range(-8, 0):  # warm-up (not counted): the first requests load kernels
+            await run_one(http, i)
+        sampler.start()
+        start = time.monotonic()
+        queue = iter(range(n))
+
+        async def worker() -> None:
+            for i in queue:
+                outcomes[await run_one(http, i)] += 1
+                if (done := sum(outcomes.values())) % 500 == 0:
+                    print(f"{done}/{n} requests", flush=True)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.monotonic() - start
+    return dict(outcomes), elapsed
+
+
+def idle_state(base: str, timeout_s: float = 60) -> dict:
+    """The engine's gauges once nothing runs (or after the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = {}
+        for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+            for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+                if line.startswith(f"openinfer:{name}"):
+                    values[name] = float(line.rsplit(" ", 1)[1])
+        if all(v == 0 for v in values.values()) or time.monotonic() > deadline:
+            return values
+        time.sleep(0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--model", help="checkpoint (default: the tiny demo model)")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    model = ensure_demo_model(args.model)
+    with tempfile.TemporaryDirectory() as store:
+        base, proc = start_server(model, "--served-model-name", "soak", "--kv-cache-memory",
+                                  "64MiB", "--kv-host-memory", "128MiB", "--kv-store-dir",
+                                  store, "--kv-store-bytes", "256MiB", "--max-model-len", "1024")
+        sampler = Sampler(proc.pid)
+        try:
+            outcomes, elapsed = asyncio.run(soak(base, args.requests, args.concurrency, sampler))
+            idle = idle_state(base)
+            sampler.stop()
+            alive = proc.poll() is None
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    expected = {"ok", "aborted"} | {f"expected {s}" for _, _, s in BAD}
+    unexpected = {k: v for k, v in outcomes.items() if k[1] not in expected}
+    by_kind: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for (kind, outcome), count in outcomes.items():
+        by_kind[kind][outcome] += count
+    lines = [
+        "## Soak: mixed requests against one server with L2 and L3 on (benchmarks/soak.py)",
+        "",
+        f"{args.requests} requests, {args.concurrency} at a time, in {elapsed:.0f} s "
+        f"({args.requests / elapsed:.1f} requests/s) on the tiny demo model "
+        "(`--kv-cache-memory 64MiB --kv-host-memory 128MiB --kv-store-dir`): completions, chat "
+        "and Anthropic messages, half streamed, 10% of completions with n = 2, 10% of all "
+        "aborted by the client mid-stream, 5% bad requests, most prompts behind one of 6 "
+        "shared 120-word prefixes.",
+        "",
+        "| kind | requests | outcomes |",
+        "|---|---|---|",
+    ]
+    for kind in sorted(by_kind):
+        counts = by_kind[kind]
+        lines.append(f"| {kind} | {sum(counts.values())} | "
+                     + ", ".join(f"{o}: {c}" for o, c in sorted(counts.items())) + " |")
+    lines += [
+        "",
+        f"**Unexpected outcomes: {sum(unexpected.values())}**"
+        + (f" ({json.dumps({f'{k[0]}: {k[1]}': v for k, v in unexpected.items()})})"
+           if unexpected else " (every request got its answer, its 4xx or its abort; no 5xx)")
+        + f". Server alive at the end: {alive}. Engine afterwards: "
+        + ", ".join(f"{k} {v:g}" for k, v in idle.items()) + ".",
+        "",
+        "| process | RSS start / peak / end | open files start / end | threads start / end |",
+        "|---|---|---|---|",
+    ]
+    for name, samples in sampler.samples.items():
+        rss = [s[0] / 2**20 for s in samples]
+        lines.append(f"| {name} | {rss[0]:.0f} / {max(rss):.0f} / {rss[-1]:.0f} MiB "
+                     f"| {samples[0][1]} / {samples[-1][1]} | {samples[0][2]} / {samples[-1][2]} |")
+    body = "\n".join(lines)
+    print(body)
+    if not args.no_write:
+        write_section(REPO / "docs" / "reliability.md", "soak", body)
+
+
+if __name__ == "__main__":
+    main()
