@@ -253,7 +253,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)  # a port in use fails now, not after the load
     warn_if_demo_model(args.model)
     restarts = args.max_engine_restarts if args.restart_on_engine_failure else 0
-    llm = AsyncLLM(args.model, max_engine_restarts=restarts, **engine_kwargs(args))
+    llm = AsyncLLM(args.model, max_engine_restarts=restarts,
+                   request_timeout_s=args.request_timeout, **engine_kwargs(args))
     if args.chat_template is not None and llm.tokenizer is not None:
         llm.tokenizer.chat_template = load_chat_template(args.chat_template)
     name = args.served_model_name or llm.config.model.served_name
@@ -374,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="openinfer's and uvicorn's log level")
     serve.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="no log line per HTTP request")
+    serve.add_argument("--request-timeout", type=float,
+                       help="seconds a request may run: past them it is aborted (its KV freed) "
+                            "and answered 504, or its stream ends with an error event")
     serve.add_argument("--restart-on-engine-failure", action="store_true",
                        help="start the engine process again when it dies (requests in flight "
                             "fail; /health answers 503 until it is back), after 1, 2, 4, ... s")

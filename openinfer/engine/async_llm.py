@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 
 from openinfer.config import EngineConfig
@@ -28,10 +29,22 @@ class RequestFailedError(RuntimeError):
     """The engine ended a request without an answer (a KV pull failed under the 'fail'
     policy); the engine itself is fine."""
 
+    status, code = 503, "request_failed"
+
+
+class RequestTimeoutError(RequestFailedError):
+    """The request ran past the server's --request-timeout and was aborted (its blocks
+    freed): nobody would read the rest in time."""
+
+    status, code = 504, "request_timeout"
+
 class AsyncLLM:
-    def __init__(self, model: str, max_engine_restarts: int = 0, **engine_options) -> None:
+    def __init__(self, model: str, max_engine_restarts: int = 0,
+                 request_timeout_s: float | None = None, **engine_options) -> None:
         """``max_engine_restarts``: how often within 10 minutes a dead engine-core process is
-        started again (0: never; see EngineCoreClient)."""
+        started again (0: never; see EngineCoreClient). ``request_timeout_s``: a request
+        still running after this long is aborted (RequestTimeoutError)."""
+        self.request_timeout_s = request_timeout_s
         self.config = EngineConfig.create(model, **engine_options)
         self.inputs = InputProcessor(self.config)
         self.tokenizer = self.inputs.tokenizer
@@ -63,6 +76,8 @@ class AsyncLLM:
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Stream a request's progress. Bad input raises ValueError before anything is queued."""
         text, token_ids = self.inputs.process(prompt, params)
+        timeout = self.request_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
         admitted = admit(self.output_processor, request_id, text, token_ids, params, stream=True)
         stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._streams[request_id] = stream
@@ -73,7 +88,15 @@ class AsyncLLM:
                 self.client.add_request(child_id, token_ids, child_params,
                                         admitted.arrival_time, queue=self._core_outputs)
             while True:
-                item = await stream.get()
+                if deadline is None:
+                    item = await stream.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(stream.get(), deadline - time.monotonic())
+                    except TimeoutError:
+                        raise RequestTimeoutError(
+                            f"the request ran past the server's request timeout ({timeout:g} s) "
+                            "and was aborted") from None
                 if isinstance(item, Exception):
                     raise item
                 failed = [c for c in item.outputs if c.finish_reason == "error"] if item.finished else []

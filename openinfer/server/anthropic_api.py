@@ -226,7 +226,7 @@ def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str
                 except (EngineDeadError, RequestFailedError) as e:  # reported in-band
                     reason = str(e) if isinstance(e, RequestFailedError) else (
                         f"the engine is unavailable: {e}")
-                    body = anthropic_error_body(503, reason)
+                    body = anthropic_error_body(getattr(e, "status", 503), reason)
                     yield _event("error", {"error": body["error"]})
                     return
                 yield _event("content_block_stop", {"index": index})

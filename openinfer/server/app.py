@@ -384,7 +384,7 @@ async def _with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
                                   code="engine_dead"))
             yield "data: [DONE]\n\n"
         except RequestFailedError as e:
-            yield _sse(error_body(str(e), "service_unavailable", code="request_failed"))
+            yield _sse(error_body(str(e), "service_unavailable", code=e.code))
             yield "data: [DONE]\n\n"
 
 

@@ -81,7 +81,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestFailedError)
     async def request_failed(request: Request, e: RequestFailedError) -> JSONResponse:
-        return error_response(request, 503, str(e), "service_unavailable", code="request_failed")
+        return error_response(request, e.status, str(e), "service_unavailable", code=e.code)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:

@@ -28,8 +28,9 @@ SERVERS = {  # every server this module starts, by the test(s) using it: name ->
                "--max-waiting-requests", "0"),  # test_api_key_body_size_and_queue_limits
     # test_a_dead_engine_gives_503_then_restarts kills its engine core, twice
     "dead_engine": ("--restart-on-engine-failure", "--max-engine-restarts", "1"),
+    # test_tenants_never_share_cached_prefixes, test_a_request_past_its_timeout_is_aborted
     "tenants": ("--api-key", "alice-key", "bob-key", "--cache-salt-per-api-key",
-                "--admin-api-key", "root-key"),  # test_tenants_never_share_cached_prefixes
+                "--admin-api-key", "root-key", "--request-timeout", "1"),
 }
 
 
@@ -417,6 +418,25 @@ def test_tenants_never_share_cached_prefixes(servers):
         except urllib.error.HTTPError as e:
             code = e.code
         assert code == status, key
+
+
+@pytest.mark.slow
+def test_a_request_past_its_timeout_is_aborted(servers):
+    """--request-timeout 1: a request that would run longer is aborted in the engine and
+    answered 504 (a stream: ends with an error event); short ones are served meanwhile."""
+    base, _ = servers["tenants"]
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="alice-key", max_retries=0)
+    long = dict(model=MODEL, prompt="hi", max_tokens=500, extra_body={"ignore_eos": True})
+    with pytest.raises(openai.APIStatusError) as timed_out:
+        client.completions.create(**long)
+    assert timed_out.value.status_code == 504
+    assert timed_out.value.body["code"] == "request_timeout"
+    with pytest.raises(openai.APIError, match="request timeout"):
+        list(client.completions.create(**long, stream=True))
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+    values = _metrics(base)
+    assert values["openinfer:num_requests_running"] == 0
+    assert values["openinfer:kv_cache_usage_perc"] == 0
 
 
 @pytest.mark.slow
