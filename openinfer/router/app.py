@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from urllib.parse import urlparse
@@ -293,7 +294,8 @@ def build_router_app(state: RouterState, admin_api_key: str | None = None) -> Fa
     async def list_workers() -> dict:
         prefill = {w.url for w in state.prefill.workers} if state.prefill else set()
         return {"workers": [{"url": w.url, "role": "prefill" if w.url in prefill else "serve",
-                             "healthy": w.healthy, "in_flight": w.in_flight,
+                             "healthy": w.healthy, "draining": w.draining,
+                             "in_flight": w.in_flight,
                              "external_load": w.external_load, "routed": w.routed,
                              "indexed_blocks": len(w.index),
                              "events": w.index.live} for w in state.all_workers]}
@@ -307,6 +309,36 @@ def build_router_app(state: RouterState, admin_api_key: str | None = None) -> Fa
     async def remove_worker(url: str) -> JSONResponse:
         removed = state.remove_worker(url)
         return JSONResponse({"removed": removed}, status_code=200 if removed else 404)
+
+    def named_worker(body: dict) -> Worker | None:
+        url = str(body.get("url", "")).rstrip("/")
+        return next((w for w in state.all_workers if w.url == url), None)
+
+    @app.post("/admin/workers/drain")
+    async def drain_worker(body: dict) -> JSONResponse:
+        """Take a replica out of rotation and wait (up to ``timeout_s``, 300) until the
+        requests it has in flight have ended: then it can be restarted losing nothing."""
+        worker = named_worker(body)
+        if worker is None:
+            return JSONResponse(error_body(f"no replica {body.get('url')!r}",
+                                           "invalid_request_error"), status_code=404)
+        worker.draining = True
+        deadline = time.monotonic() + float(body.get("timeout_s", 300))
+        while worker.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return JSONResponse({"url": worker.url, "drained": worker.in_flight == 0,
+                             "in_flight": worker.in_flight},
+                            status_code=200 if worker.in_flight == 0 else 504)
+
+    @app.post("/admin/workers/undrain")
+    async def undrain_worker(body: dict) -> JSONResponse:
+        """Put a drained replica back in rotation (once its health check passes)."""
+        worker = named_worker(body)
+        if worker is None:
+            return JSONResponse(error_body(f"no replica {body.get('url')!r}",
+                                           "invalid_request_error"), status_code=404)
+        worker.draining = False
+        return JSONResponse({"url": worker.url, "draining": False})
 
     for path in GENERATE_PATHS:
         app.add_api_route(path, _generate_route(state, path), methods=["POST"])

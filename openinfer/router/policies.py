@@ -137,6 +137,9 @@ CREDENTIAL_HEADERS = frozenset({"authorization", "x-api-key"})
 class Worker:
     url: str
     healthy: bool = True
+    draining: bool = False
+    """Taken out of rotation by an operator (``/admin/workers/drain``): it finishes what it
+    has and gets nothing new until undrained."""
     in_flight: int = 0
     """Requests routed here whose responses have not ended."""
     kv_usage: float = 0.0
@@ -198,7 +201,8 @@ class Router:
         self._sessions: OrderedDict[str, str] = OrderedDict()
 
     def healthy(self) -> list[Worker]:
-        return [w for w in self.workers if w.healthy]
+        """The replicas in rotation: healthy and not draining."""
+        return [w for w in self.workers if w.healthy and not w.draining]
 
     def choose(self, hashes: list[BlockHash], session: str | None = None,
                exclude: set[str] = frozenset()) -> Decision | None:

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import (
+    ADMIN,
     MODEL,
     admin_workers,
     start_routers,
@@ -193,6 +194,44 @@ def test_cache_aware_load_guard_holds_under_concurrent_load(routers):
 
 
 @pytest.mark.slow
+def test_a_drained_replica_finishes_its_streams_and_gets_no_new_traffic(replicas, routers):
+    """POST /admin/workers/drain: the replica gets no new request, the stream it is serving
+    runs to its end, and the call returns once nothing is in flight there (the moment to
+    restart it); undrain puts it back in rotation."""
+    router, victim = routers["round_robin"], replicas[2]
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 120, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as client:
+        for _ in range(6):  # round robin: one of the next few streams lands on the victim
+            stream = client.stream("POST", f"{router}/v1/completions", json=body)
+            resp = stream.__enter__()
+            if resp.headers["x-openinfer-worker"] == victim:
+                break
+            stream.__exit__(None, None, None)
+        else:
+            pytest.fail("no stream reached the victim")
+        with ThreadPoolExecutor(1) as pool:
+            drained = pool.submit(httpx.post, f"{router}/admin/workers/drain", timeout=120,
+                                  headers=ADMIN, json={"url": victim, "timeout_s": 100})
+            deadline = time.monotonic() + 30
+            while not {w["url"]: w for w in admin_workers(router)}[victim]["draining"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            served = {_complete(router, p)[1] for p in PROMPTS[:6]}
+            assert victim not in served and len(served) == 2
+            assert not drained.done()  # still waiting on the stream
+            events = [line for line in resp.iter_lines() if line.startswith("data: {")]
+            stream.__exit__(None, None, None)
+            finished = json.loads(events[-1][6:])["choices"][0]["finish_reason"]
+            assert finished == "length" and len(events) >= 120  # all of it, no error
+            answer = drained.result()
+        assert answer.status_code == 200 and answer.json()["drained"] is True
+    undrained = httpx.post(f"{router}/admin/workers/undrain", headers=ADMIN, timeout=30,
+                           json={"url": victim})
+    assert undrained.status_code == 200
+    assert victim in {_complete(router, p)[1] for p in PROMPTS[:6]}
+
+
 def test_a_replica_killed_under_load_loses_no_request_and_comes_back(replica_procs, routers,
                                                                     qwen3_checkpoint):
     prompts = [f"load request {i} asks for a story" for i in range(36)]
