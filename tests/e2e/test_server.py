@@ -329,7 +329,16 @@ def test_models_and_clean_shutdown(servers):
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
     child_pids = [int(p) for p in children.stdout.split()]
     assert child_pids, "the engine core runs in a child process"
+    # SIGTERM with a stream in flight: it runs to its end (within --shutdown-timeout, 30 s)
+    # before the server goes; new connections are refused meanwhile.
+    stream = client.completions.create(model=MODEL, prompt="drain me", max_tokens=150,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    first = next(chunks)
     proc.send_signal(signal.SIGTERM)
+    rest = list(chunks)
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert len("".join(c.choices[0].text for c in [first, *rest])) > 0
     # uvicorn shuts down gracefully, then re-raises the signal so the exit status tells it.
     assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
     deadline = time.monotonic() + 10  # helpers (e.g. multiprocessing's tracker) exit on EOF
