@@ -170,7 +170,9 @@ class Sampler:
         self.sample()
 
 
-async def soak(base: str, n: int, concurrency: int, sampler: Sampler) -> tuple[dict, float]:
+async def soak(base: str, n: int, concurrency: int, sampler: Sampler,
+               trend: list[tuple[int, dict[str, float]]]) -> tuple[dict, float]:
+    """Run the ``n`` requests; ``trend`` gets each process's RSS (MiB) at every tenth."""
     outcomes: collections.Counter = collections.Counter()
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as http:
@@ -183,8 +185,10 @@ async def soak(base: str, n: int, concurrency: int, sampler: Sampler) -> tuple[d
         async def worker() -> None:
             for i in queue:
                 outcomes[await run_one(http, i)] += 1
-                if (done := sum(outcomes.values())) % 500 == 0:
+                if (done := sum(outcomes.values())) % max(1, n // 10) == 0:
                     print(f"{done}/{n} requests", flush=True)
+                    trend.append((done, {name: samples[-1][0] / 2**20
+                                         for name, samples in sampler.samples.items()}))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.monotonic() - start
@@ -218,8 +222,10 @@ def main() -> None:
                                   "64MiB", "--kv-host-memory", "128MiB", "--kv-store-dir",
                                   store, "--kv-store-bytes", "256MiB", "--max-model-len", "1024")
         sampler = Sampler(proc.pid)
+        trend: list[tuple[int, dict[str, float]]] = []
         try:
-            outcomes, elapsed = asyncio.run(soak(base, args.requests, args.concurrency, sampler))
+            outcomes, elapsed = asyncio.run(soak(base, args.requests, args.concurrency, sampler,
+                                                 trend))
             idle = idle_state(base)
             sampler.stop()
             alive = proc.poll() is None
@@ -263,6 +269,9 @@ def main() -> None:
         rss = [s[0] / 2**20 for s in samples]
         lines.append(f"| {name} | {rss[0]:.0f} / {max(rss):.0f} / {rss[-1]:.0f} MiB "
                      f"| {samples[0][1]} / {samples[-1][1]} | {samples[0][2]} / {samples[-1][2]} |")
+    lines += ["", "RSS as the run went on (requests done: api server / engine core MiB): "
+              + ", ".join(f"{done}: " + " / ".join(f"{mib:.0f}" for mib in rss.values())
+                          for done, rss in trend) + "."]
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
