@@ -323,7 +323,8 @@ class Worker:
             t = self.mover.stats
             stats.update(kv_transfer_bytes=dict(t.bytes), kv_transfer_seconds=dict(t.seconds),
                          kv_store_read_failures=t.store_read_failures,
-                         kv_store_writes_skipped=t.store_writes_skipped)
+                         kv_store_writes_skipped=t.store_writes_skipped,
+                         kv_store_write_failures=t.store_write_failures)
             if self.mover.store is not None:
                 stats["kv_store_bytes"] = self.mover.store.bytes_used
             if self.mover.connector is not None:

@@ -289,6 +289,8 @@ class _EngineStats(Collector):
          "Cached blocks not offloaded to host memory (every slot pinned)"),
         ("kv_store_writes_skipped", "kv_store_writes_skipped",
          "Blocks not written to the file store (the disk lagged too far behind)"),
+        ("kv_store_write_failures", "kv_store_write_failures",
+         "Blocks the file store's disk refused (full, read-only, directory removed)"),
         ("kv_remote_blocks_pulled", "kv_remote_blocks_pulled",
          "Blocks a decode instance pulled from prefill instances"),
         ("kv_remote_pull_failures", "kv_remote_pull_failures",

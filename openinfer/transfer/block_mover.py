@@ -42,6 +42,9 @@ class TransferStats:
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0.0))
     store_read_failures: int = 0
+    """Store files not loaded: corrupt, truncated, another model's, or unreadable."""
+    store_write_failures: int = 0
+    """Blocks the disk refused (full, read-only, directory gone): a lost cache entry each."""
     store_writes_skipped: int = 0
     """Blocks not written to the file store because the disk lagged too far behind."""
     remote_pull_failures: int = 0
@@ -191,8 +194,11 @@ class BlockMover:
         try:
             self.store.write(block_hash, payload)
             self._account("host_to_store", 1, start)
-        except OSError:
-            pass  # a full or failing disk loses a cache entry, never a request
+        except OSError as e:  # a full or failing disk loses a cache entry, never a request
+            self.stats.store_write_failures += 1
+            if self.stats.store_write_failures % 1000 == 1:  # the first, then every 1000th
+                logger.warning("KV file store write failed (%d so far): %s",
+                               self.stats.store_write_failures, e)
         finally:
             self._done.put(("write", len(payload)))
 

@@ -91,12 +91,16 @@ class FileStore:
         header = json.dumps({**self._expected, "version": FORMAT_VERSION,
                              "block_hash": block_hash.hex(), "payload_bytes": len(payload),
                              "crc32": zlib.crc32(payload)}).encode()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)  # (again if the directory was removed)
         tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        with tmp.open("wb") as f:
-            f.write(MAGIC + _LEN.pack(len(header)) + header)
-            f.write(payload)
-        os.replace(tmp, path)
+        try:
+            with tmp.open("wb") as f:
+                f.write(MAGIC + _LEN.pack(len(header)) + header)
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError:  # a full, read-only or vanished disk: leave no partial file behind
+            self._delete(tmp)
+            raise
         with self._lock:  # I/O threads write concurrently; the budget is counted under it
             self.bytes_used += _file_size(path)
             if self.bytes_used > self.capacity_bytes:
