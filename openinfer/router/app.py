@@ -14,7 +14,6 @@ exact.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -33,6 +32,7 @@ from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.router.metrics import cluster_exposition, replica_load
 from openinfer.router.pd import prefill_first
 from openinfer.router.policies import Router, RouterConfig, Worker, parse_event_batch
+from openinfer.router.upstream import ReplicaEjected, ReplicaResponse
 from openinfer.server.anthropic_api import MessagesRequest, openai_tools
 from openinfer.server.errors import error_body
 from openinfer.server.limits import admin_refusal
@@ -42,6 +42,10 @@ from openinfer.server.prompt import PromptRenderer
 logger = logging.getLogger(__name__)
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
 HEALTH_INTERVAL_S = 1.0
+STALLED_STREAM_S = 10.0
+"""A started response is cut (an error event ends a stream) once its replica has been
+ejected and nothing came for this long: a replica slow to answer /health under load keeps
+its streams; a hung one does not keep them forever."""
 
 
 class RouterState:
@@ -90,6 +94,9 @@ class RouterState:
                               ["decision"], registry=r)
         self.routed = Counter("openinfer_router:worker_requests", "Requests routed per replica",
                               ["worker"], registry=r)
+        self.rerouted = Counter("openinfer_router:rerouted_requests",
+                                "Requests sent to another replica because this one failed or "
+                                "was ejected before answering", ["worker"], registry=r)
 
     # ---- replicas --------------------------------------------------------------------
 
@@ -262,13 +269,7 @@ def build_router_app(state: RouterState, admin_api_key: str | None = None) -> Fa
 
     app = FastAPI(title="openinfer router", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def admin_only(request: Request, call_next):
-        if request.url.path.startswith("/admin/"):
-            refusal = admin_refusal(request, admin_api_key)
-            if refusal is not None:
-                return refusal
-        return await call_next(request)
+    app.add_middleware(_AdminOnly, admin_api_key=admin_api_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -345,6 +346,23 @@ def build_router_app(state: RouterState, admin_api_key: str | None = None) -> Fa
     return app
 
 
+class _AdminOnly:
+    """/admin/* needs the admin key. A plain ASGI middleware: Starlette's @app.middleware
+    (BaseHTTPMiddleware) would pass every relayed stream through a task and a memory
+    channel of its own."""
+
+    def __init__(self, app, admin_api_key: str | None) -> None:
+        self.app, self.admin_api_key = app, admin_api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/admin/"):
+            refusal = admin_refusal(Request(scope), self.admin_api_key)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _generate_route(state: RouterState, path: str):
     async def route(request: Request):
         raw = await request.body()
@@ -377,23 +395,20 @@ def _generate_route(state: RouterState, path: str):
                 state.max_excess_seen = excess
                 state.max_excess.set(excess)
             worker.in_flight += 1  # counted from now, not from its first token
-            upstream = None
+            # A response counts as started with its first bytes, not its headers: until
+            # then the request can still go elsewhere.
+            upstream = ReplicaResponse(state.http, worker.url + path, raw,
+                                       worker.forwarded_headers(headers))
             try:
-                upstream = await state.http.send(state.http.build_request(
-                    "POST", worker.url + path, content=raw,
-                    headers=worker.forwarded_headers(headers)), stream=True)
-                # A stream counts as started with its first bytes, not its headers: until
-                # then the request can still go elsewhere.
-                chunks = upstream.aiter_raw()
-                first = await anext(chunks, b"")
-            except httpx.TransportError as e:
+                first = await upstream.next_chunk(worker)
+            except (httpx.TransportError, ReplicaEjected) as e:
                 # Any failure before the first byte (refused, reset, a request body written
-                # to a socket the replica closed as it died, a timeout): nothing reached the
-                # client yet, so the request may go elsewhere.
+                # to a socket the replica closed as it died, a replica that never answers):
+                # nothing reached the client yet, so the request may go elsewhere.
+                await upstream.close()
                 worker.in_flight -= 1
-                if upstream is not None:
-                    await upstream.aclose()
                 worker.healthy = False  # not started: try the next replica
+                state.rerouted.labels(worker=worker.url).inc()
                 logger.warning("replica %s failed before answering (%s); rerouting",
                                worker.url, e)
                 continue
@@ -402,31 +417,45 @@ def _generate_route(state: RouterState, path: str):
             state.matched_blocks.inc(decision.matched_blocks)
             state.routed.labels(worker=worker.url).inc()
             worker.routed += 1
-            return StreamingResponse(
-                _relay(upstream, first, chunks, worker), status_code=upstream.status_code,
-                media_type=upstream.headers.get("content-type"),
+            response = upstream.response
+            return _RelayResponse(
+                _relay(upstream, first, worker), status_code=response.status_code,
+                media_type=response.headers.get("content-type"),
                 headers={"x-openinfer-worker": worker.url, "x-openinfer-route": decision.reason,
                          "x-openinfer-prefill": prefilled_by, **_prefix_headers(hashes)})
 
     return route
 
 
-async def _relay(upstream: httpx.Response, first: bytes, chunks: AsyncIterator[bytes],
+class _RelayResponse(StreamingResponse):
+    """Closes its relay when the response ends however it ends: a client that hangs up
+    ends the replica's request (and the in-flight count) now, not when the relay is
+    garbage-collected."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _relay(upstream: ReplicaResponse, first: bytes | None,
                  worker: Worker) -> AsyncIterator[bytes]:
-    sse = "text/event-stream" in upstream.headers.get("content-type", "")
+    sse = "text/event-stream" in upstream.response.headers.get("content-type", "")
     try:
-        yield first
-        async for chunk in chunks:
+        chunk = first
+        while chunk is not None:
             yield chunk
-    except (httpx.HTTPError, OSError) as e:
+            # a replica ejected and silent for a while is hung: end the stream
+            chunk = await upstream.next_chunk(worker, grace_s=STALLED_STREAM_S)
+    except (httpx.HTTPError, OSError, ReplicaEjected) as e:
         if sse:  # the client has a partial stream: end it with an error, not a hang
             error = error_body(f"replica {worker.url} failed mid-stream: {e}",
                                "service_unavailable", code="replica_failed")
             yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
     finally:
         worker.in_flight -= 1
-        with contextlib.suppress(Exception):
-            await upstream.aclose()
+        await upstream.close()
 
 
 async def _forward_get(state: RouterState, path: str, request: Request) -> Response:

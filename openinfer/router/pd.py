@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from openinfer.router.policies import Decision
+from openinfer.router.upstream import ReplicaEjected, unless_ejected
 
 if TYPE_CHECKING:
     from openinfer.router.app import RouterState
@@ -50,15 +51,15 @@ async def prefill_first(state: RouterState, path: str, body: dict, raw: bytes,
             leg["max_completion_tokens"] = 1
         worker.in_flight += 1
         try:
-            resp = await state.http.post(worker.url + path, json=leg,
-                                         headers=worker.forwarded_headers(headers))
+            resp = await unless_ejected(worker, state.http.post(
+                worker.url + path, json=leg, headers=worker.forwarded_headers(headers)))
             if resp.status_code == 200:
                 params = resp.json().get("kv_transfer_params")
             else:
                 logger.warning("prefill %s answered %d: %s", worker.url, resp.status_code,
                                resp.text[:200])
-        except (httpx.HTTPError, OSError, ValueError) as e:
-            if isinstance(e, httpx.TransportError):
+        except (httpx.HTTPError, OSError, ValueError, ReplicaEjected) as e:
+            if isinstance(e, httpx.TransportError | ReplicaEjected):
                 worker.healthy = False  # the health loop re-admits it when it answers
             logger.warning("prefill %s failed (%s); decode recomputes", worker.url, e)
         finally:

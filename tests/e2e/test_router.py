@@ -15,6 +15,7 @@ from server_process import (
     ADMIN,
     MODEL,
     admin_workers,
+    metrics,
     start_routers,
     start_server,
     start_servers,
@@ -236,22 +237,102 @@ def test_a_drained_replica_finishes_its_streams_and_gets_no_new_traffic(replicas
     assert victim in {_complete(router, p)[1] for p in PROMPTS[:6]}
 
 
+def _rerouted(router: str, worker: str) -> float:
+    family = _families(router).get("openinfer_router:rerouted_requests")
+    return sum(s.value for s in family.samples if s.name.endswith("_total")
+               and s.labels["worker"] == worker) if family else 0.0
+
+
+@pytest.mark.slow
+def test_a_replica_that_never_answers_is_ejected_and_loses_no_request(replicas, routers):
+    """A replica added at run time (POST /admin/workers) that accepts connections but never
+    answers: the requests sent to it go to the others once the health loop ejects it, all
+    answered as a replica answers them alone; DELETE /admin/workers removes it."""
+    router = routers["round_robin"]
+    expected = [_complete(replicas[0], p)[0] for p in PROMPTS[:6]]
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(512)  # the kernel completes the connections; nothing ever answers
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        added = httpx.post(f"{router}/admin/workers", headers=ADMIN, json={"url": url},
+                           timeout=30)
+        assert added.status_code == 200
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                done = list(pool.map(lambda p: _complete(router, p), PROMPTS[:6] * 2))
+            assert [text for text, _, _ in done] == expected * 2
+            assert {worker for _, worker, _ in done} <= set(replicas)
+            assert _rerouted(router, url) >= 1  # some were sent to it first
+            workers = {w["url"]: w for w in admin_workers(router)}
+            assert not workers[url]["healthy"] and workers[url]["in_flight"] == 0
+        finally:
+            removed = httpx.delete(f"{router}/admin/workers", params={"url": url},
+                                   headers=ADMIN, timeout=30)
+    assert removed.status_code == 200
+    assert url not in {w["url"] for w in admin_workers(router)}
+
+
+@pytest.mark.slow
+def test_a_client_that_hangs_up_ends_the_request_on_the_replica(replicas, routers):
+    """The replica sees the router's connection go with the client's: the request is
+    aborted there (128 x 480 tokens would otherwise run on for seconds)."""
+    body = {"model": MODEL, "prompt": "nobody reads this", "n": 128, "max_tokens": 480,
+            "temperature": 1, "seed": 1, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as client, client.stream(
+            "POST", f"{routers['round_robin']}/v1/completions", json=body) as resp:
+        replica = resp.headers["x-openinfer-worker"]
+        before = metrics(replica)
+        assert next(resp.iter_lines()).startswith("data: {")
+    deadline = time.monotonic() + 30
+    while (now := metrics(replica))["openinfer:num_requests_running"] > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ended = {reason: now.get(f"openinfer:request_success_total[{reason}]", 0)
+             - before.get(f"openinfer:request_success_total[{reason}]", 0)
+             for reason in ("abort", "length")}
+    assert ended == {"abort": 1, "length": 0}
+
+
 def test_a_replica_killed_under_load_loses_no_request_and_comes_back(replica_procs, routers,
                                                                     qwen3_checkpoint):
     prompts = [f"load request {i} asks for a story" for i in range(36)]
     expected = [_complete(replica_procs[0][0], p)[0] for p in prompts]
     router = routers["least_load"]
     victim_url, victim = replica_procs[1]
+    # A stream on the victim when it dies: it ends with an error event after a prefix of
+    # its text, never a token twice (the router never restarts a started response).
+    story = {"model": MODEL, "prompt": "a story cut short", "max_tokens": 480,
+             "temperature": 0, "ignore_eos": True}
+    whole = _complete(replica_procs[0][0], story["prompt"], max_tokens=480)[0]
+    rerouted = _rerouted(router, victim_url)
     done = []
-    with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(_complete, router, p, max_tokens=6) for p in prompts]
-        for future in futures[:8]:
-            done.append(future.result())
-        victim.kill()  # while the rest are queued or running on all three
-        victim.wait()
-        done += [future.result() for future in futures[8:]]  # none may fail
+    with httpx.Client(timeout=120) as client:
+        for _ in range(6):  # round robin: one of the next few streams lands on the victim
+            cut = client.stream("POST", f"{routers['round_robin']}/v1/completions",
+                                json={**story, "stream": True})
+            resp = cut.__enter__()
+            if resp.headers["x-openinfer-worker"] == victim_url:
+                break
+            cut.__exit__(None, None, None)
+        else:
+            pytest.fail("no stream reached the victim")
+        lines = resp.iter_lines()
+        events = [json.loads(next(line for line in lines if line.startswith("data: {"))[6:])]
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(_complete, router, p, max_tokens=6) for p in prompts]
+            for future in futures[:8]:
+                done.append(future.result())
+            victim.kill()  # while the rest are queued or running on all three
+            victim.wait()
+            done += [future.result() for future in futures[8:]]  # none may fail
+        events += [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        cut.__exit__(None, None, None)
+    assert events[-1]["error"]["code"] == "replica_failed"
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert whole.startswith(text) and len(text) < len(whole)
     assert [text for text, _, _ in done] == expected
     assert any(worker == victim_url for _, worker, _ in done[:8])
+    assert _rerouted(router, victim_url) > rerouted  # in flight there, or sent as it died
     workers = {w["url"]: w for w in admin_workers(router)}
     assert not workers[victim_url]["healthy"]
     assert sum(w["in_flight"] for w in workers.values()) == 0  # nothing counted twice
