@@ -25,8 +25,10 @@ import httpx
 import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic.json_schema import models_json_schema
 
 from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.router.metrics import cluster_exposition, replica_load
@@ -104,7 +106,8 @@ class RouterState:
         url = url.rstrip("/")
         worker = next((w for w in self.router.workers if w.url == url), None)
         if worker is None:
-            worker = Worker(url, trusted=False)  # never handed a client's credentials
+            # Never handed a client's credentials; in rotation once its /health answers.
+            worker = Worker(url, trusted=False, healthy=False)
             self.engine_index.setdefault(url, len(self.engine_index))
             self.router.workers.append(worker)
             self._start_watch(worker)
@@ -302,9 +305,14 @@ def build_router_app(state: RouterState, admin_api_key: str | None = None) -> Fa
                              "events": w.index.live} for w in state.all_workers]}
 
     @app.post("/admin/workers")
-    async def add_worker(body: dict) -> dict:
-        state.add_worker(str(body["url"]))
-        return {"added": body["url"]}
+    async def add_worker(body: dict) -> JSONResponse:
+        url = body.get("url")
+        if not isinstance(url, str) or not _replica_url(url):
+            return JSONResponse(error_body("'url' must be a replica's http(s)://host:port URL",
+                                           "invalid_request_error", param="url"),
+                                status_code=400)
+        state.add_worker(url)
+        return JSONResponse({"added": url})
 
     @app.delete("/admin/workers")
     async def remove_worker(url: str) -> JSONResponse:
@@ -323,8 +331,14 @@ def build_router_app(state: RouterState, admin_api_key: str | None = None) -> Fa
         if worker is None:
             return JSONResponse(error_body(f"no replica {body.get('url')!r}",
                                            "invalid_request_error"), status_code=404)
+        timeout_s = body.get("timeout_s", 300)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) \
+                or not 0 <= timeout_s <= 3600:
+            return JSONResponse(error_body("'timeout_s' must be a number of seconds in "
+                                           "[0, 3600]", "invalid_request_error",
+                                           param="timeout_s"), status_code=400)
         worker.draining = True
-        deadline = time.monotonic() + float(body.get("timeout_s", 300))
+        deadline = time.monotonic() + timeout_s
         while worker.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         return JSONResponse({"url": worker.url, "drained": worker.in_flight == 0,
@@ -343,7 +357,25 @@ def build_router_app(state: RouterState, admin_api_key: str | None = None) -> Fa
 
     for path in GENERATE_PATHS:
         app.add_api_route(path, _generate_route(state, path), methods=["POST"])
+    app.openapi = lambda: app.openapi_schema or _openapi_with_bodies(app)
     return app
+
+
+def _openapi_with_bodies(app: FastAPI) -> dict:
+    """The schema FastAPI makes, plus the request bodies of the generate routes (which read
+    the raw body to relay it, so FastAPI cannot see their models): the server's own."""
+    models = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+              "/v1/messages": MessagesRequest}
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    refs, defs = models_json_schema([(m, "validation") for m in models.values()],
+                                    ref_template="#/components/schemas/{model}")
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+    for path, model in models.items():
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": refs[(model, "validation")]}}}
+    app.openapi_schema = schema
+    return schema
 
 
 class _AdminOnly:
@@ -374,6 +406,8 @@ def _generate_route(state: RouterState, path: str):
                                            "invalid_request_error"), status_code=400)
         num_tokens, hashes = state.prompt_hashes(path, body)
         session = request.headers.get("x-session-id") or body.get("user")
+        if not isinstance(session, str):  # (a bad `user` is the replica's 400 to give)
+            session = None
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "x-api-key", "content-type",
                                     "anthropic-version")}
@@ -468,6 +502,15 @@ async def _forward_get(state: RouterState, path: str, request: Request) -> Respo
         except (httpx.HTTPError, OSError):
             continue
     return JSONResponse(error_body("no healthy replica", "service_unavailable"), status_code=503)
+
+
+def _replica_url(url: str) -> bool:
+    try:
+        parsed = urlparse(url)
+        return parsed.scheme in ("http", "https") and bool(parsed.hostname) and \
+            parsed.port is not None and not parsed.query and not parsed.fragment
+    except ValueError:  # e.g. a port out of range
+        return False
 
 
 def _prefix_headers(hashes: list[bytes]) -> dict[str, str]:

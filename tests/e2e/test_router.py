@@ -4,6 +4,7 @@ from KV events, and a replica that dies and comes back."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -244,27 +245,50 @@ def _rerouted(router: str, worker: str) -> float:
 
 
 @pytest.mark.slow
-def test_a_replica_that_never_answers_is_ejected_and_loses_no_request(replicas, routers):
-    """A replica added at run time (POST /admin/workers) that accepts connections but never
-    answers: the requests sent to it go to the others once the health loop ejects it, all
-    answered as a replica answers them alone; DELETE /admin/workers removes it."""
+def test_a_replica_that_stops_answering_is_ejected_and_loses_no_request(replica_procs, routers):
+    """A replica process frozen (SIGSTOP: the kernel still accepts its connections, nothing
+    answers): the requests sent to it go to the others once the health loop ejects it, all
+    answered as a replica answers them alone; thawed, it is re-admitted."""
     router = routers["round_robin"]
-    expected = [_complete(replicas[0], p)[0] for p in PROMPTS[:6]]
-    with socket.socket() as hung:
-        hung.bind(("127.0.0.1", 0))
-        hung.listen(512)  # the kernel completes the connections; nothing ever answers
-        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+    (first, _), _, (url, frozen) = replica_procs
+    expected = [_complete(first, p)[0] for p in PROMPTS[:6]]
+    rerouted = _rerouted(router, url)
+    frozen.send_signal(signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(6) as pool:  # round robin: some go to the frozen one first
+            done = list(pool.map(lambda p: _complete(router, p), PROMPTS[:6] * 2))
+        assert [text for text, _, _ in done] == expected * 2
+        assert url not in {worker for _, worker, _ in done}
+        assert _rerouted(router, url) > rerouted
+        workers = {w["url"]: w for w in admin_workers(router)}
+        assert not workers[url]["healthy"] and workers[url]["in_flight"] == 0
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while not {w["url"]: w for w in admin_workers(router)}[url]["healthy"]:
+        assert time.monotonic() < deadline, "the thawed replica was not re-admitted"
+        time.sleep(0.1)
+
+
+def test_workers_added_at_run_time_enter_rotation_once_healthy(routers):
+    """POST /admin/workers: a URL that is not a replica's is a 400; one where nothing
+    answers is listed but never routed to; DELETE /admin/workers removes it."""
+    router = routers["round_robin"]
+    for bad in ({}, {"url": 7}, {"url": "not a url"}, {"url": "ftp://host:1"},
+                {"url": "http://host"}):
+        refused = httpx.post(f"{router}/admin/workers", headers=ADMIN, json=bad, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "url", bad
+    with socket.socket() as nobody:
+        nobody.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+        url = f"http://127.0.0.1:{nobody.getsockname()[1]}"
         added = httpx.post(f"{router}/admin/workers", headers=ADMIN, json={"url": url},
                            timeout=30)
         assert added.status_code == 200
         try:
-            with ThreadPoolExecutor(8) as pool:
-                done = list(pool.map(lambda p: _complete(router, p), PROMPTS[:6] * 2))
-            assert [text for text, _, _ in done] == expected * 2
-            assert {worker for _, worker, _ in done} <= set(replicas)
-            assert _rerouted(router, url) >= 1  # some were sent to it first
-            workers = {w["url"]: w for w in admin_workers(router)}
-            assert not workers[url]["healthy"] and workers[url]["in_flight"] == 0
+            assert url not in {_complete(router, p)[1] for p in PROMPTS[:6]}
+            listed = {w["url"]: w for w in admin_workers(router)}
+            assert not listed[url]["healthy"] and listed[url]["routed"] == 0
+            assert _rerouted(router, url) == 0
         finally:
             removed = httpx.delete(f"{router}/admin/workers", params={"url": url},
                                    headers=ADMIN, timeout=30)

@@ -1,0 +1,84 @@
+"""Schemathesis over the server's and the router's own /openapi.json: requests generated
+from each documented route (valid ones, and invalid ones derived from the schema) against
+real processes. None may get a 5xx, and the engine must come out alive and idle."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
+from server_process import ADMIN_KEY, MODEL, metrics, start_router, start_server, stop  # noqa: E402
+
+EXAMPLES_PER_ROUTE = 20
+
+
+SMALLER = {"n": 2, "best_of": 2, "max_tokens": 8, "max_completion_tokens": 8, "min_tokens": 8,
+           "logprobs": 3, "top_logprobs": 3, "prompt_logprobs": 3}
+"""Bounds tighter than the server's, for the fuzzer's valid requests only: its boundary
+values would otherwise ask the 2-core CI box for 128 samples of 500 tokens per case."""
+
+
+def _narrow(spec: dict) -> dict:
+    """The served model's name as the only valid `model` (most generated requests then get
+    past the model lookup to the engine; the coverage phase still sends other names), and
+    the SMALLER bounds on work per request."""
+    for schema in spec.get("components", {}).get("schemas", {}).values():
+        properties = schema.get("properties", {})
+        if "model" in properties:
+            properties["model"] = {"type": "string", "enum": [MODEL]}
+        for name, bound in SMALLER.items():
+            if name in properties:
+                properties[name] = _bounded(properties[name], bound)
+    return spec
+
+
+def _bounded(prop: dict, bound: int) -> dict:
+    """``prop`` with every integer alternative capped at ``bound``."""
+    if prop.get("type") == "integer":
+        return {**prop, "maximum": min(bound, prop.get("maximum", bound))}
+    for key in ("anyOf", "oneOf"):
+        if key in prop:
+            return {**prop, key: [_bounded(p, bound) for p in prop[key]]}
+    return prop
+
+
+def _fuzz(url: str, tmp_path: Path, name: str) -> int:
+    """Run schemathesis against ``url``; the number of cases it generated."""
+    spec = json.loads(urllib.request.urlopen(f"{url}/openapi.json", timeout=30).read())
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(_narrow(spec)))
+    run = subprocess.run(
+        [str(Path(sys.executable).parent / "st"), "run", str(path), "--url", url,
+         "--checks", "not_a_server_error", "--max-examples", str(EXAMPLES_PER_ROUTE),
+         "--seed", "1", "--header", f"Authorization: Bearer {ADMIN_KEY}",
+         "--request-timeout", "120", "--continue-on-failure", "--no-color"],
+        capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, f"{name}:\n{run.stdout[-8000:]}\n{run.stderr[-2000:]}"
+    generated = re.search(r"(\d+) generated", run.stdout)
+    assert generated, run.stdout[-2000:]
+    return int(generated.group(1))
+
+
+@pytest.mark.slow
+def test_generated_requests_never_get_a_5xx_nor_kill_the_engine(qwen3_checkpoint, tmp_path):
+    base, server = start_server(qwen3_checkpoint)
+    router, router_proc = start_router([base], qwen3_checkpoint)
+    try:
+        cases = {name: _fuzz(url, tmp_path, name)
+                 for name, url in (("server", base), ("router", router))}
+        assert cases["server"] >= 500 and cases["router"] >= 500, cases
+        health = json.loads(urllib.request.urlopen(f"{base}/health", timeout=30).read())
+        assert health == {"status": "ok", "engine_restarts": 0}
+        values = metrics(base)
+        assert values["openinfer:num_requests_running"] == 0
+        assert values["openinfer:kv_cache_usage_perc"] == 0
+    finally:
+        stop(router_proc)
+        stop(server)
