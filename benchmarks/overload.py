@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import time
@@ -47,10 +48,13 @@ async def one(http: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[str, fl
                 return str(resp.status_code), took
             ttft = None
             async for line in resp.aiter_lines():
-                if ttft is None and line.startswith("data: {"):
-                    ttft = time.perf_counter() - start
-                if '"error"' in line:
+                if not line.startswith("data: {"):
+                    continue
+                if "error" in json.loads(line[6:]):
+                    print(f"request {i}: {line[:300]}", flush=True)
                     return "error event", time.perf_counter() - start
+                if ttft is None:
+                    ttft = time.perf_counter() - start
             return "ok", ttft
     except httpx.HTTPError as e:
         return type(e).__name__, time.perf_counter() - start
