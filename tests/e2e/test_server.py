@@ -229,6 +229,53 @@ def test_vllm_sampling_extras_match_offline(client, offline):
             assert out.usage.prompt_tokens == 9
 
 
+SEEDED = dict(temperature=0.9, seed=11, max_tokens=24)
+GREEDY24 = dict(temperature=0, max_tokens=24)
+SAMPLING_FIELDS = {  # id: (the request's fields, beyond model and prompt)
+    "top_k": {**SEEDED, "top_k": 5},
+    "min_p": {**SEEDED, "min_p": 0.2},
+    "top_p": {**SEEDED, "top_p": 0.5},
+    "presence_penalty": {**GREEDY24, "presence_penalty": 2.0},  # greedy repeats a token:
+    "frequency_penalty": {**GREEDY24, "frequency_penalty": 2.0},  # the penalties change it
+    "repetition_penalty": {**GREEDY24, "repetition_penalty": 2.0},
+    "stop_token_ids": {**SEEDED, "stop_token_ids": "the 4th token"},
+    "min_tokens": {**SEEDED, "stop_token_ids": "the 4th token", "min_tokens": 10},
+    "stop": {**GREEDY24, "stop": "a piece of the text"},
+    "n": {**SEEDED, "n": 3},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field", [*SAMPLING_FIELDS, "prompt list"])
+def test_each_sampling_field_over_http_equals_offline(client, offline, field):
+    """A field reaches the engine as the offline API's SamplingParams: the same text, and
+    not the text without the field (so an ignored field fails)."""
+    prompt = list(range(30, 70))
+    if field == "prompt list":
+        prompts = [prompt, list(range(90, 120)), list(range(5, 60))]
+        expected = [o.outputs[0].text for o in offline.generate(prompts, SamplingParams(
+            **GREEDY24))]
+        out = client.completions.create(model=MODEL, prompt=prompts, **GREEDY24)
+        assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == expected
+        assert len(set(expected)) == 3
+        return
+    fields = dict(SAMPLING_FIELDS[field])
+    plain = offline.generate([prompt], SamplingParams(
+        **(SEEDED if "seed" in fields else GREEDY24)))[0].outputs[0]
+    if fields.get("stop_token_ids") == "the 4th token":
+        fields["stop_token_ids"] = [plain.token_ids[3]]
+    if fields.get("stop") == "a piece of the text":
+        fields["stop"] = [plain.text[len(plain.text) // 2:][:3]]
+
+    def texts(params: dict) -> list[str]:
+        return [c.text for c in offline.generate([prompt], SamplingParams(**params))[0].outputs]
+
+    expected = texts(fields)
+    out = client.completions.create(model=MODEL, prompt=prompt, extra_body=fields)
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == expected
+    assert expected != texts({k: v for k, v in fields.items() if k != field})
+
+
 @pytest.mark.slow
 def test_chat_stream_n_logprobs_stop_and_seed(client, offline):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
