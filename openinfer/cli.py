@@ -430,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="openinfer's and uvicorn's log level")
     router.add_argument("--admin-api-key", help="key of /admin/*; unset: "
                                                 "$OPENINFER_ADMIN_API_KEY, else /admin/* is refused")
+    router.add_argument("--cache-salt-per-api-key", action="store_true",
+                        help="the replicas run with --cache-salt-per-api-key: hash prompts "
+                             "salted by each request's API key, as they do")
     add_router_args(router)
     router.set_defaults(func=cmd_router)
 

@@ -37,7 +37,7 @@ from openinfer.router.policies import Router, RouterConfig, Worker, parse_event_
 from openinfer.router.upstream import ReplicaEjected, ReplicaResponse
 from openinfer.server.anthropic_api import MessagesRequest, openai_tools
 from openinfer.server.errors import error_body
-from openinfer.server.limits import admin_refusal
+from openinfer.server.limits import admin_refusal, bearer_token, tenant_salt, within_tenant
 from openinfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from openinfer.server.prompt import PromptRenderer
 
@@ -53,13 +53,16 @@ its streams; a hung one does not keep them forever."""
 class RouterState:
     def __init__(self, urls: list[str], config: RouterConfig, renderer: PromptRenderer,
                  block_size: int,
-                 prefill_urls: list[str] = (), disagg_min_tokens: int = 256) -> None:
+                 prefill_urls: list[str] = (), disagg_min_tokens: int = 256,
+                 cache_salt_per_api_key: bool = False) -> None:
         self.router = Router(config, [Worker(u.rstrip("/")) for u in urls])
         """The replicas that answer clients (decode instances, when disaggregated)."""
         self.prefill = Router(config, [Worker(u.rstrip("/")) for u in prefill_urls]) \
             if prefill_urls else None
         """Disaggregation: the prefill instances, chosen by the same policy."""
         self.disagg_min_tokens = disagg_min_tokens
+        self.cache_salt_per_api_key = cache_salt_per_api_key
+        """The replicas salt each request's prefix cache by its API key: hash as they do."""
         self.renderer = renderer
         """The server's prompt renderer, over the replicas' tokenizer and chat template."""
         self.block_size = block_size
@@ -219,14 +222,18 @@ class RouterState:
 
     # ---- requests --------------------------------------------------------------------
 
-    def prompt_hashes(self, path: str, body: dict) -> tuple[int, list[bytes]]:
-        """The request's prompt length and full blocks, hashed as its engine will hash them."""
+    def prompt_hashes(self, path: str, body: dict, api_key: str) -> tuple[int, list[bytes]]:
+        """The request's prompt length and full blocks, hashed as its engine will hash them
+        (salted by ``api_key`` when the replicas salt by it)."""
         try:
             ids = prompt_ids(self.renderer, path, body)
         except Exception:
             return 0, []  # the replica will explain what is wrong with it
+        salt = body.get("cache_salt")
+        if self.cache_salt_per_api_key:
+            salt = within_tenant(tenant_salt(api_key), salt)
         hashes: list[bytes] = []
-        extend_block_hashes(hashes, ids, self.block_size, body.get("cache_salt"))
+        extend_block_hashes(hashes, ids, self.block_size, salt)
         return len(ids), hashes
 
 
@@ -404,7 +411,7 @@ def _generate_route(state: RouterState, path: str):
         except (ValueError, AssertionError):
             return JSONResponse(error_body("request body is not a JSON object",
                                            "invalid_request_error"), status_code=400)
-        num_tokens, hashes = state.prompt_hashes(path, body)
+        num_tokens, hashes = state.prompt_hashes(path, body, bearer_token(request))
         session = request.headers.get("x-session-id") or body.get("user")
         if not isinstance(session, str):  # (a bad `user` is the replica's 400 to give)
             session = None

@@ -75,7 +75,8 @@ def run_router(urls: list[str], tokenizer_path: str, args: argparse.Namespace,
     config = RouterConfig(policy=args.policy, balance_abs=args.balance_abs,
                           balance_rel=args.balance_rel)
     state = RouterState(urls, config, renderer, args.block_size, prefill_urls,
-                        args.disagg_min_tokens)
+                        args.disagg_min_tokens,
+                        getattr(args, "cache_salt_per_api_key", False))
     pd = f" (prefill: {', '.join(prefill_urls)})" if prefill_urls else ""
     logger.info("router (%s) over %s%s on http://%s:%s", args.policy, ", ".join(urls), pd, host,
                 port)

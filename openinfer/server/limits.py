@@ -29,7 +29,16 @@ are salted per API key; the handler's task inherits it)."""
 def salted(cache_salt: str | None) -> str | None:
     """A request's ``cache_salt`` within its tenant's: blocks hashed under one API key never
     match another's, so a tenant cannot hit, or time, another's cached prefix."""
-    tenant = TENANT_SALT.get()
+    return within_tenant(TENANT_SALT.get(), cache_salt)
+
+
+def tenant_salt(api_key: str) -> str:
+    """The salt of everything one API key sends (--cache-salt-per-api-key; the router
+    computes it too, to hash prompts as the replicas do)."""
+    return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:32]
+
+
+def within_tenant(tenant: str | None, cache_salt: str | None) -> str | None:
     if tenant is None:
         return cache_salt
     return tenant if cache_salt is None else f"{tenant}/{cache_salt}"
@@ -106,5 +115,5 @@ def install_limits(app: FastAPI, limits: ServerLimits, num_waiting: Callable[[],
                                   "server_overloaded", code="overloaded",
                                   headers={"Retry-After": str(limits.retry_after_s)})
         if limits.cache_salt_per_api_key:
-            TENANT_SALT.set("key:" + hashlib.sha256(given.encode()).hexdigest()[:32])
+            TENANT_SALT.set(tenant_salt(given))
         return await call_next(request)

@@ -1,7 +1,8 @@
 """The router hashes each prompt as the engine runs it: for a chat request whose template
 arguments change the text, an Anthropic request with a system prompt and a completion of
 token ids, the block hashes the router routed on (its x-openinfer-prefix-* headers) are the
-ones the engine announced in its own BlockStored events. One server, one router."""
+ones the engine announced in its own BlockStored events, with prefix caches salted per
+API key (another key's same prompt has other blocks). One server, one router."""
 
 from __future__ import annotations
 
@@ -64,10 +65,10 @@ class StoredBlocks:
         return chain[::-1]
 
 
-def _post(router: str, path: str, body: dict) -> tuple[int, int, bytes]:
+def _post(router: str, path: str, body: dict, key: str = "alice-key") -> tuple[int, int, bytes]:
     """(prompt tokens the server ran, blocks and last hash the router routed on)."""
     resp = httpx.post(f"{router}{path}", json={"model": MODEL, "max_tokens": 2, **body},
-                      timeout=120)
+                      headers={"Authorization": f"Bearer {key}"}, timeout=120)
     assert resp.status_code == 200, resp.text
     usage = resp.json()["usage"]
     prompt_tokens = usage.get("prompt_tokens",
@@ -81,10 +82,13 @@ def test_router_block_hashes_are_the_engines(qwen3_checkpoint, tmp_path):
     template = tmp_path / "persona.jinja"
     template.write_text(TEMPLATE)
     events = _tcp()
+    # Prefix caches salted per API key, on the replica and (so) in the router.
     base, server = start_server(qwen3_checkpoint, "--chat-template", str(template),
-                                "--kv-events-endpoint", events)
+                                "--kv-events-endpoint", events, "--api-key", "alice-key",
+                                "bob-key", "--cache-salt-per-api-key")
     stored = StoredBlocks(events)  # subscribed while the router starts
-    router, router_proc = start_router([base], qwen3_checkpoint, "--chat-template", str(template))
+    router, router_proc = start_router([base], qwen3_checkpoint, "--chat-template", str(template),
+                                       "--cache-salt-per-api-key")
     try:
         requests = {
             "plain chat": ("/v1/chat/completions", {"messages": QUESTION}),
@@ -103,6 +107,10 @@ def test_router_block_hashes_are_the_engines(qwen3_checkpoint, tmp_path):
             assert len(stored.chain(last)) == blocks, name  # the same prefix, block for block
             lasts[name] = last
         assert len(set(lasts.values())) == len(lasts)  # the kwarg changed the prompt
+        # Another tenant's same prompt: other blocks, still the engine's.
+        path, body = requests["completion of token ids"]
+        prompt_tokens, blocks, bobs = _post(router, path, body, key="bob-key")
+        assert len(stored.chain(bobs)) == blocks and bobs != lasts["completion of token ids"]
     finally:
         stored.sub.close(linger=0)
         stop(router_proc)
