@@ -85,8 +85,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--kv-transfer-host", default="127.0.0.1",
                    help="address the KV server binds and advertises")
     d.add_argument("--kv-transfer-secret",
-                   help="a secret the prefill and decode instances share: the KV server refuses "
-                        "pulls without it (unset: $OPENINFER_KV_TRANSFER_SECRET, else none)")
+                   help="a secret the instances and routers share: the KV server refuses "
+                        "pulls without it, and KV events are encrypted (ZMQ CURVE) for its "
+                        "holders only (unset: $OPENINFER_KV_TRANSFER_SECRET, else none)")
     d.add_argument("--kv-transfer-port", type=int,
                    help="KV server port (unset: any free port for --role prefill)")
     d.add_argument("--kv-transfer-timeout", type=float, default=10.0,
@@ -430,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="openinfer's and uvicorn's log level")
     router.add_argument("--admin-api-key", help="key of /admin/*; unset: "
                                                 "$OPENINFER_ADMIN_API_KEY, else /admin/* is refused")
+    router.add_argument("--kv-transfer-secret",
+                        help="the replicas' --kv-transfer-secret, to read their KV events "
+                             "(unset: $OPENINFER_KV_TRANSFER_SECRET, else none)")
     router.add_argument("--cache-salt-per-api-key", action="store_true",
                         help="the replicas run with --cache-salt-per-api-key: hash prompts "
                              "salted by each request's API key, as they do")

@@ -101,7 +101,8 @@ class EngineCore:
         if cache.kv_events_endpoint is not None:
             self.publisher = KVEventPublisher(cache.kv_events_endpoint,
                                               cache.kv_events_replay_endpoint,
-                                              cache.kv_events_topic)
+                                              cache.kv_events_topic,
+                                              secret=config.kv_transfer.secret)
             medium = "GPU" if config.device.startswith("cuda") else "CPU"
             self.event_sink = lambda events: self.publisher.publish(
                 to_wire(events, cache.block_size, medium))

@@ -19,10 +19,16 @@ A subscriber that joins late or sees a gap in ``seq`` asks the replay socket (RO
 for everything from a sequence number: it sends ``(b"", start_seq as 8 bytes)`` from a
 REQ/DEALER socket and receives ``(seq, payload)`` for each buffered batch, then
 ``(-1 as 8 signed bytes, b"")``.
+
+With a shared secret (`--kv-transfer-secret`), both sockets speak CURVE (ZMQ's
+encryption and authentication): the publisher's key pair and the one key pair it admits
+are derived from the secret, so only a subscriber that holds it can connect, and nobody on
+the network reads the token ids in the events (they are the tenants' prompts).
 """
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 import time
@@ -30,6 +36,7 @@ from collections import deque
 
 import msgpack
 import zmq
+import zmq.auth.thread
 
 from openinfer.kv.kv_manager import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -54,21 +61,53 @@ def to_wire(events: list[KVEvent], block_size: int, device_medium: str) -> list[
     return wire
 
 
+def _curve_pair(secret: str, role: str) -> tuple[bytes, bytes]:
+    """(public, secret) CURVE keys, both ends deriving the same from the shared secret."""
+    private = zmq.utils.z85.encode(hashlib.sha256(f"openinfer-kv-events/{role}/{secret}"
+                                                  .encode()).digest())
+    return zmq.curve_public(private), private
+
+
+def secure_subscriber(sock: zmq.Socket, secret: str | None) -> None:
+    """Make ``sock`` (SUB or DEALER, before connecting) a CURVE client of a publisher
+    started with the same ``secret``; nothing without one."""
+    if secret is not None:
+        sock.curve_serverkey = _curve_pair(secret, "publisher")[0]
+        sock.curve_publickey, sock.curve_secretkey = _curve_pair(secret, "subscriber")
+
+
+class _OnlySubscriber:
+    """ZAP credentials check: the one client key derived from the secret."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.key
+
+
 class KVEventPublisher:
     """Publishes event batches from a background thread (the engine loop never blocks on
     a subscriber) and keeps the last ``buffer_batches`` for replay."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 data_parallel_rank: int = 0, buffer_batches: int = 10_000) -> None:
+                 data_parallel_rank: int = 0, buffer_batches: int = 10_000,
+                 secret: str | None = None) -> None:
         self.topic = topic.encode()
         self.rank = data_parallel_rank
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._auth = None
+        if secret is not None:  # CURVE: only the holders of the secret connect
+            self._auth = zmq.auth.thread.ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve_callback(
+                "*", _OnlySubscriber(_curve_pair(secret, "subscriber")[0]))
+        self._pub = self._secured(self._ctx.socket(zmq.PUB), secret)
         self._pub.set_hwm(100_000)
         self._pub.bind(endpoint)
         self._replay = None
         if replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay = self._secured(self._ctx.socket(zmq.ROUTER), secret)
             self._replay.bind(replay_endpoint)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._queue: queue.Queue[list[dict] | None] = queue.Queue()
@@ -76,6 +115,13 @@ class KVEventPublisher:
         self._thread = threading.Thread(target=self._run, name="openinfer-kv-events",
                                         daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _secured(sock: zmq.Socket, secret: str | None) -> zmq.Socket:
+        if secret is not None:
+            sock.curve_server = True
+            sock.curve_publickey, sock.curve_secretkey = _curve_pair(secret, "publisher")
+        return sock
 
     def publish(self, events: list[dict]) -> None:
         if events:
@@ -100,6 +146,8 @@ class KVEventPublisher:
         self._pub.close(linger=500)
         if self._replay is not None:
             self._replay.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
     def _serve_replay(self) -> None:

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic.json_schema import models_json_schema
 
 from openinfer.kv.block_hash import extend_block_hashes
+from openinfer.kv.events import secure_subscriber
 from openinfer.router.metrics import cluster_exposition, replica_load
 from openinfer.router.pd import prefill_first
 from openinfer.router.policies import Router, RouterConfig, Worker, parse_event_batch
@@ -54,7 +55,8 @@ class RouterState:
     def __init__(self, urls: list[str], config: RouterConfig, renderer: PromptRenderer,
                  block_size: int,
                  prefill_urls: list[str] = (), disagg_min_tokens: int = 256,
-                 cache_salt_per_api_key: bool = False) -> None:
+                 cache_salt_per_api_key: bool = False,
+                 kv_events_secret: str | None = None) -> None:
         self.router = Router(config, [Worker(u.rstrip("/")) for u in urls])
         """The replicas that answer clients (decode instances, when disaggregated)."""
         self.prefill = Router(config, [Worker(u.rstrip("/")) for u in prefill_urls]) \
@@ -63,6 +65,8 @@ class RouterState:
         self.disagg_min_tokens = disagg_min_tokens
         self.cache_salt_per_api_key = cache_salt_per_api_key
         """The replicas salt each request's prefix cache by its API key: hash as they do."""
+        self.kv_events_secret = kv_events_secret
+        """The replicas' --kv-transfer-secret: their KV events speak CURVE, keyed by it."""
         self.renderer = renderer
         """The server's prompt renderer, over the replicas' tokenizer and chat template."""
         self.block_size = block_size
@@ -181,6 +185,7 @@ class RouterState:
             endpoint = _connectable(info["endpoint"], host)
             replay = _connectable(info["replay_endpoint"], host) if info.get("replay_endpoint") else None
             sub = self.zmq.socket(zmq.SUB)
+            secure_subscriber(sub, self.kv_events_secret)
             sub.setsockopt(zmq.SUBSCRIBE, info.get("topic", "").encode())
             sub.connect(endpoint)
             try:
@@ -208,6 +213,7 @@ class RouterState:
 
     async def _replay(self, worker: Worker, endpoint: str) -> None:
         sock = self.zmq.socket(zmq.DEALER)
+        secure_subscriber(sock, self.kv_events_secret)
         sock.connect(endpoint)
         try:
             await sock.send_multipart((b"", worker.index.next_seq.to_bytes(8, "big")))

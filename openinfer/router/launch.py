@@ -76,7 +76,9 @@ def run_router(urls: list[str], tokenizer_path: str, args: argparse.Namespace,
                           balance_rel=args.balance_rel)
     state = RouterState(urls, config, renderer, args.block_size, prefill_urls,
                         args.disagg_min_tokens,
-                        getattr(args, "cache_salt_per_api_key", False))
+                        getattr(args, "cache_salt_per_api_key", False),
+                        getattr(args, "kv_transfer_secret", None)
+                        or os.environ.get("OPENINFER_KV_TRANSFER_SECRET") or None)
     pd = f" (prefill: {', '.join(prefill_urls)})" if prefill_urls else ""
     logger.info("router (%s) over %s%s on http://%s:%s", args.policy, ", ".join(urls), pd, host,
                 port)

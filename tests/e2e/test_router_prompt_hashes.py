@@ -13,7 +13,9 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from server_process import MODEL, start_router, start_server, stop
+from server_process import MODEL, admin_workers, start_router, start_server, stop
+
+from openinfer.kv.events import secure_subscriber
 
 # A chat format of the server's own (--chat-template), not the checkpoint's, led by a system
 # line only when the `persona` template argument is given. Content must be a string: the
@@ -39,8 +41,9 @@ def _tcp() -> str:
 class StoredBlocks:
     """The engine's BlockStored events, as block hash -> parent hash (None at the root)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, secret: str) -> None:
         self.sub = zmq.Context.instance().socket(zmq.SUB)
+        secure_subscriber(self.sub, secret)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(endpoint)
         self.parents: dict[bytes, bytes | None] = {}
@@ -82,13 +85,16 @@ def test_router_block_hashes_are_the_engines(qwen3_checkpoint, tmp_path):
     template = tmp_path / "persona.jinja"
     template.write_text(TEMPLATE)
     events = _tcp()
-    # Prefix caches salted per API key, on the replica and (so) in the router.
+    # Prefix caches salted per API key, on the replica and (so) in the router; KV events
+    # encrypted for the holders of the secret (this test and the router).
     base, server = start_server(qwen3_checkpoint, "--chat-template", str(template),
                                 "--kv-events-endpoint", events, "--api-key", "alice-key",
-                                "bob-key", "--cache-salt-per-api-key")
-    stored = StoredBlocks(events)  # subscribed while the router starts
+                                "bob-key", "--cache-salt-per-api-key",
+                                "--kv-transfer-secret", "events-secret")
+    stored = StoredBlocks(events, "events-secret")  # subscribed while the router starts
     router, router_proc = start_router([base], qwen3_checkpoint, "--chat-template", str(template),
-                                       "--cache-salt-per-api-key")
+                                       "--cache-salt-per-api-key",
+                                       "--kv-transfer-secret", "events-secret")
     try:
         requests = {
             "plain chat": ("/v1/chat/completions", {"messages": QUESTION}),
@@ -111,6 +117,11 @@ def test_router_block_hashes_are_the_engines(qwen3_checkpoint, tmp_path):
         path, body = requests["completion of token ids"]
         prompt_tokens, blocks, bobs = _post(router, path, body, key="bob-key")
         assert len(stored.chain(bobs)) == blocks and bobs != lasts["completion of token ids"]
+        # The router read the encrypted events too: its index of the replica is live.
+        deadline = time.monotonic() + 10
+        while not (worker := admin_workers(router)[0])["events"] or not worker["indexed_blocks"]:
+            assert time.monotonic() < deadline, worker
+            time.sleep(0.1)
     finally:
         stored.sub.close(linger=0)
         stop(router_proc)
