@@ -3,6 +3,7 @@ from KV events, and a replica that dies and comes back."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -96,6 +97,24 @@ def _chat(base: str, messages: list[dict]) -> tuple[str, str, str]:
 
 
 PROMPTS = [f"request number {i} says hello" for i in range(6)] + [list(range(7, 60))]
+
+
+@contextlib.contextmanager
+def _stream_on(client: httpx.Client, router: str, replica: str, body: dict):
+    """A completions stream through a round-robin ``router`` that landed on ``replica`` (one
+    of the next few does; those that land elsewhere are closed at once)."""
+    for _ in range(6):
+        stream = client.stream("POST", f"{router}/v1/completions", json=body)
+        resp = stream.__enter__()
+        if resp.headers["x-openinfer-worker"] == replica:
+            break
+        stream.__exit__(None, None, None)
+    else:
+        pytest.fail(f"no stream reached {replica}")
+    try:
+        yield resp
+    finally:
+        stream.__exit__(None, None, None)
 
 
 # First: it needs none of the module's replicas and routers (idle, but still running).
@@ -204,15 +223,7 @@ def test_a_drained_replica_finishes_its_streams_and_gets_no_new_traffic(replicas
     # 128 x 480 tokens: about 4 s on a Zen 3 (one sequence alone would end before the checks)
     body = {"model": MODEL, "prompt": "a long story", "n": 128, "max_tokens": 480,
             "temperature": 1, "seed": 0, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=120) as client:
-        for _ in range(6):  # round robin: one of the next few streams lands on the victim
-            stream = client.stream("POST", f"{router}/v1/completions", json=body)
-            resp = stream.__enter__()
-            if resp.headers["x-openinfer-worker"] == victim:
-                break
-            stream.__exit__(None, None, None)
-        else:
-            pytest.fail("no stream reached the victim")
+    with httpx.Client(timeout=120) as client, _stream_on(client, router, victim, body) as resp:
         with ThreadPoolExecutor(1) as pool:
             drained = pool.submit(httpx.post, f"{router}/admin/workers/drain", timeout=120,
                                   headers=ADMIN, json={"url": victim, "timeout_s": 100})
@@ -225,7 +236,6 @@ def test_a_drained_replica_finishes_its_streams_and_gets_no_new_traffic(replicas
             assert not drained.done()  # still waiting on the stream
             events = [json.loads(line[6:]) for line in resp.iter_lines()
                       if line.startswith("data: {")]
-            stream.__exit__(None, None, None)
             assert not any("error" in event for event in events)
             finished = [c["finish_reason"] for e in events for c in e["choices"]
                         if c["finish_reason"]]
@@ -330,16 +340,8 @@ def test_a_replica_killed_under_load_loses_no_request_and_comes_back(replica_pro
     whole = _complete(replica_procs[0][0], story["prompt"], max_tokens=480)[0]
     rerouted = _rerouted(router, victim_url)
     done = []
-    with httpx.Client(timeout=120) as client:
-        for _ in range(6):  # round robin: one of the next few streams lands on the victim
-            cut = client.stream("POST", f"{routers['round_robin']}/v1/completions",
-                                json={**story, "stream": True})
-            resp = cut.__enter__()
-            if resp.headers["x-openinfer-worker"] == victim_url:
-                break
-            cut.__exit__(None, None, None)
-        else:
-            pytest.fail("no stream reached the victim")
+    with httpx.Client(timeout=120) as client, _stream_on(
+            client, routers["round_robin"], victim_url, {**story, "stream": True}) as resp:
         lines = resp.iter_lines()
         events = [json.loads(next(line for line in lines if line.startswith("data: {"))[6:])]
         with ThreadPoolExecutor(8) as pool:
@@ -350,7 +352,6 @@ def test_a_replica_killed_under_load_loses_no_request_and_comes_back(replica_pro
             victim.wait()
             done += [future.result() for future in futures[8:]]  # none may fail
         events += [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-        cut.__exit__(None, None, None)
     assert events[-1]["error"]["code"] == "replica_failed"
     text = "".join(e["choices"][0]["text"] for e in events[:-1])
     assert whole.startswith(text) and len(text) < len(whole)
