@@ -11,6 +11,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import openai
@@ -31,6 +32,8 @@ SERVERS = {  # every server this module starts, by the test(s) using it: name ->
     # test_tenants_never_share_cached_prefixes, test_a_request_past_its_timeout_is_aborted
     "tenants": ("--api-key", "alice-key", "bob-key", "--cache-salt-per-api-key",
                 "--admin-api-key", "root-key", "--request-timeout", "1"),
+    # test_priority_scheduling_orders_the_waiting_requests
+    "priority": ("--scheduling-policy", "priority", "--max-num-seqs", "1"),
 }
 
 
@@ -496,6 +499,37 @@ def test_a_request_past_its_timeout_is_aborted(servers):
     values = _metrics(base)
     assert values["openinfer:num_requests_running"] == 0
     assert values["openinfer:kv_cache_usage_perc"] == 0
+
+
+@pytest.mark.slow
+def test_priority_scheduling_orders_the_waiting_requests(servers):
+    """--scheduling-policy priority, one sequence at a time: of two requests waiting behind
+    a running one, the lower `priority` value runs first, whatever the arrival order."""
+    base, _ = servers["priority"]
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    finished: list[str] = []
+
+    def run(name: str, priority: int, max_tokens: int) -> None:
+        client.completions.create(model=MODEL, prompt=name, max_tokens=max_tokens,
+                                  extra_body={"ignore_eos": True, "priority": priority})
+        finished.append(name)
+
+    with ThreadPoolExecutor(2) as pool:
+        running = client.completions.create(model=MODEL, prompt="first", max_tokens=500,
+                                            stream=True, extra_body={"ignore_eos": True})
+        next(iter(running))  # it holds the one sequence slot
+        early = pool.submit(run, "earlier, lax", 5, 4)
+        deadline = time.monotonic() + 30
+        while _metrics(base)["openinfer:num_requests_waiting"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        late = pool.submit(run, "later, urgent", 1, 4)
+        while _metrics(base)["openinfer:num_requests_waiting"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert sum(1 for _ in running) > 0
+        late.result(), early.result()
+    assert finished == ["later, urgent", "earlier, lax"]
 
 
 @pytest.mark.slow
