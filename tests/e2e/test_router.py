@@ -192,6 +192,27 @@ def test_cache_aware_keeps_each_conversation_on_the_replica_holding_it(routers):
 
 
 @pytest.mark.slow
+def test_a_session_stays_on_its_replica(routers):
+    """Session affinity (x-session-id, or the body's `user`): each next request of a session
+    goes where its first went, though its prompt shares nothing cached there."""
+    router = routers["cache_aware"]
+    for s, how in enumerate(("header", "user", "header")):
+        session = f"session-{s}-{time.monotonic_ns()}"
+        served = []
+        for turn in range(4):
+            extra = {"user": session} if how == "user" else {}
+            resp = httpx.post(f"{router}/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": f"unrelated question {turn} of {session}",
+                "max_tokens": 2, **extra},
+                headers={"x-session-id": session} if how == "header" else {})
+            assert resp.status_code == 200, resp.text
+            served.append((resp.headers["x-openinfer-worker"],
+                           resp.headers["x-openinfer-route"]))
+        assert len({worker for worker, _ in served}) == 1, served
+        assert [route for _, route in served[1:]] == ["affinity"] * 3, served
+
+
+@pytest.mark.slow
 def test_cache_aware_load_guard_holds_under_concurrent_load(routers):
     """Every request shares a prefix one replica holds, so affinity alone would send all of
     them there; under 24 concurrent requests the guard must spread them, and no request may
