@@ -27,6 +27,8 @@ sharing that cache each get their own binary instead of an illegal instruction.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import platform
@@ -82,13 +84,33 @@ def build_extension(extra_cflags: tuple[str, ...] = (), variant: str = "") -> Mo
 
     cpp_extension.verify_ninja_availability()
     name = f"openinfer_cpu_attention_{cpu_isa_tag()}" + (f"_{variant}" if variant else "")
-    return cpp_extension.load(
-        name=name,
-        sources=[str(p) for p in SOURCES],
-        extra_cflags=[*CFLAGS, *extra_cflags],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    with _one_builder(name):
+        return cpp_extension.load(
+            name=name,
+            sources=[str(p) for p in SOURCES],
+            extra_cflags=[*CFLAGS, *extra_cflags],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def _one_builder(name: str):
+    """One process at a time builds or loads ``name``, under an flock the kernel releases
+    when its holder dies. torch's own lock file is left behind by a build that was killed
+    (a server stopped during its first start), and every later load would wait on it
+    forever; once we hold the flock, any such file is stale, and is removed."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        build_dir = Path(_get_build_directory(name, verbose=False))
+    except Exception:  # (a private helper of torch's: without it, no stale-lock repair)
+        yield
+        return
+    with open(build_dir / ".openinfer-builder.lock", "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
 
 
 def load_cpu_attention() -> ModuleType | None:

@@ -360,3 +360,22 @@ def test_write_kv_fills_exactly_the_mapped_slots(dtype, contiguous):
     for half, x in zip(view, (k, v)):
         half.index_put_((slots // block_size, slots % block_size), x.to(dtype))
     assert torch.equal(storage, expected)  # other layers and slots untouched
+
+
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
+    """torch's build lock, left behind when a build is killed, would make every later load
+    wait forever: a fresh process loads the kernel anyway and removes it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from openinfer.kernels.cpu_attention import build_extension, cpu_isa_tag
+
+    build_extension()
+    lock = Path(_get_build_directory(f"openinfer_cpu_attention_{cpu_isa_tag()}", False)) / "lock"
+    lock.touch()  # what a build killed midway leaves
+    loaded = subprocess.run([sys.executable, "-c", "from openinfer.kernels.cpu_attention "
+                             "import build_extension; build_extension()"], timeout=300)
+    assert loaded.returncode == 0 and not lock.exists()
