@@ -60,6 +60,23 @@ def cpu_capability() -> str:
 
 
 @functools.cache
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache cpu0 sees (its L3, usually), from sysfs; None where unknown."""
+    sizes = []
+    for level in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (level / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[-1:] in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=None)
+
+
+@functools.cache
 def cpu_model_name() -> str:
     """The CPU's marketing name (as /proc/cpuinfo or cpuinfo gives it), or 'unknown'."""
     cpuinfo = Path("/proc/cpuinfo")

@@ -32,7 +32,13 @@ cached for the process, so a model's 30 identical layers are timed once:
      2e-2, relative to the output's largest value); a path that raises (oneDNN has no bf16
      kernels without AVX-512 or AVX-NE-CONVERT) or disagrees is left out, with a warning;
   2. the rest are timed on the layer's own weight, interleaved, best of a few rounds (the best
-     resists other processes' bursts on shared cores);
+     resists other processes' bursts on shared cores). When the model's weights outgrow the
+     CPU's last-level cache, each call reads its weight from memory, as in a forward pass:
+     timing then rotates over copies of the weight that together outgrow that cache
+     (``cold_copies``). Timed hot, a few-row call finds the weight its previous call left in
+     the cache, which favours paths that stream a plain weight fast from cache (small_gemm:
+     2.2x F.linear hot at M=1 on a Zen 5, where it merely ties oneDNN's packed weight cold, and
+     the plain format it makes the layer keep then costs 1.5-2.5x at 8-32 rows);
   3. per bucket the fastest wins; a path other than ``torch`` must be ``MARGIN`` faster, so
      that noise does not flip choices between equals (weights under ``MIN_TIMED_WEIGHT``
      elements are not timed: ``torch`` everywhere);
@@ -51,18 +57,19 @@ instructions for (bf16 without AVX512_BF16/AMX; see ``why_no_plans``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openinfer.cpu_features import cpu_capability, cpu_flags, has_native_gemm
+from openinfer.cpu_features import cpu_capability, cpu_flags, has_native_gemm, last_level_cache_bytes
 from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.layers.linear import GemmLayer
 
@@ -86,6 +93,21 @@ SAMPLE_SECONDS = 5e-4
 BUCKET_SECONDS = 0.01
 """Timing one bucket of one weight shape takes about this long, or two calls per path if
 those take longer."""
+MIN_ROUNDS = 2
+"""Samples per path at least: with one, a single burst from another process on shared cores
+decided between paths (a 512-row call took 4x its time once in a handful of plans)."""
+COLD_MAX_ROWS = 128
+"""Buckets timed at more rows than this are compute-bound: timed hot (copies cost load time
+and change nothing there)."""
+DEFAULT_CACHE_BYTES = 32 << 20
+"""The last-level cache assumed where sysfs does not tell."""
+COLD_CACHE_MULTIPLE = 4
+"""Cold timing rotates over copies of a weight that together hold this many times the
+last-level cache sysfs reports (a 2-core slice of a Zen 5 reports 32 MiB but kept a 64 MiB
+rotation partly cached: 1024x1024 float32 at M=1 took 106 us there, 123 us at 256 MiB)."""
+MAX_COLD_COPIES = 64
+"""At most this many copies (64 x 4 MiB: 256 MiB, twice with packed copies); they live only
+while their shape is timed."""
 
 
 @dataclass(frozen=True)
@@ -235,9 +257,11 @@ def plan_gemms(model: nn.Module, mode: str | None = None) -> None:
     for module in model.modules():  # a parameter held by two modules (tied embedding/LM head)
         for p in module.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
+    cache = last_level_cache_bytes() or DEFAULT_CACHE_BYTES
+    cold = sum(m.weight.numel() * m.weight.element_size() for m in layers) > cache
     with torch.no_grad():
         for layer in layers:
-            layer.plan = _plan_layer(layer, mode, shared=owners[id(layer.weight)] > 1)
+            layer.plan = _plan_layer(layer, mode, shared=owners[id(layer.weight)] > 1, cold=cold)
 
 
 def why_no_plans(layers: Sequence[GemmLayer], mode: str) -> str | None:
@@ -270,7 +294,7 @@ def weight_formats(weight: torch.Tensor) -> Callable[[str], torch.Tensor]:
     return weight_in
 
 
-def _plan_layer(layer: GemmLayer, mode: str, shared: bool) -> GemmPlan:
+def _plan_layer(layer: GemmLayer, mode: str, shared: bool, cold: bool = False) -> GemmPlan:
     start = time.perf_counter()
     weight, bias = layer.weight.data, None if layer.bias is None else layer.bias.data
     buckets = BUCKETS[:layer.timed_buckets]
@@ -279,7 +303,19 @@ def _plan_layer(layer: GemmLayer, mode: str, shared: bool) -> GemmPlan:
     if mode == "auto" and weight.numel() < MIN_TIMED_WEIGHT:
         times, chosen = [{} for _ in buckets], ["torch"] * len(buckets)
     elif mode == "auto":
-        times = [_timed(weight, bias, b, weight_in) for b in buckets]
+        n = cold_copies(weight) if cold else 1
+        made: list[Callable[[str], torch.Tensor]] = []
+
+        def copies() -> list[Callable[[str], torch.Tensor]]:
+            """Copies for cold timing: made once for all buckets, and only if some bucket is
+            not cached yet (packed ones when first asked)."""
+            if not made:
+                made.extend(weight_formats(weight.clone()) for _ in range(n - 1))
+            return made
+
+        times = [_timed(weight, bias, b, weight_in, n if b.timed_rows <= COLD_MAX_ROWS else 1,
+                        copies) for b in buckets]
+        made.clear()
         chosen = choose_paths(times, kept=frozenset({PLAIN}) if shared else frozenset())
     else:
         path = PATHS[mode]
@@ -307,14 +343,26 @@ def _plan_layer(layer: GemmLayer, mode: str, shared: bool) -> GemmPlan:
     return GemmPlan(routes, bias, extra, time.perf_counter() - start)
 
 
+def cold_copies(weight: torch.Tensor) -> int:
+    """Copies of ``weight`` that together hold COLD_CACHE_MULTIPLE times the last-level cache
+    (at most MAX_COLD_COPIES): calls rotating over them read their weight from memory."""
+    cache = last_level_cache_bytes() or DEFAULT_CACHE_BYTES
+    size = weight.numel() * weight.element_size()
+    return max(1, min(MAX_COLD_COPIES, math.ceil(COLD_CACHE_MULTIPLE * cache / size)))
+
+
 def _timed(weight: torch.Tensor, bias: torch.Tensor | None, bucket: Bucket,
-           weight_in: Callable[[str], torch.Tensor]) -> dict[str, float]:
-    """Seconds per call of each path that runs correctly here (cached; see the docstring)."""
+           weight_in: Callable[[str], torch.Tensor], rotation: int = 1,
+           copies: Callable[[], Sequence[Callable[[str], torch.Tensor]]] = list,
+           ) -> dict[str, float]:
+    """Seconds per call of each path that runs correctly here (cached; see the docstring),
+    rotating over ``rotation`` weights: this one and ``copies()[:rotation - 1]``."""
     key = (*weight.shape, bias is not None, weight.dtype, bucket.timed_rows, cpu_capability(),
-           torch.get_num_threads())
+           torch.get_num_threads(), rotation)
     if key not in _timings:
+        others = copies()[:rotation - 1] if rotation > 1 else []
         _timings[key] = time_paths([p for p in PATHS.values() if p.timed_in(bucket)], weight,
-                                   bias, bucket.timed_rows, weight_in)
+                                   bias, bucket.timed_rows, weight_in, copies=others)
     return _timings[key]
 
 
@@ -352,20 +400,27 @@ def _check(path: GemmPath, weight_in: Callable[[str], torch.Tensor], weight: tor
 
 def time_paths(paths: Sequence[GemmPath], weight: torch.Tensor, bias: torch.Tensor | None,
                rows: int, weight_in: Callable[[str], torch.Tensor],
-               budget_s: float = BUCKET_SECONDS) -> dict[str, float]:
+               budget_s: float = BUCKET_SECONDS,
+               copies: Sequence[Callable[[str], torch.Tensor]] = ()) -> dict[str, float]:
     """Best seconds per call of each of ``paths`` on ``rows`` random rows; paths that raise or
     disagree with F.linear are left out (with a warning). ``paths`` must include ``torch``.
+    ``copies``: other copies of the weight (as ``weight_formats`` gives them); successive calls
+    rotate over the weight and these (cold timing, see the module docstring).
 
-    Each path's first call is checked (and is its first sample: oneDNN builds its primitive
-    then, which shows only on calls too small to matter). Then rounds run every path again,
-    in rotating order: one at least, more while ``budget_s`` lasts (at most 5). Calls shorter
+    Each path's first call is checked (and, timed hot, is its first sample: oneDNN builds its
+    primitive then, which shows only on calls too small to matter). Then rounds run every path again,
+    in rotating order: MIN_ROUNDS at least, more while ``budget_s`` lasts (at most 5). Calls shorter
     than SAMPLE_SECONDS are timed in batches.
     """
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
     start = time.perf_counter()
     reference = F.linear(x, weight, bias)
-    best = {"torch": time.perf_counter() - start}
+    first = {"torch": time.perf_counter() - start}
     calls: dict[str, Callable[[], torch.Tensor]] = {}
+    # One rotation per format, shared by the paths reading it, so that every call's weight was
+    # last read ``copies`` calls before (per-path rotations in step read what another path just
+    # had: a hot call).
+    rotations: dict[str, Iterator[torch.Tensor]] = {}
     for path in paths:
         try:
             w = weight_in(path.weight_format)
@@ -381,12 +436,17 @@ def time_paths(paths: Sequence[GemmPath], weight: torch.Tensor, bias: torch.Tens
             logger.warning("GEMM path %s left out for %s %s: %s", path.name, tuple(weight.shape),
                            weight.dtype, problem)
             continue
-        best.setdefault(path.name, seconds)
-        calls[path.name] = lambda run=path.run, w=w: run(x, w, bias)
+        first.setdefault(path.name, seconds)
+        fmt = path.weight_format
+        if fmt not in rotations:
+            rotations[fmt] = itertools.cycle([w] + [copy(fmt) for copy in copies])
+        calls[path.name] = lambda run=path.run, ws=rotations[fmt]: run(x, next(ws), bias)
     names = list(calls)
-    repeat = {n: max(1, min(50, round(SAMPLE_SECONDS / max(best[n], 1e-7)))) for n in names}
-    per_round = max(1e-9, sum(best[n] * repeat[n] for n in names))
-    rounds = max(1, min(5, int(budget_s / per_round)))
+    # A first call read a weight the reference had just read: a hot sample, left out of cold timing.
+    best = {n: math.inf if copies else first[n] for n in names}
+    repeat = {n: max(1, min(50, round(SAMPLE_SECONDS / max(first[n], 1e-7)))) for n in names}
+    per_round = max(1e-9, sum(first[n] * repeat[n] for n in names))
+    rounds = max(MIN_ROUNDS, min(5, int(budget_s / per_round)))
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             fn = calls[name]

@@ -140,6 +140,48 @@ def test_timings_are_measured_once_per_shape(monkeypatch):
     assert len(calls) == distinct * len(BUCKETS)
 
 
+def test_a_model_larger_than_the_cache_is_timed_cold(monkeypatch):
+    """Few-row buckets rotate over copies of the weight, one rotation per weight format
+    shared by the paths reading it, so that no timed call finds the weight a previous call
+    left in the cache; compute-bound buckets and models that fit the cache are timed hot."""
+    monkeypatch.setattr(gemm, "last_level_cache_bytes", lambda: 4096)
+    read: list[tuple[int, str, int]] = []  # (rows, path, address of the weight read)
+    for name in ("torch", "onednn"):
+        path = PATHS[name]
+
+        def run(x, w, b, path=path):
+            read.append((x.shape[0], path.name, w.data_ptr()))
+            return path.run(x, w, b)
+
+        monkeypatch.setitem(PATHS, name, gemm.GemmPath(name, path.weight_format, run, path.rows))
+    monkeypatch.setattr(gemm, "PATHS", {n: PATHS[n] for n in ("torch", "onednn")})
+    layer = _filled(Linear(64, 64))[0]  # 16 KiB: 4 x 4 KiB "cache" is one copy
+    plan_gemms(nn.Sequential(layer), "auto")
+    copies = gemm.cold_copies(layer.weight)
+    assert copies == 1  # a 16 KiB weight outgrows 4 x 4 KiB alone
+    monkeypatch.setattr(gemm, "COLD_CACHE_MULTIPLE", 16)  # 64 KiB: four weights
+    gemm.clear_timing_cache()
+    read.clear()
+    layer = _filled(Linear(64, 64))[0]
+    plan_gemms(nn.Sequential(layer), "auto")
+    assert gemm.cold_copies(layer.weight) == 4
+    for bucket in BUCKETS:
+        timed = [address for rows, _, address in read if rows == bucket.timed_rows][1:]
+        if bucket.timed_rows > gemm.COLD_MAX_ROWS:
+            assert len(set(timed)) == 1
+            continue
+        # After the first (checking) calls, both paths walk one rotation of 4 weights: any
+        # 4 consecutive calls read 4 different weights.
+        timed = timed[2:]
+        assert len(set(timed)) == 4
+        assert all(len(set(timed[i:i + 4])) == 4 for i in range(len(timed) - 3))
+    monkeypatch.setattr(gemm, "last_level_cache_bytes", lambda: 1 << 30)  # the model fits
+    gemm.clear_timing_cache()
+    read.clear()
+    plan_gemms(nn.Sequential(_filled(Linear(64, 64))[0]), "auto")
+    assert len({address for *_, address in read}) == 1
+
+
 def test_lm_head_times_its_first_buckets_and_keeps_a_tied_weight(monkeypatch):
     calls = []
     original = gemm.time_paths

@@ -1,0 +1,116 @@
+"""Every engine flag of `openinfer serve` reaches the engine's config.
+
+A flag that parses but never reaches EngineConfig is silently ignored, which the ground rules
+forbid. Each row gives a flag a value other than its default, builds the config the way
+`serve` and `generate` do (``engine_kwargs`` into ``EngineConfig.create``) and reads the value
+back. ``test_every_engine_flag_has_a_row`` makes a new flag without a row fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+
+from openinfer.cli import build_parser, engine_kwargs, resolve_model_arg
+from openinfer.config import EngineConfig
+
+# (flags, attribute path in EngineConfig, expected value)
+ROWS: list[tuple[tuple[str, ...], str, object]] = [
+    (("--tokenizer", "/some/tokenizer"), "tokenizer", "/some/tokenizer"),
+    (("--dtype", "bfloat16"), "model.dtype", torch.bfloat16),
+    (("--device", "cuda:1"), "device", "cuda:1"),  # the config only; nothing runs there
+    (("--max-model-len", "96"), "model.max_model_len", 96),
+    (("--kv-cache-memory", "3MiB"), "cache.kv_cache_memory", 3 * 2**20),
+    (("--block-size", "32"), "cache.block_size", 32),
+    (("--no-enable-prefix-caching",), "cache.enable_prefix_caching", False),
+    (("--no-prefix-caching",), "cache.enable_prefix_caching", False),
+    (("--kv-host-memory", "5MiB"), "cache.kv_host_memory", 5 * 2**20),
+    (("--kv-store-dir", "/tmp/store"), "cache.kv_store_dir", "/tmp/store"),
+    (("--kv-store-bytes", "7MiB"), "cache.kv_store_bytes", 7 * 2**20),
+    (("--kv-events-endpoint", "tcp://127.0.0.1:5999"), "cache.kv_events_endpoint",
+     "tcp://127.0.0.1:5999"),
+    (("--kv-events-replay-endpoint", "tcp://127.0.0.1:5998"), "cache.kv_events_replay_endpoint",
+     "tcp://127.0.0.1:5998"),
+    (("--kv-events-topic", "tenant-a"), "cache.kv_events_topic", "tenant-a"),
+    (("--no-swa-bounded-replay",), "cache.swa_bounded_replay", False),
+    (("--swa-snapshot-interval", "256"), "cache.swa_snapshot_interval", 256),
+    (("--role", "decode"), "kv_transfer.role", "decode"),
+    (("--kv-connector", "shm"), "kv_transfer.connector", "shm"),
+    (("--kv-transfer-host", "10.1.2.3"), "kv_transfer.host", "10.1.2.3"),
+    (("--kv-transfer-secret", "s3cret"), "kv_transfer.secret", "s3cret"),
+    (("--kv-transfer-port", "7100"), "kv_transfer.port", 7100),
+    (("--kv-transfer-timeout", "2.5"), "kv_transfer.timeout_s", 2.5),
+    (("--kv-lease-timeout", "4.5"), "kv_transfer.lease_s", 4.5),
+    (("--kv-load-failure-policy", "fail"), "kv_transfer.load_failure_policy", "fail"),
+    (("--max-num-batched-tokens", "512"), "scheduler.max_num_batched_tokens", 512),
+    (("--max-num-seqs", "9"), "scheduler.max_num_seqs", 9),
+    (("--scheduling-policy", "priority"), "scheduler.policy", "priority"),
+    (("--tensor-parallel-size", "2"), "tensor_parallel_size", 2),
+    (("-tp", "2"), "tensor_parallel_size", 2),
+    (("--prefill-context-parallel-size", "2"), "prefill_context_parallel_size", 2),
+    (("-pcp", "2"), "prefill_context_parallel_size", 2),
+    (("--distributed-executor-backend", "ray", "--ray-address", "10.0.0.1:6379"),
+     "ray_address", "10.0.0.1:6379"),
+    (("--distributed-executor-backend", "ray"), "distributed_executor_backend", "ray"),
+    (("-tp", "2", "--nnodes", "2"), "nodes.nnodes", 2),
+    (("--master-addr", "10.0.0.2"), "nodes.master_addr", "10.0.0.2"),
+    (("--master-port", "29611"), "nodes.master_port", 29611),
+    (("--enable-expert-parallel",), "enable_expert_parallel", True),
+    (("--enable-expert-parallel", "--enable-eplb"), "eplb.window_size", 1000),
+    (("--enable-expert-parallel", "--enable-eplb", "--eplb-config", '{"window_size": 8}'),
+     "eplb.window_size", 8),
+    (("--async-scheduling",), "scheduler.async_scheduling", True),
+    (("--seed", "17"), "seed", 17),
+    (("--attention-backend", "torch"), "attention_backend", "torch"),
+    (("--batch-invariant",), "model.batch_invariant", True),
+    (("--moe-expert-stats",), "moe_expert_stats", True),
+    (("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'),
+     "speculative.num_speculative_tokens", 3),
+]
+NOT_IN_CONFIG = {  # engine-group flags checked elsewhere
+    "--model": "every test (resolve_model_arg)",
+    "--enable-prefix-caching": "the default (its --no- form has a row)",
+    "--swa-bounded-replay": "the default (its --no- form has a row)",
+}
+
+
+def _config(checkpoint, *flags: str) -> EngineConfig:
+    args = build_parser().parse_args(["serve", "--model", str(checkpoint), *flags])
+    resolve_model_arg(args)
+    return EngineConfig.create(args.model, **engine_kwargs(args))
+
+
+def _read(config: object, path: str) -> object:
+    for name in path.split("."):
+        config = getattr(config, name) if config is not None else None
+    return config
+
+
+@pytest.mark.parametrize("flags,path,expected", ROWS, ids=[" ".join(r[0]) for r in ROWS])
+def test_engine_flag_reaches_the_config(qwen3_checkpoint, flags, path, expected):
+    default = _read(_config(qwen3_checkpoint), path)
+    assert default != expected, f"{flags}: the expected value is the default; pick another"
+    assert _read(_config(qwen3_checkpoint, *flags), path) == expected
+
+
+def test_the_data_parallel_rank_flags_reach_the_config(qwen3_checkpoint):
+    config = _config(qwen3_checkpoint, "--enable-expert-parallel", "--data-parallel-size", "2",
+                     "--data-parallel-rank", "1", "--data-parallel-address", "10.0.0.3",
+                     "--data-parallel-rpc-port", "13345")
+    assert dataclasses.astuple(config.data_parallel) == (2, 1, "10.0.0.3", 13345)
+
+
+def _engine_option_strings() -> set[str]:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    groups = [g for g in serve._action_groups if g.title in ("engine", "disaggregation")]
+    return {s for g in groups for a in g._group_actions if a.help != argparse.SUPPRESS
+            or a.dest == "enable_prefix_caching" for s in a.option_strings}
+
+
+def test_every_engine_flag_has_a_row():
+    covered = {s for flags, _, _ in ROWS for s in flags if s.startswith("-")}
+    missing = _engine_option_strings() - covered - set(NOT_IN_CONFIG)
+    assert not missing, f"engine flags no row of ROWS checks: {sorted(missing)}"
