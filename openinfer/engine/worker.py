@@ -72,7 +72,7 @@ class Worker:
         huge_pages = "on" if huge_pages_in_use() else "off"
         logger.info("attention backend: %s; huge pages for tensors: %s (kernel THP mode %s)",
                     self.attention.name, huge_pages, system_mode())
-        if self.attention.name == "cpu":  # its extension also has the float32 RMSNorm and GEMM
+        if self.attention.name == "cpu":  # its extension also has the norms, SiLU-and-mul, GEMM
             use_cpu_kernels(self.model, load_cpu_attention())
             use_cpu_expert_kernels(self.model, load_cpu_attention())
         self.counted_experts = self._count_expert_tokens() if config.moe_expert_stats else {}

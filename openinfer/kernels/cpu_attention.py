@@ -41,11 +41,13 @@ import torch
 logger = logging.getLogger("openinfer.kernels.cpu_attention")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "rms_norm.cpp", "small_gemm.cpp",
-                        "token_mask.cpp")]
-"""The extension: paged attention, the float32 RMSNorm the norm layers use with it, the
-few-row float32 GEMM the GEMM planner may choose for decode, and structured outputs' token
-masking."""
+           for name in ("paged_attention.cpp", "rms_norm.cpp", "activation.cpp",
+                        "small_gemm.cpp", "token_mask.cpp")]
+"""The extension: paged attention, the RMSNorm and the gated MLP's SiLU-and-multiply the
+layers use with it, the few-row float32 GEMM the GEMM planner may choose for decode, and
+structured outputs' token masking."""
+HEADERS = [Path(__file__).parent / "cpu" / "vec.h"]
+"""Included by the sources (so they count in the build's cache key)."""
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-Wno-psabi")
 
 _lock = threading.Lock()
@@ -68,7 +70,7 @@ def cpu_isa_tag() -> str:
     # The sources' hash too: checkouts of different versions sharing the extension cache
     # (a CI clone beside a working tree) each keep their own build instead of rebuilding
     # over one another.
-    sources = hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()
+    sources = hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()
     key = "|".join((flags, capability, platform.machine(), torch.__version__, " ".join(CFLAGS),
                     sources))
     return f"{capability.lower()}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,6 +15,9 @@ from openinfer.layers.linear import MergedLinear, RowParallelLinear
 
 
 class GatedMLP(nn.Module):
+    cpu_kernels: ModuleType | None = None
+    """The CPU kernel extension (set with the norms' by ``layers.norm.use_cpu_kernels``):
+    silu(gate) * up then runs as one C++ pass over the merged projection's rows."""
     batch_invariant = False
     """Set in batch-invariant mode: the activation runs in row tiles that never split across
     threads (openinfer.layers.batch_invariant)."""
@@ -34,7 +39,14 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        merged = self.gate_up_proj(x)
+        if (self.cpu_kernels is not None and self.activation == "silu" and self.clamp_limit is None
+                and not self.batch_invariant and merged.is_contiguous()
+                and merged.dtype in (torch.float32, torch.bfloat16)):
+            out = merged.new_empty((*merged.shape[:-1], merged.shape[-1] // 2))
+            self.cpu_kernels.silu_and_mul(out, merged)
+            return self.down_proj(out)
+        gate, up = self.gate_up_proj.split(merged)
         if self.clamp_limit is not None:
             gate, up = gate.clamp(max=self.clamp_limit), up.clamp(-self.clamp_limit, self.clamp_limit)
         if self.activation != "silu":

@@ -12,9 +12,9 @@ from torch import nn
 class RMSNorm(nn.Module):
     cpu_kernels: ModuleType | None = None
     """The CPU kernel extension, set by ``use_cpu_kernels`` for engines on the ``cpu``
-    attention backend: float32 norms then run as one C++ pass per row (add fused in)
-    instead of torch's five-op composite. Decided per model at start-up, so an engine
-    computes the same way from its first step to its last."""
+    attention backend: float32 and bfloat16 norms then run as one C++ pass per row (add fused
+    in) instead of torch's five-op composite (eight with bf16's casts). Decided per model at
+    start-up, so an engine computes the same way from its first step to its last."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, fp32_weight: bool = False) -> None:
         """``fp32_weight``: the weight stays float32 whatever the compute dtype, and lower
@@ -24,12 +24,19 @@ class RMSNorm(nn.Module):
         dtype = torch.float32 if fp32_weight else None
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
 
+    def _in_kernel(self, *tensors: torch.Tensor) -> bool:
+        """Whether the C++ norm computes this call: float32, or bfloat16 with a bfloat16
+        weight (DeepSeek-V4's float32 weights on bf16 rows round differently)."""
+        return (self.cpu_kernels is not None
+                and all(t.dtype == self.weight.dtype for t in tensors)
+                and self.weight.dtype in (torch.float32, torch.bfloat16))
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self._in_kernel(x) and _rows_readable(x):
+            out = torch.empty(x.shape, dtype=x.dtype)
+            self.cpu_kernels.rms_norm(out, x, self.weight, self.eps)
+            return out
         if x.dtype == torch.float32:
-            if self.cpu_kernels is not None and _rows_readable(x):
-                out = torch.empty(x.shape, dtype=x.dtype)
-                self.cpu_kernels.rms_norm(out, x, self.weight, self.eps)
-                return out
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Lower precision: normalize in float32, scale after casting back, as HF models do.
         xf = x.float()
@@ -44,9 +51,7 @@ class RMSNorm(nn.Module):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         if residual is None:
             return self._norm(x)
-        if (self.cpu_kernels is not None and x.dtype == torch.float32
-                and residual.dtype == torch.float32 and x.is_contiguous()
-                and residual.is_contiguous()):
+        if self._in_kernel(x, residual) and x.is_contiguous() and residual.is_contiguous():
             out, total = torch.empty_like(x), torch.empty_like(x)
             self.cpu_kernels.add_rms_norm(out, total, x, residual, self.weight, self.eps)
             return out, total
@@ -63,8 +68,11 @@ def _rows_readable(x: torch.Tensor) -> bool:
 
 
 def use_cpu_kernels(model: nn.Module, kernels: ModuleType) -> int:
-    """Route the model's float32 RMSNorms through the CPU extension; returns how many."""
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    for norm in norms:
-        norm.cpu_kernels = kernels
-    return len(norms)
+    """Route the model's RMSNorms and gated MLPs' SiLU-and-multiply through the CPU
+    extension; returns how many modules."""
+    from openinfer.layers.mlp import GatedMLP
+
+    modules = [m for m in model.modules() if isinstance(m, (RMSNorm, GatedMLP))]
+    for module in modules:
+        module.cpu_kernels = kernels
+    return len(modules)

@@ -41,9 +41,9 @@
 //   soft-capping of the scores (Gemma 2), and per-head attention sinks (gpt-oss: a logit in every
 //   row's softmax denominator with no value, added where a row's result is normalised).
 //
-// SIMD: GCC/Clang vector extensions of W lanes (W = 16 with AVX-512, else 8, or -DOI_VEC_WIDTH).
-// The same source is correct for any W; the compiler picks the instructions (-march=native),
-// so an AVX2 machine can test the 16-lane code (its vectors are split in two).
+// SIMD: GCC/Clang vector extensions of W lanes (vec.h: W = 16 with AVX-512, else 8, or
+// -DOI_VEC_WIDTH). The same source is correct for any W; the compiler picks the instructions
+// (-march=native), so an AVX2 machine can test the 16-lane code (its vectors are split in two).
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
@@ -63,26 +63,15 @@
 #include <tuple>
 #include <vector>
 
-#ifndef OI_VEC_WIDTH
-#if defined(__AVX512F__)
-#define OI_VEC_WIDTH 16
-#else
-#define OI_VEC_WIDTH 8
-#endif
-#endif
+#include "vec.h"
 
 namespace {
 
-constexpr int W = OI_VEC_WIDTH;
-static_assert(W == 8 || W == 16, "vector width must be 8 or 16 floats");
+using namespace oi_vec;
+
 // Keys are handled in tiles of KEY_TILE (scratch rows are padded to it) and head_dim must be
 // a multiple of it, so that no width needs a scalar tail.
 constexpr int KEY_TILE = 16;
-
-typedef float vf __attribute__((vector_size(W * 4)));
-typedef int32_t vi __attribute__((vector_size(W * 4)));
-typedef uint32_t vu __attribute__((vector_size(W * 4)));
-typedef uint16_t vh __attribute__((vector_size(W * 2)));
 
 // Register tiles (rows x vectors) sized to the register file: 16 vector registers with AVX2,
 // 32 with AVX-512.
@@ -105,34 +94,6 @@ constexpr int MAX_CHUNK_BLOCKS = 16;
 constexpr int PREFETCH_BLOCKS = 2;
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-
-// x - 0.0 is an identity (x + 0.0 is not, for -0.0), so this compiles to one broadcast.
-inline vf splat(float x) { return x - vf{}; }
-inline vf loadu(const float* p) {
-  vf v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void storeu(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
-inline vf load_as_float(const float* p) { return loadu(p); }
-inline vf load_as_float(const c10::BFloat16* p) {
-  // bf16 is the upper half of an fp32: widen and shift (exact).
-  vh h;
-  __builtin_memcpy(&h, p, sizeof h);
-  vu u = __builtin_convertvector(h, vu) << 16;
-  return (vf)u;
-}
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
-inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
-  return m;
-}
-inline float hsum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < W; ++i) s += v[i];
-  return s;
-}
 
 // K block rows (n keys of D values, row stride `stride`) -> Kt[D][bsp] in fp32. Full groups of
 // 8 keys go through an in-register 8x8 transpose (3 shuffle stages), the rest element by element.
@@ -197,33 +158,6 @@ inline void transpose_keys(const T* __restrict src, int64_t stride, int n, int D
       for (int e = 0; e < 8; ++e) kt[(d + e) * bsp + k0] = x[e];
     }
   }
-}
-
-// e^x for x <= 0 (softmax arguments), exactly 0 below -87.3 (so -inf, a masked score, gives 0).
-// Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, a degree-7 Taylor polynomial for e^r
-// (relative error ~5e-9), then the exponent bits of 2^n are added.
-inline vf vexp(vf x) {
-  const vf lo = splat(-87.3f);
-  vi underflow = x < lo;
-  x = x < lo ? lo : x;
-  x = x > splat(0.f) ? splat(0.f) : x;
-  const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  vf t = x * 1.44269504f + magic;
-  vi n = (vi)t - (vi)magic;
-  vf nf = t - magic;
-  vf r = x - nf * 0.693359375f;
-  r = r - nf * -2.12194440e-4f;
-  vf p = splat(1.f / 5040);
-  p = p * r + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  vi bits = (n + 127) << 23;
-  vf y = p * (vf)bits;
-  return underflow ? splat(0.f) : y;
 }
 
 inline void store_from_float(float* dst, const float* src, int n, float mul) {
@@ -1022,11 +956,13 @@ std::tuple<int64_t, int64_t, int64_t> plan_stats(const at::Tensor& block_tables,
 void register_rms_norm(pybind11::module& m);    // rms_norm.cpp
 void register_small_gemm(pybind11::module& m);  // small_gemm.cpp
 void register_token_mask(pybind11::module& m);  // token_mask.cpp
+void register_activation(pybind11::module& m);  // activation.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_rms_norm(m);
   register_small_gemm(m);
   register_token_mask(m);
+  register_activation(m);
   m.def("paged_attention", &paged_attention, "Paged varlen attention (see openinfer/kernels/cpu_attention.py)",
         py::arg("out"), py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("max_query_len"),

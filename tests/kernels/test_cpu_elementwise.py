@@ -1,0 +1,161 @@
+"""The C++ elementwise kernels against torch: RMSNorm (with the residual add fused; float32
+within rounding, bfloat16 bitwise) and the gated MLP's SiLU-and-multiply; and the engine
+using them on the cpu attention backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch.nn.functional as F
+
+from openinfer.kernels.cpu_attention import load_cpu_attention
+from openinfer.layers.mlp import GatedMLP
+from openinfer.layers.norm import RMSNorm, use_cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    ext = load_cpu_attention()
+    if ext is None:
+        pytest.skip("the CPU kernel extension cannot be built here")
+    return ext
+
+
+def _norms(kernels, hidden: int, dtype: torch.dtype = torch.float32) -> tuple[RMSNorm, RMSNorm]:
+    plain, fused = RMSNorm(hidden, eps=1e-5).to(dtype), RMSNorm(hidden, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        plain.weight.normal_()
+        fused.weight.copy_(plain.weight)
+    use_cpu_kernels(fused, kernels)
+    return plain, fused
+
+
+@pytest.mark.parametrize("shape", [(1, 1024), (32, 1024), (300, 896), (7, 5)])
+def test_matches_torch_with_and_without_the_residual(kernels, shape):
+    torch.manual_seed(0)
+    plain, fused = _norms(kernels, shape[-1])
+    x, residual = torch.randn(shape), torch.randn(shape)
+    torch.testing.assert_close(fused(x), plain(x), rtol=1e-5, atol=1e-5)
+    out, total = fused(x, residual)
+    ref_out, ref_total = plain(x, residual)
+    assert torch.equal(total, ref_total)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 1024), (32, 1024), (300, 896), (7, 5), (3, 37)])
+def test_bfloat16_rounds_as_torch_does(kernels, shape):
+    """bf16 rows, weight and residual: the kernel rounds where the torch composite does (the
+    sum, the normalised row, the product), vector body and scalar tail. The sum is bitwise
+    torch's; the outputs too, but for the rare value whose float32 lies so near a bf16
+    rounding boundary that the sum of squares' order (8 partial sums here, torch's own
+    elsewhere) moves it across: one bf16 step at most."""
+    torch.manual_seed(3)
+    plain, fused = _norms(kernels, shape[-1], torch.bfloat16)
+    x, residual = torch.randn(shape).bfloat16() * 3, torch.randn(shape).bfloat16()
+    if shape[-1] > 5:
+        x[0, 0] = float("nan")
+    (out, total), (want_out, want_total) = fused(x, residual), plain(x, residual)
+    assert torch.equal(total.nan_to_num(), want_total.nan_to_num())
+    for got, want in ((fused(x), plain(x)), (out, want_out)):
+        assert torch.equal(got.isnan(), want.isnan())
+        got, want = got.nan_to_num().float(), want.nan_to_num().float()
+        assert (got != want).float().mean() < 0.01
+        torch.testing.assert_close(got, want, rtol=2**-6, atol=0)  # a step, then a rounding
+
+
+def test_a_float32_weight_on_bfloat16_rows_stays_on_torch(kernels):
+    """DeepSeek-V4's norms keep float32 weights and round once at the end: not the kernel's
+    rounding, so those calls take the torch path."""
+    norm = RMSNorm(64, fp32_weight=True)
+    use_cpu_kernels(norm, kernels)
+    x = torch.randn(4, 64).bfloat16()
+    want = (norm.weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True)
+                                                   + norm.eps))).bfloat16()
+    assert torch.equal(norm(x), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 3072), (33, 768), (5, 37), (0, 64)])
+def test_silu_and_mul_matches_torch(kernels, dtype, rows, inter):
+    """float32 within the exp's rounding; bfloat16 bitwise (silu rounded, then the product),
+    also on a tail shorter than a vector."""
+    torch.manual_seed(4)
+    x = (torch.randn(rows, 2 * inter) * 6).to(dtype)
+    out = torch.empty(rows, inter, dtype=dtype)
+    kernels.silu_and_mul(out, x)
+    gate, up = x.split(inter, dim=-1)
+    want = F.silu(gate) * up
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, want)
+    else:
+        torch.testing.assert_close(out, want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_mlp_uses_the_kernel_where_it_applies(kernels, dtype):
+    torch.manual_seed(5)
+    plain = GatedMLP(64, 96).to(dtype)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.normal_(std=0.2)
+    fused = GatedMLP(64, 96).to(dtype)
+    fused.load_state_dict(plain.state_dict())
+    use_cpu_kernels(fused, kernels)
+    calls = []
+    real = kernels.silu_and_mul
+
+    class Counting:  # the extension module's attributes are read-only: wrap it
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+        def silu_and_mul(self, out, x):
+            calls.append(tuple(x.shape))
+            return real(out, x)
+
+    fused.cpu_kernels = Counting()
+    x = torch.randn(7, 64).to(dtype)
+    torch.testing.assert_close(fused(x), plain(x), rtol=1e-5 if dtype == torch.float32 else 0,
+                               atol=1e-5 if dtype == torch.float32 else 0)
+    assert calls == [(7, 192)]
+    clamped = GatedMLP(64, 96, clamp_limit=0.5).to(dtype)  # DeepSeek-V4: torch's path
+    clamped.cpu_kernels = fused.cpu_kernels
+    clamped(x)
+    assert calls == [(7, 192)]
+
+
+def test_per_head_norm_reads_a_view_of_the_fused_qkv_output(kernels):
+    torch.manual_seed(1)
+    plain, fused = _norms(kernels, 64)
+    qkv = torch.randn(9, 16 * 64 + 2 * 8 * 64)
+    q = qkv[:, :16 * 64].view(9, 16, 64)        # rows strided by the qkv width
+    k = qkv[:, 16 * 64:24 * 64].view(9, 8, 64)
+    for view in (q, k):
+        assert not view.is_contiguous()
+        torch.testing.assert_close(fused(view), plain(view), rtol=1e-5, atol=1e-5)
+    transposed = torch.randn(64, 9).t()          # unit stride missing: torch's path
+    torch.testing.assert_close(fused(transposed), plain(transposed))
+
+
+def test_a_row_is_normalized_the_same_in_any_batch(kernels):
+    """One thread reduces a row in a fixed order: bitwise the same alone or among others."""
+    torch.manual_seed(2)
+    _, fused = _norms(kernels, 1024)
+    rows = torch.randn(257, 1024)
+    batched = fused(rows)
+    for i in (0, 100, 256):
+        assert torch.equal(fused(rows[i:i + 1].clone()), batched[i:i + 1])
+
+
+def test_float32_engines_on_the_cpu_backend_use_it(qwen3_checkpoint, kernels):
+    from openinfer import LLM
+
+    llm = LLM(str(qwen3_checkpoint), progress=False, attention_backend="cpu",
+              kv_cache_memory=16 * 2**20)
+    model = llm.engine.core.executor.worker.model
+    norms = [m for m in model.modules() if isinstance(m, (RMSNorm, GatedMLP))]
+    assert len({type(m) for m in norms}) == 2 and all(m.cpu_kernels is kernels for m in norms)
+    reference = LLM(str(qwen3_checkpoint), progress=False, attention_backend="torch",
+                    kv_cache_memory=16 * 2**20)
+    assert all(m.cpu_kernels is None for m in reference.engine.core.executor.worker.model.modules()
+               if isinstance(m, (RMSNorm, GatedMLP)))
