@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import torch.nn.functional as F
 
 from openinfer.kernels.cpu_attention import load_cpu_attention
