@@ -8,6 +8,7 @@ by an attention factor; the rotation itself is the same for all of them.
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -97,6 +98,10 @@ class RotaryEmbedding(nn.Module):
     across layers. Positions must be in ``[0, max_position)``.
     """
 
+    cpu_kernels: ModuleType | None = None
+    """The CPU kernel extension (set with the norms' by ``layers.norm.use_cpu_kernels``):
+    NeoX rotations of whole heads then run as one C++ pass over q and k."""
+
     def __init__(
         self,
         head_dim: int,
@@ -128,9 +133,23 @@ class RotaryEmbedding(nn.Module):
         ``positions [T]`` gives each token's position. Returns new tensors with the shapes and
         dtypes of q and k.
         """
+        if self.cpu_kernels is not None and self._in_kernel(positions, q, k):
+            q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+            self.cpu_kernels.rotary_neox(q_out, k_out, q, k, positions, self.cos_cache,
+                                         self.sin_cache)
+            return q_out, k_out
         cos = self.cos_cache[positions].unsqueeze(-2)  # [T, 1, rotary_dim / 2]: same for every head
         sin = self.sin_cache[positions].unsqueeze(-2)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _in_kernel(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether the C++ kernel computes this call: NeoX pairs over the whole head, float32
+        or bfloat16 q and k whose heads lie side by side (views into the fused q/k/v output)."""
+        return (not self.interleaved and self.rotary_dim == self.head_dim
+                and q.dtype == k.dtype and q.dtype in (torch.float32, torch.bfloat16)
+                and positions.dtype == torch.int64 and positions.is_contiguous()
+                and all(x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+                        for x in (q, k)))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """NeoX-style rotation: the first half of the rotary dims pairs with the second half.

@@ -11,7 +11,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from server_process import MODEL, start_server
+from server_process import MODEL, metrics, start_server
 
 from openinfer.cli import main
 
@@ -98,6 +98,39 @@ def test_every_workload_runs_with_exact_token_counts(server, qwen3_checkpoint, t
     assert out.returncode == 0, out.stderr
     assert "random@20.0" in out.stdout and "random@inf" in out.stdout
     assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_reported_hit_rate_is_the_servers_own_count(server, qwen3_checkpoint, tmp_path):
+    """The bench's cached tokens (from each response's usage) are the server's prefix-cache
+    hit counter over the run; fixed arrivals, SLOs and prices reach the result."""
+    hits = "openinfer:prefix_cache_hits_total"
+    before = metrics(server).get(hits, 0)
+    code, result = _bench(server, qwen3_checkpoint, tmp_path / "hits.json",
+                          "--workload", "shared-prefix", "--num-groups", "2",
+                          "--prompts-per-group", "4", "--prefix-len", "48", "--input-len", "8",
+                          "--output-len", "3", "--request-rate", "20", "--arrival", "fixed",
+                          "--slo", "ttft=600000,e2e=1", "--accelerator-hour-cost", "3",
+                          "--num-accelerators", "2",
+                          "--price", "input_cache_hit=1,input_cache_miss=2,output=4")
+    assert code == 0
+    run = result["runs"][0]
+    s = run["summary"]
+    assert s["completed"] == 8 and s["cached_tokens"] > 0
+    assert s["cached_tokens"] == metrics(server)[hits] - before
+    assert s["cache_hit_rate"] == s["cached_tokens"] / s["prompt_tokens"]
+    # --arrival fixed: one request every 1/20 s.
+    starts = sorted(r["start_s"] for r in run["requests"])
+    assert all(0.04 <= b - a <= 0.2 for a, b in zip(starts, starts[1:]))
+    # --slo: no request finishes within 1 ms end to end, so none is good.
+    assert s["slo_ms"] == {"ttft": 600000.0, "e2e": 1.0} and s["goodput"] == 0
+    economics = run["economics"]
+    assert economics["prices_per_million"] == {"input_cache_hit": 1.0, "input_cache_miss": 2.0,
+                                               "output": 4.0}
+    assert economics["cost_per_hour"] == 6.0
+    seconds = s["duration_s"]
+    assert economics["revenue_per_hour"] == pytest.approx(3600 * (
+        s["cached_tokens"] * 1 + (s["prompt_tokens"] - s["cached_tokens"]) * 2
+        + s["output_tokens"] * 4) / seconds / 1e6)
 
 
 @pytest.mark.slow

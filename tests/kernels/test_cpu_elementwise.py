@@ -1,6 +1,6 @@
 """The C++ elementwise kernels against torch: RMSNorm (with the residual add fused; float32
-within rounding, bfloat16 bitwise) and the gated MLP's SiLU-and-multiply; and the engine
-using them on the cpu attention backend."""
+within rounding, bfloat16 within a rare step), rotary embedding (bitwise) and the gated MLP's
+SiLU-and-multiply; and the engine using them on the cpu attention backend."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.norm import RMSNorm, use_cpu_kernels
+from openinfer.layers.rotary import RotaryEmbedding
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +124,43 @@ def test_the_gated_mlp_uses_the_kernel_where_it_applies(kernels, dtype):
     assert calls == [(7, 192)]
 
 
+def _rope(rotary_dim: int = 64, interleaved: bool = False) -> RotaryEmbedding:
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    return RotaryEmbedding(64, rotary_dim, 4096, inv_freq, attention_factor=1.1,
+                           interleaved=interleaved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_rotary_is_bitwise_torchs(kernels, dtype, tokens):
+    """q and k as views into a fused q/k/v output (rows strided by its width), and
+    contiguous (after q/k norms): the kernel's bits are torch's, with no fused multiply-add."""
+    torch.manual_seed(6)
+    qkv = (torch.randn(tokens, 16 * 64 + 2 * 4 * 64) * 5).to(dtype)
+    q, k = qkv[:, :1024].view(tokens, 16, 64), qkv[:, 1024:1280].view(tokens, 4, 64)
+    positions = torch.randint(0, 4096, (tokens,))
+    plain, fast = _rope(), _rope()
+    use_cpu_kernels(fast, kernels)
+    for qi, ki in ((q, k), (q.contiguous(), k.contiguous())):
+        for got, want in zip(fast(positions, qi, ki), plain(positions, qi, ki)):
+            assert got.is_contiguous() and torch.equal(got, want)
+
+
+def test_rotary_variants_the_kernel_does_not_cover_stay_on_torch(kernels):
+    torch.manual_seed(7)
+    q, k = torch.randn(3, 2, 64), torch.randn(3, 1, 64)
+    positions = torch.tensor([0, 7, 4095])
+    for make in (lambda: _rope(rotary_dim=32), lambda: _rope(interleaved=True)):
+        plain, fast = make(), make()
+        fast.cpu_kernels = object()  # a poisoned extension: only the torch path succeeds
+        for got, want in zip(fast(positions, q, k), plain(positions, q, k)):
+            assert torch.equal(got, want)
+    fast = _rope()
+    use_cpu_kernels(fast, kernels)
+    with pytest.raises(RuntimeError, match="a position past the cache"):
+        fast(torch.tensor([4096, 0, 1]), q, k)
+
+
 def test_per_head_norm_reads_a_view_of_the_fused_qkv_output(kernels):
     torch.manual_seed(1)
     plain, fused = _norms(kernels, 64)
@@ -152,9 +190,9 @@ def test_float32_engines_on_the_cpu_backend_use_it(qwen3_checkpoint, kernels):
     llm = LLM(str(qwen3_checkpoint), progress=False, attention_backend="cpu",
               kv_cache_memory=16 * 2**20)
     model = llm.engine.core.executor.worker.model
-    norms = [m for m in model.modules() if isinstance(m, (RMSNorm, GatedMLP))]
-    assert len({type(m) for m in norms}) == 2 and all(m.cpu_kernels is kernels for m in norms)
+    norms = [m for m in model.modules() if isinstance(m, (RMSNorm, GatedMLP, RotaryEmbedding))]
+    assert len({type(m) for m in norms}) == 3 and all(m.cpu_kernels is kernels for m in norms)
     reference = LLM(str(qwen3_checkpoint), progress=False, attention_backend="torch",
                     kv_cache_memory=16 * 2**20)
     assert all(m.cpu_kernels is None for m in reference.engine.core.executor.worker.model.modules()
-               if isinstance(m, (RMSNorm, GatedMLP)))
+               if isinstance(m, (RMSNorm, GatedMLP, RotaryEmbedding)))

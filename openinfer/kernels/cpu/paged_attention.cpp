@@ -957,12 +957,14 @@ void register_rms_norm(pybind11::module& m);    // rms_norm.cpp
 void register_small_gemm(pybind11::module& m);  // small_gemm.cpp
 void register_token_mask(pybind11::module& m);  // token_mask.cpp
 void register_activation(pybind11::module& m);  // activation.cpp
+void register_rotary(pybind11::module& m);      // rotary.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_rms_norm(m);
   register_small_gemm(m);
   register_token_mask(m);
   register_activation(m);
+  register_rotary(m);
   m.def("paged_attention", &paged_attention, "Paged varlen attention (see openinfer/kernels/cpu_attention.py)",
         py::arg("out"), py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("max_query_len"),
