@@ -37,7 +37,7 @@ from openinfer.router.pd import prefill_first
 from openinfer.router.policies import Router, RouterConfig, Worker, parse_event_batch
 from openinfer.router.upstream import ReplicaEjected, ReplicaResponse
 from openinfer.server.anthropic_api import MessagesRequest, openai_tools
-from openinfer.server.errors import error_body
+from openinfer.server.errors import document_errors, error_body
 from openinfer.server.limits import admin_refusal, bearer_token, tenant_salt, within_tenant
 from openinfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from openinfer.server.prompt import PromptRenderer
@@ -387,8 +387,8 @@ def _openapi_with_bodies(app: FastAPI) -> dict:
         schema["paths"][path]["post"]["requestBody"] = {
             "required": True,
             "content": {"application/json": {"schema": refs[(model, "validation")]}}}
-    app.openapi_schema = schema
-    return schema
+    app.openapi_schema = document_errors(schema)
+    return app.openapi_schema
 
 
 class _AdminOnly:

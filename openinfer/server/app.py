@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import openinfer
@@ -21,7 +22,7 @@ from openinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.anthropic_api import install_anthropic_routes
 from openinfer.server.chat_output import ChatOutput, plan_tools
-from openinfer.server.errors import APIError, error_body, install_error_handlers
+from openinfer.server.errors import APIError, document_errors, error_body, install_error_handlers
 from openinfer.server.limits import ServerLimits, install_limits, salted
 from openinfer.server.metrics import ServerMetrics
 from openinfer.server.openai_protocol import (
@@ -316,6 +317,14 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
     install_anthropic_routes(app, llm, served_model_name, check_model, renderer,
                              tokenized, _final, sampling_defaults or {}, tool_parser,
                              enable_auto_tool_choice)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = document_errors(get_openapi(
+                title=app.title, version=app.version, routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 

@@ -59,6 +59,41 @@ def _param_of(message: str) -> str | None:
     return match.group(1) if match else None
 
 
+ERROR_SCHEMA = {
+    "title": "ErrorResponse",
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]},
+                       "code": {"type": ["string", "integer", "null"]}}}},
+}
+"""An error body as the OpenAI routes send it (``error_body``); the Anthropic route's has
+``type: error`` beside ``error``, which the schema's open object admits."""
+
+
+def document_errors(schema: dict) -> dict:
+    """``schema`` (FastAPI's OpenAPI) with the errors the routes really answer: a request that
+    fails validation gets 400 with an OpenAI error body (``validation_error`` below), not the
+    422 and ``HTTPValidationError`` FastAPI documents by default."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["ErrorResponse"] = ERROR_SCHEMA
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            had_body = "422" in responses or "requestBody" in operation
+            responses.pop("422", None)
+            if had_body or operation.get("parameters"):
+                responses["400"] = {"description": "Invalid request",
+                                    "content": {"application/json": {"schema": ref}}}
+    return schema
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:

@@ -49,9 +49,20 @@ def _bounded(prop: dict, bound: int) -> dict:
     return prop
 
 
+def _check_documented_errors(spec: dict) -> None:
+    """Invalid requests are answered 400 with an OpenAI error body: the schema says so, and
+    not FastAPI's default 422 with its HTTPValidationError."""
+    assert '"422"' not in json.dumps(spec) and "HTTPValidationError" not in json.dumps(spec)
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages"):
+        bad = spec["paths"][path]["post"]["responses"]["400"]
+        assert bad["content"]["application/json"]["schema"] == error
+
+
 def _fuzz(url: str, tmp_path: Path, name: str) -> int:
     """Run schemathesis against ``url``; the number of cases it generated."""
     spec = json.loads(urllib.request.urlopen(f"{url}/openapi.json", timeout=30).read())
+    _check_documented_errors(spec)
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(_narrow(spec)))
     run = subprocess.run(
