@@ -1,4 +1,4 @@
-"""The C++ elementwise kernels (RMSNorm in float32 and bfloat16, the gated MLP's
+"""The C++ elementwise kernels (RMSNorm in bfloat16, rotary embedding, the gated MLP's
 SiLU-and-multiply) against torch's composites, inside one engine, interleaved.
 
 One ``openinfer.LLM`` on the peers' model; each round runs every workload once with the
@@ -53,6 +53,7 @@ def main() -> None:
     from openinfer.cpu_features import cpu_capability, cpu_model_name
     from openinfer.layers.mlp import GatedMLP
     from openinfer.layers.norm import RMSNorm
+    from openinfer.layers.rotary import RotaryEmbedding
 
     llm = LLM(model, dtype=args.dtype, max_model_len=2048, seed=0, max_num_seqs=32,
               max_num_batched_tokens=4096, kv_cache_memory=4 << 30, progress=False)
@@ -60,7 +61,7 @@ def main() -> None:
     kernels = next(m.cpu_kernels for m in net.modules() if isinstance(m, GatedMLP))
     if kernels is None:
         sys.exit("the engine runs without the CPU kernels (attention backend not cpu)")
-    switched = [m for m in net.modules() if isinstance(m, GatedMLP)
+    switched = [m for m in net.modules() if isinstance(m, (GatedMLP, RotaryEmbedding))
                 or (isinstance(m, RMSNorm) and m.weight.dtype != torch.float32)]
 
     def run(prompts: list[list[int]], out: int) -> float:
@@ -85,12 +86,13 @@ def main() -> None:
     rows = [f"| {name} | {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f}) |"
             for name, v in ratios.items()]
     body = "\n".join([
-        "## C++ elementwise kernels vs torch (benchmarks/bench_elementwise.py)",
+        f"## C++ elementwise kernels vs torch, {args.dtype} (benchmarks/bench_elementwise.py)",
         "",
         f"{args.dtype}, the peers' 0.27B Qwen3, one engine, kernels on and off interleaved over "
         f"{args.rounds} rounds ({cpu_model_name()}, {cpu_capability()}, "
         f"{torch.get_num_threads()} threads). Time with the kernels over time without (median, "
-        "range); float32 norms use their kernel in both runs.",
+        "range); the switched kernels are SiLU-and-multiply, rotary and bf16 RMSNorm (float32 "
+        "norms use theirs in both runs).",
         "",
         "| workload | time ratio |",
         "|---|---|",
