@@ -70,7 +70,7 @@ def _fuzz(url: str, tmp_path: Path, name: str) -> int:
          "--checks", "not_a_server_error", "--max-examples", str(EXAMPLES_PER_ROUTE),
          "--seed", "1", "--header", f"Authorization: Bearer {ADMIN_KEY}",
          "--request-timeout", "120", "--continue-on-failure", "--no-color"],
-        capture_output=True, text=True, timeout=900)
+        capture_output=True, text=True, timeout=900, cwd=tmp_path)  # its cache dir goes there
     assert run.returncode == 0, f"{name}:\n{run.stdout[-8000:]}\n{run.stderr[-2000:]}"
     generated = re.search(r"(\d+) generated", run.stdout)
     assert generated, run.stdout[-2000:]
