@@ -33,7 +33,8 @@ SERVERS = {  # every server this module starts, by the test(s) using it: name ->
     "tenants": ("--api-key", "alice-key", "bob-key", "--cache-salt-per-api-key",
                 "--admin-api-key", "root-key", "--request-timeout", "1"),
     # test_priority_scheduling_orders_the_waiting_requests
-    "priority": ("--scheduling-policy", "priority", "--max-num-seqs", "1"),
+    "priority": ("--scheduling-policy", "priority", "--max-num-seqs", "1",
+                 "--metrics-engine-index", "3"),
 }
 
 
@@ -530,6 +531,11 @@ def test_priority_scheduling_orders_the_waiting_requests(servers):
         assert sum(1 for _ in running) > 0
         late.result(), early.result()
     assert finished == ["later, urgent", "earlier, lax"]
+    # --metrics-engine-index labels every engine series of this server.
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    series = [line for line in text.splitlines() if line.startswith("openinfer:")]
+    assert series and all('engine="3"' in line for line in series if "engine=" in line)
+    assert any('engine="3"' in line for line in series)
 
 
 @pytest.mark.slow
