@@ -111,7 +111,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     roles = [[]] * args.data_parallel_size
     if args.enable_expert_parallel and args.data_parallel_size > 1:
         # One expert-parallel group: each replica is a rank of it (attention data parallel).
-        port = free_port()
+        port, = free_ports(1)
         roles = [["--data-parallel-size", str(args.data_parallel_size), "--data-parallel-rank",
                   str(i), "--data-parallel-rpc-port", str(port)]
                  for i in range(args.data_parallel_size)]
@@ -121,12 +121,15 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     num_prefill = 0
     if args.disaggregate:
         num_prefill, num_decode = _parse_pd(args.disaggregate)
-        roles = [["--role", "prefill", "--kv-transfer-port", str(free_port())]
-                 for _ in range(num_prefill)] + [["--role", "decode"]] * num_decode
+        roles = [["--role", "prefill", "--kv-transfer-port", str(port)]
+                 for port in free_ports(num_prefill)] + [["--role", "decode"]] * num_decode
+    # Every replica's three ports at once: picked one by one, a port just picked (and
+    # released, its replica not yet started) can be handed out again to the next pick.
+    ports = free_ports(3 * len(roles))
     replicas, urls = [], []
     try:
         for i, extra in enumerate(roles):
-            port, events, replay = free_port(), free_port(), free_port()
+            port, events, replay = ports[3 * i:3 * i + 3]
             # The router's numbering (its `engine` label): serving replicas, then prefill ones.
             engine = (i - num_prefill) % len(roles)
             replicas.append(subprocess.Popen([
@@ -206,11 +209,14 @@ def _strip(argv: list[str], flags: set[str]) -> list[str]:
     return out
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now ("" for every interface of this machine)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports free on ``host`` now ("" for every interface of this
+    machine): all held bound together while they are picked, so none is picked twice."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:

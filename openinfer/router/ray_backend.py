@@ -46,9 +46,9 @@ class ReplicaActor:
         """Start the replica on free ports of this node; its URL once it is healthy."""
         import ray
 
-        from openinfer.router.launch import free_port
+        from openinfer.router.launch import free_ports
 
-        port, events, replay = free_port(""), free_port(""), free_port("")
+        port, events, replay = free_ports(3, "")
         # 0.0.0.0 and tcp://*: the router usually runs on another node. It learns the event
         # endpoints from the replica's GET /kv_events and puts this node's address in for *.
         # The replica inherits OMP_NUM_THREADS=--ray-num-cpus-per-replica from Ray.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,17 +13,13 @@ import urllib.request
 
 import pytest
 
+from openinfer.router.launch import free_ports
+
 MODEL = "tiny"
 """The name test servers serve their checkpoint under."""
 ADMIN_KEY = "test-admin-key"
 """Every server and router a test starts takes this admin key (OPENINFER_ADMIN_API_KEY)."""
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(checkpoint, *flags: str, port: int | None = None,
@@ -64,7 +59,8 @@ def _router_args(workers: list[str], checkpoint, flags) -> list[str]:
 
 def _start_all(arg_lists: list[list[str]],
                admin_key: str | None) -> list[tuple[str, subprocess.Popen]]:
-    launched = [_launch(args, None, admin_key) for args in arg_lists]
+    launched = [_launch(args, port, admin_key)
+                for args, port in zip(arg_lists, free_ports(len(arg_lists)))]
     try:
         for args, (base, proc) in zip(arg_lists, launched):
             _wait_healthy(base, proc, args)
@@ -85,7 +81,7 @@ def _start(args: list[str], port: int | None,
 
 def _launch(args: list[str], port: int | None,
             admin_key: str | None = ADMIN_KEY) -> tuple[str, subprocess.Popen]:
-    port = port or _free_port()
+    port = port or free_ports(1)[0]
     env = {k: v for k, v in os.environ.items() if k != "OPENINFER_ADMIN_API_KEY"}
     if admin_key is not None:
         env["OPENINFER_ADMIN_API_KEY"] = admin_key
