@@ -28,6 +28,10 @@
 //   once per chunk. O[r][:] += p * V[k][:] is vectorised over D, V read in place (fp32) or
 //   converted once per block (bf16). Keys past a sequence (block padding, junk table entries)
 //   are never loaded; causally masked keys get p = 0 exactly.
+//   With a bf16 cache on CPUs with AVX512_BF16, the many-row items take bf16 dot products
+//   (VDPBF16PS) instead: Q.K^T over pairs of D on the K block transposed as 32-bit pairs, and
+//   P.V over pairs of keys on V rows interleaved in pairs, P rounded to bf16 (OI_DPBF16 below;
+//   1.5x on a 512-token prefill, 2x on a 32-token chunk over 1024 keys, 2 Zen 5 cores).
 //
 // Batch-invariant mode (`invariant`): no shared-prefix items, no split-KV, and every item scores
 //   through the transposed path (a plain FMA chain over D per score). Then each row's result
@@ -372,6 +376,150 @@ inline void accumulate_pv(int rows, const float* p, int bsp, const TV* v, int64_
   pv_tail<PV_ROWS - 1, TV>(rows - r, p + r * bsp, bsp, v, v_stride, n, o + r * D, D);
 }
 
+#if defined(__AVX512BF16__) && OI_VEC_WIDTH == 16
+// bfloat16 dot products (VDPBF16PS: 16 lanes, each += a[2i] b[2i] + a[2i+1] b[2i+1] in fp32)
+// for the many-row items of a bf16 cache: Q . K^T over pairs of D, P . V over pairs of keys,
+// on operands packed as 32-bit pairs of bf16 (a pair is one broadcastable lane). Twice the
+// products per instruction of fp32 FMAs, and K/V blocks are packed rather than widened.
+// P is rounded to bf16 for P . V (as torch's CPU flash attention does for bf16); the softmax
+// itself (max, exp, running sum) stays fp32.
+#define OI_DPBF16 1
+
+inline __m512 dp(__m512 acc, uint32_t a_pair, __m512i b_pairs) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(int(a_pair)), (__m512bh)b_pairs);
+}
+inline __m512i load_pairs(const uint32_t* p) { return _mm512_loadu_si512(p); }
+
+// S[r][0 .. NK*16) = scale * (Q[r] . Kt) for R rows: Q as [R][DP] pairs of D, Kt as [DP][bsp]
+// pairs of D per key (transpose_keys on the block's rows read as 32-bit words).
+template <int R, int NK>
+inline void score_tile_bf16(const uint32_t* __restrict q, int DP, const uint32_t* __restrict kt,
+                            int bsp, float scale, float* __restrict s, int s_stride) {
+  __m512 acc[R][NK];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NK; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int d = 0; d < DP; ++d) {
+    __m512i k[NK];
+#pragma GCC unroll 4
+    for (int v = 0; v < NK; ++v) k[v] = load_pairs(kt + d * bsp + v * W);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NK; ++v) acc[r][v] = dp(acc[r][v], q[r * DP + d], k[v]);
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NK; ++v) _mm512_storeu_ps(s + r * s_stride + v * W, _mm512_mul_ps(acc[r][v], sc));
+}
+
+template <int R>
+inline void score_rows_bf16(const uint32_t* q, int DP, const uint32_t* kt, int bsp, float scale, float* s,
+                            int s_stride) {
+  int v = 0;
+  for (; v + QK_VECS <= bsp / W; v += QK_VECS)
+    score_tile_bf16<R, QK_VECS>(q, DP, kt + v * W, bsp, scale, s + v * W, s_stride);
+  for (; v < bsp / W; ++v) score_tile_bf16<R, 1>(q, DP, kt + v * W, bsp, scale, s + v * W, s_stride);
+}
+
+template <int R>
+inline void score_tail_bf16(int rows, const uint32_t* q, int DP, const uint32_t* kt, int bsp, float scale,
+                            float* s, int s_stride) {
+  if constexpr (R > 0) {
+    if (rows == R)
+      score_rows_bf16<R>(q, DP, kt, bsp, scale, s, s_stride);
+    else
+      score_tail_bf16<R - 1>(rows, q, DP, kt, bsp, scale, s, s_stride);
+  }
+}
+
+inline void scores_bf16(int rows, const uint32_t* q, int DP, const uint32_t* kt, int bsp, float scale, float* s,
+                        int s_stride) {
+  int r = 0;
+  for (; r + QK_ROWS <= rows; r += QK_ROWS)
+    score_rows_bf16<QK_ROWS>(q + r * DP, DP, kt, bsp, scale, s + r * s_stride, s_stride);
+  score_tail_bf16<QK_ROWS - 1>(rows - r, q + r * DP, DP, kt, bsp, scale, s + r * s_stride, s_stride);
+}
+
+// V rows 2j and 2j + 1 of a block (n valid) interleaved into vp[j][D] pairs; the partner of
+// an odd last key is 0 (its p is 0 too): keys past n are never read.
+inline void pack_value_pairs(const c10::BFloat16* v, int64_t stride, int n, int D, uint32_t* vp) {
+  for (int j = 0; 2 * j < n; ++j) {
+    const c10::BFloat16* a = v + 2 * j * stride;
+    for (int d = 0; d < D; d += W) {
+      __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)));
+      __m512i hi = _mm512_setzero_si512();
+      if (2 * j + 1 < n)
+        hi = _mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + stride + d))), 16);
+      _mm512_storeu_si512(vp + j * D + d, _mm512_or_si512(lo, hi));
+    }
+  }
+}
+
+// Probabilities [rows][width] fp32 -> bf16 (round to nearest even), same layout and stride.
+inline void round_probabilities(int rows, const float* p, int stride, int width, c10::BFloat16* pb) {
+  for (int r = 0; r < rows; ++r)
+    for (int k = 0; k < width; k += W)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + size_t(r) * stride + k),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + size_t(r) * stride + k)));
+}
+
+// O[r][d0 .. d0 + NV*16) += sum_j P[r][pair j] . V[pair j][d0 ..] for R rows over np key pairs:
+// P rows as pairs with a stride of p_stride pairs.
+template <int R, int NV>
+inline void pv_tile_bf16(const uint32_t* __restrict p, int p_stride, const uint32_t* __restrict vp, int np,
+                         float* __restrict o, int D) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + c * W);
+  for (int j = 0; j < np; ++j) {
+    __m512i x[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) x[c] = load_pairs(vp + j * D + c * W);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) acc[r][c] = dp(acc[r][c], p[r * p_stride + j], x[c]);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * D + c * W, acc[r][c]);
+}
+
+template <int R>
+inline void pv_rows_bf16(const uint32_t* p, int p_stride, const uint32_t* vp, int np, float* o, int D) {
+  int d = 0;
+  for (; d + PV_VECS * W <= D; d += PV_VECS * W) pv_tile_bf16<R, PV_VECS>(p, p_stride, vp + d, np, o + d, D);
+  for (; d < D; d += W) pv_tile_bf16<R, 1>(p, p_stride, vp + d, np, o + d, D);
+}
+
+template <int R>
+inline void pv_tail_bf16(int rows, const uint32_t* p, int p_stride, const uint32_t* vp, int np, float* o,
+                         int D) {
+  if constexpr (R > 0) {
+    if (rows == R)
+      pv_rows_bf16<R>(p, p_stride, vp, np, o, D);
+    else
+      pv_tail_bf16<R - 1>(rows, p, p_stride, vp, np, o, D);
+  }
+}
+
+inline void accumulate_pv_bf16(int rows, const uint32_t* p, int p_stride, const uint32_t* vp, int np, float* o,
+                               int D) {
+  int r = 0;
+  for (; r + PV_ROWS <= rows; r += PV_ROWS)
+    pv_rows_bf16<PV_ROWS>(p + r * p_stride, p_stride, vp, np, o + r * D, D);
+  pv_tail_bf16<PV_ROWS - 1>(rows - r, p + r * p_stride, p_stride, vp, np, o + r * D, D);
+}
+#endif
+
 // Per-thread scratch, grown on demand and kept across calls (OpenMP threads persist).
 struct Scratch {
   struct Free {
@@ -461,15 +609,26 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
     kv_end = std::min(kv_end, pos0 + ntok);
   }
   const bool rowdot = !P.invariant && MH <= ROWDOT_ROWS;
+#ifdef OI_DPBF16
+  const bool dpbf16 = std::is_same_v<T, c10::BFloat16> && !rowdot;
+#else
+  const bool dpbf16 = false;
+#endif
 
   const size_t TR = size_t(P.tile_rows), mD = TR * D;
-  float* qf = tls_scratch.get(2 * mD + TR * (SW + 2) + size_t(D) * BSP + size_t(BS) * D);
+  float* qf = tls_scratch.get(2 * mD + TR * (SW + 2) + size_t(D) * BSP + size_t(BS) * D +
+                              (dpbf16 ? TR * SW / 2 + size_t(BSP) * D / 2 : 0));
   float* o = qf + mD;                  // [M][D] unnormalised output
   float* s = o + mD;                   // [M][SW] scores, then probabilities, of one key chunk
   float* m = s + TR * SW;              // [M] running max
   float* l = m + TR;                   // [M] running sum
   float* kt = l + TR;                  // [D][BSP] transposed K block, or [BS][D] fp32 K rows
   float* vf32 = kt + size_t(D) * BSP;  // [BS][D] fp32 V rows of one block and head
+  // bf16 dot products: Q as [M][D/2] pairs in qf, K as [D/2][BSP] pairs in kt, and
+  auto* pb = reinterpret_cast<c10::BFloat16*>(vf32 + size_t(BS) * D);  // [M][SW] bf16 P
+  auto* vpairs = reinterpret_cast<uint32_t*>(vf32 + size_t(BS) * D + TR * SW / 2);  // [BSP/2][D]
+  auto* qpairs = reinterpret_cast<uint32_t*>(qf);
+  auto* kpairs = reinterpret_cast<uint32_t*>(kt);
 
   const int32_t* table = P.tables + int64_t(it.table_b) * P.table_stride;
   const int64_t row_bytes = P.kv_row * int64_t(sizeof(T));
@@ -490,7 +649,12 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
     for (int i = 0; i < ntok; ++i) {
       for (int g = 0; g < G; ++g) {
         const T* src = q + int64_t(tokens[i]) * P.q_s0 + int64_t((it.h + hi) * G + g) * P.q_s1;
-        float* dst = qf + size_t(hi * MH + i * G + g) * D;
+        const size_t row = size_t(hi * MH + i * G + g);
+        if (dpbf16) {  // the bf16 values as they are (the scale is applied to the scores)
+          std::memcpy(qpairs + row * (D / 2), src, size_t(D) * sizeof(T));
+          continue;
+        }
+        float* dst = qf + row * D;
         for (int d = 0; d < D; d += W) storeu(dst + d, load_as_float(src + d) * P.scale);
       }
     }
@@ -533,6 +697,12 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
               for (int d = 0; d < D; d += W) storeu(kt + k * D + d, load_as_float(kb + k * P.kv_row + d));
             scores_rowdot(rows_h, qh, D, static_cast<const float*>(kt), D, n, sr, SW);
           }
+        } else if (dpbf16) {
+#ifdef OI_DPBF16
+          // A key row read as D/2 32-bit words is its pairs of D: transposed as fp32 would be.
+          transpose_keys(reinterpret_cast<const float*>(kb), P.kv_row / 2, n, D / 2, kt, BSP);
+          scores_bf16(rows_h, qpairs + size_t(hi * MH + r0) * (D / 2), D / 2, kpairs, BSP, P.scale, sr, SW);
+#endif
         } else {
           transpose_keys(kb, P.kv_row, n, D, kt, BSP);
           scores_transposed(rows_h, qh, D, kt, BSP, sr, SW);
@@ -585,13 +755,24 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
       }
     }
 
+#ifdef OI_DPBF16
+    if (dpbf16)
+      for (int hi = 0; hi < NH; ++hi)
+        round_probabilities(rows_h, s + size_t(hi * MH + r0) * SW, SW, width, pb + size_t(hi * MH + r0) * SW);
+#endif
     for (int c = 0; c < nb; ++c) {
       prefetch_block(vc, P.v_s0, j0 + c + PREFETCH_BLOCKS);
       for (int hi = 0; hi < NH; ++hi) {
         const T* vb = vblk[c] + hi * D;
         const float* pr = s + size_t(hi * MH + r0) * SW + c * BSP;
         float* orow = o + size_t(hi * MH + r0) * D;
-        if (std::is_same_v<T, float> || rows_h <= PV_ROWS) {
+        if (dpbf16) {
+#ifdef OI_DPBF16
+          pack_value_pairs(reinterpret_cast<const c10::BFloat16*>(vb), P.kv_row, nvalid[c], D, vpairs);
+          accumulate_pv_bf16(rows_h, reinterpret_cast<const uint32_t*>(pb + size_t(hi * MH + r0) * SW + c * BSP),
+                             SW / 2, vpairs, (nvalid[c] + 1) / 2, orow, D);
+#endif
+        } else if (std::is_same_v<T, float> || rows_h <= PV_ROWS) {
           // A single row tile converts each V element once anyway: read the block in place.
           accumulate_pv(rows_h, pr, SW, vb, P.kv_row, nvalid[c], orow, D);
         } else {

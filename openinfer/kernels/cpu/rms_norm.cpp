@@ -1,5 +1,5 @@
 // RMSNorm for float32 and bfloat16 rows, with the pre-norm residual add fused in: one pass
-// over a row for the sum of squares, one to scale it. torch's CPU rms_norm is a composite of
+// over a row for the sum of squares (and the add), one to scale it. torch's CPU rms_norm is a composite of
 // five ops (pow, mean, add, rsqrt, mul; eight with bf16's casts), each a full pass with its
 // own threading; at decode sizes (a few thousand values per call, ~65 calls per step) their
 // dispatch and fork/join cost more than the arithmetic. Rows are independent and each is
@@ -31,19 +31,29 @@ int64_t grain(int64_t n) { return std::max<int64_t>(1, 16384 / std::max<int64_t>
 inline float as_float(float v) { return v; }
 inline float as_float(c10::BFloat16 v) { return static_cast<float>(v); }
 
+// 1 / rms from a row's sum of squares.
+inline float inv_rms_of(float sum_squares, int64_t n, float eps) {
+  return 1.0f / std::sqrt(sum_squares / static_cast<float>(n) + eps);
+}
+
+// The sum of squares of a row: two vector accumulators (a fixed reduction order, whatever
+// the batch), then the tail.
 template <typename T>
-inline float inv_rms(const T* x, int64_t n, float eps) {
-  // Eight partial sums: a fixed reduction order the compiler vectorises.
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+inline float sum_squares(const T* x, int64_t n) {
+  vf a0 = splat(0.f), a1 = splat(0.f);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) {
-      const float v = as_float(x[i + j]);
-      acc[j] += v * v;
-    }
-  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; i + 2 * W <= n; i += 2 * W) {
+    const vf u = load_as_float(x + i), v = load_as_float(x + i + W);
+    a0 += u * u;
+    a1 += v * v;
+  }
+  for (; i + W <= n; i += W) {
+    const vf u = load_as_float(x + i);
+    a0 += u * u;
+  }
+  float s = hsum(a0 + a1);
   for (; i < n; ++i) s += as_float(x[i]) * as_float(x[i]);
-  return 1.0f / std::sqrt(s / static_cast<float>(n) + eps);
+  return s;
 }
 
 // out[i] = x[i] * inv * w[i], rounded as the dtype's torch reference rounds (bf16: the
@@ -56,13 +66,31 @@ inline void scale_row(T* out, const T* x, float inv, const T* w, int64_t n) {
   for (; i < n; ++i) out[i] = T(as_float(T(as_float(x[i]) * inv)) * as_float(w[i]));
 }
 
-// sum[i] = x[i] + r[i] in T.
+// sum[i] = x[i] + r[i] in T; returns the sum of squares of sum (as stored), in
+// sum_squares' order: the add and the reduction in one pass over the row.
 template <typename T>
-inline void add_row(T* sum, const T* x, const T* r, int64_t n) {
+inline float add_row(T* sum, const T* x, const T* r, int64_t n) {
+  vf a0 = splat(0.f), a1 = splat(0.f);
   int64_t i = 0;
-  for (; i + W <= n; i += W)
-    store_as(sum + i, round_to(load_as_float(x + i) + load_as_float(r + i), sum));
-  for (; i < n; ++i) sum[i] = T(as_float(x[i]) + as_float(r[i]));
+  for (; i + 2 * W <= n; i += 2 * W) {
+    const vf u = round_to(load_as_float(x + i) + load_as_float(r + i), sum);
+    const vf v = round_to(load_as_float(x + i + W) + load_as_float(r + i + W), sum);
+    store_as(sum + i, u);
+    store_as(sum + i + W, v);
+    a0 += u * u;
+    a1 += v * v;
+  }
+  for (; i + W <= n; i += W) {
+    const vf u = round_to(load_as_float(x + i) + load_as_float(r + i), sum);
+    store_as(sum + i, u);
+    a0 += u * u;
+  }
+  float s = hsum(a0 + a1);
+  for (; i < n; ++i) {
+    sum[i] = T(as_float(x[i]) + as_float(r[i]));
+    s += as_float(sum[i]) * as_float(sum[i]);
+  }
+  return s;
 }
 
 void check(const at::Tensor& t, const char* name, at::ScalarType dtype) {
@@ -77,7 +105,7 @@ void rms_norm_rows(T* po, const T* px, const T* pw, int64_t rows, int64_t n, int
   at::parallel_for(0, rows, grain(n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = px + (r / inner) * outer_stride + (r % inner) * n;
-      scale_row(po + r * n, xr, inv_rms(xr, n, eps), pw, n);
+      scale_row(po + r * n, xr, inv_rms_of(sum_squares(xr, n), n, eps), pw, n);
     }
   });
 }
@@ -90,8 +118,7 @@ void add_rms_norm_rows(T* po, T* psum, const T* px, const T* pres, const T* pw, 
       T* rr = psum + r * n;
       const T* xr = px + r * n;
       const T* res = pres + r * n;
-      add_row(rr, xr, res, n);
-      scale_row(po + r * n, rr, inv_rms(rr, n, eps), pw, n);
+      scale_row(po + r * n, rr, inv_rms_of(add_row(rr, xr, res, n), n, eps), pw, n);
     }
   });
 }
