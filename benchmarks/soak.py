@@ -9,9 +9,15 @@ expected outcome: an answer, a well-formed error, or the abort. Afterwards the e
 be idle with its KV usage back to 0; the resident memory, open files and threads of the
 server and its engine process are sampled throughout (start after warm-up, peak, end).
 
-    .venv/bin/python benchmarks/soak.py [--requests 10000] [--concurrency 32] [--no-write]
+    .venv/bin/python benchmarks/soak.py [--requests 10000] [--concurrency 32]
+        [--topology single|dp2|pd] [--no-write]
 
-Figures go to docs/reliability.md.
+``--topology``: one server (the default); ``dp2``, two data-parallel replicas behind the
+cache-aware router (``--data-parallel-size 2``); ``pd``, a prefill and a decode instance behind
+it (``--disaggregate 1:1``). Every process of the topology is sampled, every replica must end
+idle, and a prefill instance must end holding no KV lease.
+
+Figures go to docs/reliability.md (one section per topology).
 """
 
 from __future__ import annotations
@@ -44,6 +50,15 @@ BAD = [  # (path, body, the status it must get)
     ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**7}, 400),
     ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404),
 ]
+
+
+TOPOLOGIES = {  # name: (serve flags, what the doc section calls it, its section)
+    "single": ((), "one server", "soak"),
+    "dp2": (("--data-parallel-size", "2"), "two data-parallel replicas behind the router "
+            "(`--data-parallel-size 2`)", "soak-dp2"),
+    "pd": (("--disaggregate", "1:1"), "a prefill and a decode instance behind the router "
+           "(`--disaggregate 1:1`)", "soak-pd"),
+}
 
 
 def prompt_text(rng: random.Random) -> str:
@@ -133,21 +148,35 @@ class Sampler:
         self.samples: dict[str, list[tuple[int, int, int]]] = collections.defaultdict(list)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._names: dict[int, str] = {}
 
-    def _procs(self) -> dict[str, psutil.Process]:
+    def procs(self) -> dict[str, psutil.Process]:
+        """The processes by name: the server (the router, when it started replicas), each
+        replica's API process and each engine core."""
         root = psutil.Process(self.pid)
-        out = {"api server": root}
+        replicas = replica_urls(self.pid)
+        out = {"router" if replicas else "api server": root}
         for child in root.children(recursive=True):
-            try:
-                line = " ".join(child.cmdline())
-            except psutil.Error:
-                continue
-            if "spawn_main" in line:
-                out["engine core"] = child
+            if child.pid not in self._names:
+                try:
+                    argv = child.cmdline()
+                    parent = child.parent()
+                    parent_argv = parent.cmdline() if parent is not None else []
+                except psutil.Error:
+                    continue
+                if "serve" in argv and "--metrics-engine-index" in argv:
+                    self._names[child.pid] = _replica_name(argv)
+                elif any("spawn_main" in arg for arg in argv):
+                    owner = (_replica_name(parent_argv) + " " if "--metrics-engine-index"
+                             in parent_argv else "")
+                    self._names[child.pid] = f"{owner}engine core"
+                else:
+                    continue
+            out[self._names[child.pid]] = child
         return out
 
     def sample(self) -> None:
-        for name, proc in self._procs().items():
+        for name, proc in self.procs().items():
             try:
                 with proc.oneshot():
                     self.samples[name].append((proc.memory_info().rss, proc.num_fds(),
@@ -195,15 +224,40 @@ async def soak(base: str, n: int, concurrency: int, sampler: Sampler,
     return dict(outcomes), elapsed
 
 
-def idle_state(base: str, timeout_s: float = 60) -> dict:
-    """The engine's gauges once nothing runs (or after the timeout)."""
+def _replica_name(argv: list[str]) -> str:
+    role = argv[argv.index("--role") + 1] if "--role" in argv else "replica"
+    return f"{role} {argv[argv.index('--metrics-engine-index') + 1]}"
+
+
+def replica_urls(pid: int) -> list[str]:
+    """The URLs of the replicas a `serve --data-parallel-size/--disaggregate` process started
+    (from their command lines); [] for a single server."""
+    urls = []
+    for child in psutil.Process(pid).children():
+        try:
+            argv = child.cmdline()
+        except psutil.Error:
+            continue
+        if "serve" in argv and "--metrics-engine-index" in argv:
+            urls.append(f"http://127.0.0.1:{argv[argv.index('--port') + 1]}")
+    return urls
+
+
+IDLE_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+               "kv_leases")
+
+
+def idle_state(bases: list[str], timeout_s: float = 60) -> dict:
+    """Each engine's gauges (the largest over engines) once nothing runs anywhere, or after
+    the timeout. kv_leases: KV a prefill instance still holds for a decode instance."""
     deadline = time.monotonic() + timeout_s
     while True:
-        values = {}
-        for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-            for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-                if line.startswith(f"openinfer:{name}"):
-                    values[name] = float(line.rsplit(" ", 1)[1])
+        values: dict[str, float] = {}
+        for base in bases:
+            for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+                for name in IDLE_GAUGES:
+                    if line.startswith((f"openinfer:{name} ", f"openinfer:{name}{{")):
+                        values[name] = max(values.get(name, 0.0), float(line.rsplit(" ", 1)[1]))
         if all(v == 0 for v in values.values()) or time.monotonic() > deadline:
             return values
         time.sleep(0.5)
@@ -214,21 +268,25 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--model", help="checkpoint (default: the tiny demo model)")
+    parser.add_argument("--topology", choices=sorted(TOPOLOGIES), default="single")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     model = ensure_demo_model(args.model)
+    topology_flags, topology_text, section = TOPOLOGIES[args.topology]
     with tempfile.TemporaryDirectory() as store:
         base, proc = start_server(model, "--served-model-name", "soak", "--kv-cache-memory",
                                   "64MiB", "--kv-host-memory", "128MiB", "--kv-store-dir",
-                                  store, "--kv-store-bytes", "256MiB", "--max-model-len", "1024")
+                                  store, "--kv-store-bytes", "256MiB", "--max-model-len", "1024",
+                                  *topology_flags)
         sampler = Sampler(proc.pid)
         trend: list[tuple[int, dict[str, float]]] = []
         try:
             outcomes, elapsed = asyncio.run(soak(base, args.requests, args.concurrency, sampler,
                                                  trend))
-            idle = idle_state(base)
+            replicas = replica_urls(proc.pid)
+            idle = idle_state(replicas or [base])
             sampler.stop()
-            alive = proc.poll() is None
+            alive = proc.poll() is None and all(p.is_running() for p in sampler.procs().values())
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -238,11 +296,13 @@ def main() -> None:
     for (kind, outcome), count in outcomes.items():
         by_kind[kind][outcome] += count
     lines = [
-        "## Soak: mixed requests against one server with L2 and L3 on (benchmarks/soak.py)",
+        f"## Soak: mixed requests against {topology_text} with L2 and L3 on "
+        "(benchmarks/soak.py)",
         "",
         f"{args.requests} requests, {args.concurrency} at a time, in {elapsed:.0f} s "
         f"({args.requests / elapsed:.1f} requests/s) on the tiny demo model "
-        "(`--kv-cache-memory 64MiB --kv-host-memory 128MiB --kv-store-dir`): completions, chat "
+        "(`--kv-cache-memory 64MiB --kv-host-memory 128MiB --kv-store-dir`, one store "
+        "directory for every replica): completions, chat "
         "and Anthropic messages, half streamed, 10% of completions with n = 2, 10% of all "
         "aborted by the client mid-stream, 5% bad requests, most prompts behind one of 6 "
         "shared 120-word prefixes.",
@@ -259,7 +319,8 @@ def main() -> None:
         f"**Unexpected outcomes: {sum(unexpected.values())}**"
         + (f" ({json.dumps({f'{k[0]}: {k[1]}': v for k, v in unexpected.items()})})"
            if unexpected else " (every request got its answer, its 4xx or its abort; no 5xx)")
-        + f". Server alive at the end: {alive}. Engine afterwards: "
+        + f". Every process alive at the end: {alive}. Engines afterwards (largest over "
+        "engines): "
         + ", ".join(f"{k} {v:g}" for k, v in idle.items()) + ".",
         "",
         "| process | RSS start / peak / end | open files start / end | threads start / end |",
@@ -269,13 +330,14 @@ def main() -> None:
         rss = [s[0] / 2**20 for s in samples]
         lines.append(f"| {name} | {rss[0]:.0f} / {max(rss):.0f} / {rss[-1]:.0f} MiB "
                      f"| {samples[0][1]} / {samples[-1][1]} | {samples[0][2]} / {samples[-1][2]} |")
-    lines += ["", "RSS as the run went on (requests done: api server / engine core MiB): "
+    lines += ["", "RSS as the run went on (requests done: "
+              + " / ".join(sampler.samples) + " MiB): "
               + ", ".join(f"{done}: " + " / ".join(f"{mib:.0f}" for mib in rss.values())
                           for done, rss in trend) + "."]
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
-        write_section(REPO / "docs" / "reliability.md", "soak", body)
+        write_section(REPO / "docs" / "reliability.md", section, body)
 
 
 if __name__ == "__main__":
