@@ -326,13 +326,15 @@ def main() -> None:
         "| process | RSS start / peak / end | open files start / end | threads start / end |",
         "|---|---|---|---|",
     ]
-    for name, samples in sampler.samples.items():
+    order = sorted(sampler.samples, key=lambda name: (name not in ("router", "api server"), name))
+    for name in order:
+        samples = sampler.samples[name]
         rss = [s[0] / 2**20 for s in samples]
         lines.append(f"| {name} | {rss[0]:.0f} / {max(rss):.0f} / {rss[-1]:.0f} MiB "
                      f"| {samples[0][1]} / {samples[-1][1]} | {samples[0][2]} / {samples[-1][2]} |")
     lines += ["", "RSS as the run went on (requests done: "
-              + " / ".join(sampler.samples) + " MiB): "
-              + ", ".join(f"{done}: " + " / ".join(f"{mib:.0f}" for mib in rss.values())
+              + " / ".join(order) + " MiB): "
+              + ", ".join(f"{done}: " + " / ".join(f"{rss.get(name, 0):.0f}" for name in order)
                           for done, rss in trend) + "."]
     body = "\n".join(lines)
     print(body)
