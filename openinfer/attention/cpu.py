@@ -8,8 +8,21 @@ import torch
 
 from openinfer.attention.backend import AttentionBackend
 from openinfer.attention.metadata import AttentionMetadata
-from openinfer.kernels.cpu_attention import paged_attention
-from openinfer.kernels.paged_attention import write_kv
+from openinfer.kernels import paged_attention as torch_kernels
+from openinfer.kernels.cpu_attention import load_cpu_attention, paged_attention
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """The step's K/V into their slots: one C++ call where the extension reads these tensors
+    as they are (K/V rows of adjacent heads in the cache's dtype), else torch's index_copy_."""
+    module = load_cpu_attention()
+    if (module is not None and k.dtype == v.dtype == cache.dtype
+            and k.stride()[1:] == (k.shape[2], 1) and v.stride()[1:] == (v.shape[2], 1)
+            and cache.stride()[2:] == (cache.shape[3] * cache.shape[4], cache.shape[4], 1)):
+        module.write_kv(cache, k, v, slot_mapping)
+    else:
+        torch_kernels.write_kv(cache, k, v, slot_mapping)
 
 
 class CPUAttentionBackend(AttentionBackend):

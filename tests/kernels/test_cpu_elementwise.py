@@ -1,6 +1,7 @@
 """The C++ elementwise kernels against torch: RMSNorm (with the residual add fused; float32
-within rounding, bfloat16 within a rare step), rotary embedding (bitwise) and the gated MLP's
-SiLU-and-multiply; and the engine using them on the cpu attention backend."""
+within rounding, bfloat16 within a rare step), rotary embedding (bitwise), the gated MLP's
+SiLU-and-multiply and the K/V cache write; and the engine using them on the cpu attention
+backend."""
 
 from __future__ import annotations
 
@@ -196,3 +197,36 @@ def test_float32_engines_on_the_cpu_backend_use_it(qwen3_checkpoint, kernels):
                     kv_cache_memory=16 * 2**20)
     assert all(m.cpu_kernels is None for m in reference.engine.core.executor.worker.model.modules()
                if isinstance(m, (RMSNorm, GatedMLP, RotaryEmbedding)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 37, 600])
+def test_write_kv_stores_what_torch_stores(kernels, dtype, tokens):
+    """The step's K/V into their slots, as the engine lays them out: each layer's cache a
+    strided view of blocks that hold every layer, K and V views into the fused q/k/v output;
+    slots in any order, across blocks. Equal to the torch write, and only those slots change."""
+    from openinfer.attention.cpu import write_kv
+    from openinfer.kernels.paged_attention import write_kv as torch_write_kv
+
+    torch.manual_seed(0)
+    num_blocks, block_size, heads, head_dim, layers = 64, 16, 4, 32, 3
+    blocks = torch.randn(num_blocks, layers, 2, block_size, heads, head_dim).to(dtype)
+    cache = blocks[:, 1].transpose(0, 1)  # [2, num_blocks, block_size, heads, head_dim]
+    qkv = torch.randn(tokens, (2 + 2 * heads) * head_dim).to(dtype)
+    k = qkv[:, 2 * head_dim:(2 + heads) * head_dim].view(tokens, heads, head_dim)
+    v = qkv[:, (2 + heads) * head_dim:].view(tokens, heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    expected = blocks.clone()
+    torch_write_kv(expected[:, 1].transpose(0, 1), k, v, slots)
+    write_kv(cache, k, v, slots)
+    assert torch.equal(blocks, expected)  # (a write that did nothing leaves the old values)
+
+
+def test_write_kv_refuses_a_slot_out_of_range(kernels):
+    cache = torch.zeros(2, 4, 16, 2, 16)
+    k = v = torch.ones(1, 2, 16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.write_kv(cache, k, v, torch.tensor([4 * 16]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.write_kv(cache, k, v, torch.tensor([-1]))
+    assert not cache.any()

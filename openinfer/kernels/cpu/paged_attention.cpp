@@ -1139,6 +1139,7 @@ void register_small_gemm(pybind11::module& m);  // small_gemm.cpp
 void register_token_mask(pybind11::module& m);  // token_mask.cpp
 void register_activation(pybind11::module& m);  // activation.cpp
 void register_rotary(pybind11::module& m);      // rotary.cpp
+void register_write_kv(pybind11::module& m);    // write_kv.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_rms_norm(m);
@@ -1146,6 +1147,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_token_mask(m);
   register_activation(m);
   register_rotary(m);
+  register_write_kv(m);
   m.def("paged_attention", &paged_attention, "Paged varlen attention (see openinfer/kernels/cpu_attention.py)",
         py::arg("out"), py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("max_query_len"),

@@ -1,0 +1,70 @@
+// Stores a step's K and V rows into their cache slots: one call per layer. The torch version
+// (openinfer/kernels/paged_attention.py: write_kv) is about ten ops per layer (the slot to
+// row arithmetic, a copy of the strided V view, two index_copy_), which at decode sizes costs
+// more than the bytes it moves. Here each token's K and V rows (H * D values, heads adjacent)
+// are copied straight from the q/k/v projection's views to slot s = block * block_size +
+// offset.
+// Built into the CPU attention extension (openinfer/kernels/cpu_attention.py).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// Tokens per task: enough bytes that a task outweighs handing it to a thread.
+int64_t grain(int64_t row_bytes) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(row_bytes, 1)); }
+
+// [T, H, D] with unit stride in D and heads adjacent (any stride between tokens).
+void check_rows(const at::Tensor& x, const char* name, const at::Tensor& cache) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == cache.scalar_type() && x.device().is_cpu(), name,
+              ": a [tokens, heads, head_dim] CPU tensor of the cache's dtype");
+  TORCH_CHECK(x.size(1) == cache.size(3) && x.size(2) == cache.size(4), name, ": heads and head_dim of the cache");
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), name, ": rows of adjacent heads");
+}
+
+}  // namespace
+
+// cache: [2, num_blocks, block_size, H, D] (K, V), any strides for its first two dims, each
+// block's [block_size, H, D] contiguous. k, v: [T, H, D]. slot_mapping: [T] int64, each slot
+// in [0, num_blocks * block_size).
+void write_kv(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.device().is_cpu(),
+              "cache: a [2, num_blocks, block_size, heads, head_dim] CPU tensor");
+  const int64_t num_blocks = cache.size(1), block_size = cache.size(2), H = cache.size(3), D = cache.size(4);
+  TORCH_CHECK(cache.stride(4) == 1 && cache.stride(3) == D && cache.stride(2) == H * D,
+              "cache: each block's [block_size, heads, head_dim] must be contiguous");
+  check_rows(k, "k", cache);
+  check_rows(v, "v", cache);
+  const int64_t T = k.size(0);
+  TORCH_CHECK(v.size(0) == T && slot_mapping.dim() == 1 && slot_mapping.size(0) == T &&
+                  slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping: [tokens] int64, one slot per k/v row");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t limit = num_blocks * block_size;
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < limit, "slot_mapping: slot ", slots[t], " out of range");
+  const int64_t elem = cache.element_size(), row_bytes = H * D * elem;
+  char* kc = static_cast<char*>(cache.data_ptr());
+  char* vc = kc + cache.stride(0) * elem;
+  const int64_t block_stride = cache.stride(1) * elem;
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * elem, v_stride = v.stride(0) * elem;
+  at::parallel_for(0, T, grain(2 * row_bytes), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t at = slots[t] / block_size * block_stride + slots[t] % block_size * row_bytes;
+      std::memcpy(kc + at, kp + t * k_stride, size_t(row_bytes));
+      std::memcpy(vc + at, vp + t * v_stride, size_t(row_bytes));
+    }
+  });
+}
+
+void register_write_kv(pybind11::module& m) {
+  m.def("write_kv", &write_kv, "cache[:, slot] = k, v for every token (see write_kv.cpp)",
+        pybind11::arg("cache"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("slot_mapping"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+}
