@@ -42,6 +42,7 @@ class ReplicaResponse:
         self.response: httpx.Response | None = None
         """Set (status and headers) before the first chunk is queued."""
         self._queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(QUEUED_CHUNKS)
+        self._closing = False
         self._task = asyncio.create_task(self._read(http, url, content, headers))
 
     async def _read(self, http: httpx.AsyncClient, url: str, content: bytes,
@@ -56,6 +57,8 @@ class ReplicaResponse:
         try:
             self.response = response
             async for chunk in response.aiter_raw():
+                if self._closing:
+                    break  # (close() shut the connection down; the response closes below)
                 await self._queue.put(chunk)
             ended = True
             await self._queue.put(None)
@@ -88,10 +91,27 @@ class ReplicaResponse:
             return item
 
     async def close(self) -> None:
-        """Stop reading and close the connection (the replica sees its client gone)."""
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        """Stop reading and close the connection (the replica sees its client gone).
+
+        A response being read is ended by shutting its socket down, not by cancelling its
+        reader: the read fails or the reader sees ``_closing``, and it closes the response
+        as after any failed read. A cancelled reader left its connection open and in the
+        pool for good (httpcore's close was cut short by the cancellation): one socket
+        leaked per client that hung up mid-stream. Not answered yet, there is no socket to
+        shut down, and the reader is cancelled.
+
+        The reader is waited on with asyncio.wait, never awaited: awaiting a task passes a
+        cancellation of the waiter (a client that hung up cancels the relay, again at each
+        await) on to the task, which would cut the reader's own close short."""
+        self._closing = True
+        if self.response is None:
+            self._task.cancel()
+        else:
+            _shut_down(self.response)
+        with contextlib.suppress(asyncio.QueueEmpty):  # room for a reader waiting to put
+            while True:
+                self._queue.get_nowait()
+        await asyncio.wait({self._task})
 
 
 async def unless_ejected(worker: Worker, awaitable: Awaitable[T]) -> T:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
 import time
@@ -67,14 +68,19 @@ ROUTER_FLAGS = {
 
 
 @pytest.fixture(scope="module")
-def routers(replicas, qwen3_checkpoint):
-    """A router per entry of ROUTER_FLAGS over the three replicas, all started at once; a
-    router keeps no state a later test relies on being fresh (each test counts its own
-    requests, and in-flight counts are back at 0 after each)."""
+def router_procs(replicas, qwen3_checkpoint):
+    """A router per entry of ROUTER_FLAGS over the three replicas, all started at once
+    ((url, process) by name); a router keeps no state a later test relies on being fresh
+    (each test counts its own requests, and in-flight counts are back at 0 after each)."""
     started = start_routers(replicas, qwen3_checkpoint, *ROUTER_FLAGS.values())
-    yield {name: base for name, (base, _) in zip(ROUTER_FLAGS, started)}
+    yield dict(zip(ROUTER_FLAGS, started))
     for _, proc in started:
         stop(proc)
+
+
+@pytest.fixture(scope="module")
+def routers(router_procs):
+    return {name: base for name, (base, _) in router_procs.items()}
 
 
 def _complete(base: str, prompt, max_tokens: int = 6, **extra) -> tuple[str, str, str]:
@@ -346,6 +352,31 @@ def test_a_client_that_hangs_up_ends_the_request_on_the_replica(replicas, router
              - before.get(f"openinfer:request_success_total[{reason}]", 0)
              for reason in ("abort", "length")}
     assert ended == {"abort": 1, "length": 0}
+
+
+def test_clients_that_hang_up_mid_stream_leave_no_connection_open(router_procs):
+    """Each hang-up closes the router's connection to the replica. (A cancelled reader used to
+    leave it open and pooled for good: one socket leaked per aborted stream, found by the
+    soak against --data-parallel-size 2: 29 -> 926 open files over 950 aborts.)"""
+    base, proc = router_procs["round_robin"]
+
+    def open_files() -> int:
+        return len(os.listdir(f"/proc/{proc.pid}/fd"))
+
+    body = {"model": MODEL, "prompt": "hang up on me", "max_tokens": 64, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60) as client:
+        for _ in range(3):  # each replica's pooled connection exists before counting
+            assert client.post(f"{base}/v1/completions",
+                               json={**body, "stream": False}).status_code == 200
+        before = open_files()
+        for _ in range(30):
+            with client.stream("POST", f"{base}/v1/completions", json=body) as resp:
+                assert next(resp.iter_lines()).startswith("data: {")
+    deadline = time.monotonic() + 15
+    while open_files() > before + 6 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert open_files() <= before + 6, (before, open_files())
 
 
 def test_a_replica_killed_under_load_loses_no_request_and_comes_back(replica_procs, routers,
