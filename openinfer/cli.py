@@ -13,6 +13,7 @@ from pathlib import Path
 import openinfer
 from openinfer.attention.selector import ATTENTION_BACKENDS
 from openinfer.logger import configure_logging
+from openinfer.server.listener import KEEP_ALIVE_S
 from openinfer.server.reasoning import REASONING_PARSERS as REASONING_PARSER_NAMES
 from openinfer.server.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 
@@ -277,7 +278,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # SIGINT/SIGTERM: uvicorn stops accepting, waits for in-flight requests (bounded), then
     # the app's lifespan shuts the engine-core process down.
     serve(app, sock, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
-          timeout_graceful_shutdown=args.shutdown_timeout)
+          timeout_graceful_shutdown=args.shutdown_timeout,
+          timeout_keep_alive=args.timeout_keep_alive)
     return 0
 
 
@@ -387,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "before the engine is left dead")
     serve.add_argument("--shutdown-timeout", type=int, default=30,
                        help="seconds to let in-flight requests finish on SIGTERM/Ctrl-C")
+    serve.add_argument("--timeout-keep-alive", type=int, default=KEEP_ALIVE_S,
+                       help="seconds an idle client connection stays open (longer than clients' "
+                            "own idle expiry, so that they close first)")
     serve.add_argument("--metrics-prefix", default="openinfer",
                        help="/metrics names its series PREFIX:name; 'vllm' gives vLLM's names, so "
                             "vLLM's Grafana dashboards and alerts work unchanged")
@@ -426,6 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "(so chat prompt hashes match theirs)")
     router.add_argument("--host", default="127.0.0.1", help="address to listen on")
     router.add_argument("--port", type=int, default=8000, help="port to listen on")
+    router.add_argument("--timeout-keep-alive", type=int, default=KEEP_ALIVE_S,
+                        help="seconds an idle client connection stays open")
     router.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"),
                         help="openinfer's and uvicorn's log level")

@@ -85,7 +85,8 @@ def run_router(urls: list[str], tokenizer_path: str, args: argparse.Namespace,
     keys = getattr(args, "api_key", None) or []
     admin_key = getattr(args, "admin_api_key", None) or (keys[0] if len(keys) == 1 else None)
     serve(build_router_app(state, admin_key), sock, log_level=args.log_level,
-          access_log=not getattr(args, "disable_uvicorn_access_log", False))
+          access_log=not getattr(args, "disable_uvicorn_access_log", False),
+          timeout_keep_alive=args.timeout_keep_alive)
 
 
 def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:

@@ -53,20 +53,18 @@ class ReplicaResponse:
         except Exception as e:  # handed to the waiter
             await self._queue.put(e)
             return
-        ended = False
         try:
             self.response = response
             async for chunk in response.aiter_raw():
                 if self._closing:
                     break  # (close() shut the connection down; the response closes below)
                 await self._queue.put(chunk)
-            ended = True
-            await self._queue.put(None)
+            else:
+                await self._queue.put(None)
         except Exception as e:
             await self._queue.put(e)
         finally:
-            if not ended:
-                _shut_down(response)
+            _shut_down(response)
             await response.aclose()
 
 
@@ -127,15 +125,20 @@ async def unless_ejected(worker: Worker, awaitable: Awaitable[T]) -> T:
                 raise ReplicaEjected(f"replica {worker.url} was ejected (not answering)")
     finally:
         if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            task.cancel()  # once: waited on, not awaited (see ReplicaResponse.close)
+            await asyncio.wait({task})
+            if not task.cancelled():
+                task.exception()  # (retrieved: a late failure is not logged as unhandled)
 
 
 def _shut_down(response: httpx.Response) -> None:
     """End a response's connection now, without an await: the client hung up, and the
     request's cancel scope (anyio's) interrupts even httpcore's shielded close, which would
-    leave the replica generating for nobody."""
+    leave the replica generating for nobody. Not once the response is closed: read to its
+    end, its connection went back to the pool, where another request may be using it (httpx
+    marks a response closed before it releases the connection)."""
+    if response.is_closed:
+        return
     stream = response.extensions.get("network_stream")
     sock = stream.get_extra_info("socket") if stream is not None else None
     if sock is not None:  # (asyncio's socket wrapper refuses shutdown(); a duplicate may)

@@ -32,9 +32,9 @@ SERVERS = {  # every server this module starts, by the test(s) using it: name ->
     # test_tenants_never_share_cached_prefixes, test_a_request_past_its_timeout_is_aborted
     "tenants": ("--api-key", "alice-key", "bob-key", "--cache-salt-per-api-key",
                 "--admin-api-key", "root-key", "--request-timeout", "1"),
-    # test_priority_scheduling_orders_the_waiting_requests
+    # test_priority_scheduling_orders_the_waiting_requests, test_idle_connections_stay_open...
     "priority": ("--scheduling-policy", "priority", "--max-num-seqs", "1",
-                 "--metrics-engine-index", "3"),
+                 "--metrics-engine-index", "3", "--timeout-keep-alive", "2"),
 }
 
 
@@ -697,3 +697,25 @@ def test_a_dead_engine_gives_503_then_restarts(servers, offline):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_idle_connections_stay_open_longer_than_clients_keep_them(servers):
+    """A connection idle for 6 s still takes a request (the default keep-alive outlasts the
+    5 s after which httpx, hence the OpenAI SDK, stops reusing one: so the client always
+    closes first, and no request is sent on a connection the server is just closing);
+    --timeout-keep-alive 2 closes it."""
+    def connect(name: str) -> http.client.HTTPConnection:
+        conn = http.client.HTTPConnection(servers[name][0].removeprefix("http://"), timeout=10)
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() is not None
+        return conn
+
+    default, short = connect("shared"), connect("priority")
+    time.sleep(6)
+    default.request("GET", "/health")
+    assert default.getresponse().status == 200
+    with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+        short.request("GET", "/health")
+        short.getresponse()
+    default.close()
+    short.close()
