@@ -23,9 +23,10 @@ from doc_sections import write_section
 
 from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.kv.spec import FullAttentionSpec, MLALatentSpec
+from openinfer.layers.cpu_kernels import use_cpu_kernels
 from openinfer.layers.gemm import plan_gemms
 from openinfer.layers.mlp import GatedMLP
-from openinfer.layers.moe import MoE, RoutingConfig, use_cpu_expert_kernels
+from openinfer.layers.moe import MoE, RoutingConfig
 
 REPO = Path(__file__).resolve().parent.parent
 HIDDEN, EXPERT_INTER, EXPERTS, TOP_K, SHARED = 1024, 256, 64, 6, 1
@@ -57,7 +58,7 @@ def layer_figures(rounds: int) -> list[str]:
     plan_gemms(dense)
     kernels = load_cpu_attention()
     if kernels is not None:
-        use_cpu_expert_kernels(moe, kernels)
+        use_cpu_kernels(moe, kernels)
     rows = ["| tokens | MoE ms | dense ms (same active params) | MoE / dense | experts hit |",
             "|---|---|---|---|---|"]
     with torch.inference_mode():

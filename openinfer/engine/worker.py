@@ -35,9 +35,9 @@ from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.plan import BlockLoad
 from openinfer.kv.spec import BlockLayout, KVSpec, LayerGroup, MLALatentSpec
+from openinfer.layers.cpu_kernels import use_cpu_kernels
 from openinfer.layers.gemm import describe_gemms
-from openinfer.layers.moe import FusedExperts, use_cpu_expert_kernels
-from openinfer.layers.norm import use_cpu_kernels
+from openinfer.layers.moe import FusedExperts
 from openinfer.models.loader import load_model
 from openinfer.spec.draft_model import DraftModelDrafter, check_draft_model
 from openinfer.spec.drafters import make_token_proposer
@@ -74,7 +74,6 @@ class Worker:
                     self.attention.name, huge_pages, system_mode())
         if self.attention.name == "cpu":  # its extension also has the norms, SiLU-and-mul, GEMM
             use_cpu_kernels(self.model, load_cpu_attention())
-            use_cpu_expert_kernels(self.model, load_cpu_attention())
         self.counted_experts = self._count_expert_tokens() if config.moe_expert_stats else {}
         """Model layer index -> its MoE experts, counting the tokens routed to them."""
         self.balancer = None

@@ -183,7 +183,8 @@ class FusedExperts(nn.Module):
     stacked biases)."""
 
     cpu_kernels: ModuleType | None = None
-    """The CPU kernel extension (``use_cpu_expert_kernels``), for experts with few rows."""
+    """The CPU kernel extension (``layers.cpu_kernels.use_cpu_kernels``), for experts with few
+    rows."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  bias: bool = False,
@@ -385,14 +386,6 @@ class FusedExperts(nn.Module):
             return out
         return F.linear(x, weight, bias)
 
-
-def use_cpu_expert_kernels(model: nn.Module, kernels: ModuleType) -> int:
-    """Route the model's few-row float32 expert GEMMs through the CPU extension; returns how
-    many expert layers."""
-    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
-    for m in experts:
-        m.cpu_kernels = kernels
-    return len(experts)
 
 
 class MoE(nn.Module):

@@ -65,15 +65,3 @@ def _rows_readable(x: torch.Tensor) -> bool:
     if x.stride(-1) != 1:
         return False
     return x.dim() == 2 or (x.dim() == 3 and x.stride(1) == x.shape[-1])
-
-
-def use_cpu_kernels(model: nn.Module, kernels: ModuleType) -> int:
-    """Route the model's RMSNorms, rotary embeddings and gated MLPs' SiLU-and-multiply
-    through the CPU extension; returns how many modules."""
-    from openinfer.layers.mlp import GatedMLP
-    from openinfer.layers.rotary import RotaryEmbedding
-
-    modules = [m for m in model.modules() if isinstance(m, (RMSNorm, GatedMLP, RotaryEmbedding))]
-    for module in modules:
-        module.cpu_kernels = kernels
-    return len(modules)

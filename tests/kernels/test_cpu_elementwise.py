@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from openinfer.kernels.cpu_attention import load_cpu_attention
+from openinfer.layers.cpu_kernels import use_cpu_kernels
 from openinfer.layers.mlp import GatedMLP
-from openinfer.layers.norm import RMSNorm, use_cpu_kernels
+from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding
 
 
