@@ -200,8 +200,9 @@ class Sampler:
 
 
 async def soak(base: str, n: int, concurrency: int, sampler: Sampler,
-               trend: list[tuple[int, dict[str, float]]]) -> tuple[dict, float]:
-    """Run the ``n`` requests; ``trend`` gets each process's RSS (MiB) at every tenth."""
+               trend: list[tuple[int, dict[str, tuple[float, int]]]]) -> tuple[dict, float]:
+    """Run the ``n`` requests; ``trend`` gets each process's RSS (MiB) and threads at every
+    tenth."""
     outcomes: collections.Counter = collections.Counter()
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as http:
@@ -216,7 +217,7 @@ async def soak(base: str, n: int, concurrency: int, sampler: Sampler,
                 outcomes[await run_one(http, i)] += 1
                 if (done := sum(outcomes.values())) % max(1, n // 10) == 0:
                     print(f"{done}/{n} requests", flush=True)
-                    trend.append((done, {name: samples[-1][0] / 2**20
+                    trend.append((done, {name: (samples[-1][0] / 2**20, samples[-1][2])
                                          for name, samples in sampler.samples.items()}))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -279,7 +280,7 @@ def main() -> None:
                                   store, "--kv-store-bytes", "256MiB", "--max-model-len", "1024",
                                   *topology_flags)
         sampler = Sampler(proc.pid)
-        trend: list[tuple[int, dict[str, float]]] = []
+        trend: list[tuple[int, dict[str, tuple[float, int]]]] = []
         try:
             outcomes, elapsed = asyncio.run(soak(base, args.requests, args.concurrency, sampler,
                                                  trend))
@@ -332,10 +333,12 @@ def main() -> None:
         rss = [s[0] / 2**20 for s in samples]
         lines.append(f"| {name} | {rss[0]:.0f} / {max(rss):.0f} / {rss[-1]:.0f} MiB "
                      f"| {samples[0][1]} / {samples[-1][1]} | {samples[0][2]} / {samples[-1][2]} |")
-    lines += ["", "RSS as the run went on (requests done: "
-              + " / ".join(order) + " MiB): "
-              + ", ".join(f"{done}: " + " / ".join(f"{rss.get(name, 0):.0f}" for name in order)
-                          for done, rss in trend) + "."]
+    for what, unit, pick in (("RSS", " MiB", lambda x: f"{x[0]:.0f}"),
+                             ("Threads", "", lambda x: f"{x[1]}")):
+        lines += ["", f"{what} as the run went on (requests done: " + " / ".join(order)
+                  + f"{unit}): " + ", ".join(
+                      f"{done}: " + " / ".join(pick(at.get(name, (0, 0))) for name in order)
+                      for done, at in trend) + "."]
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
