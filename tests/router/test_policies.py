@@ -66,6 +66,11 @@ def test_without_events_the_routed_prompts_guide_cache_aware():
     home.routed += 1
     again = r.choose([b"p1", b"p2", b"p3"])
     assert again.worker is home and again.reason == "cache_hit"
+    assert len(home.approx) == 3
+    home.index.apply(0, [_stored(b"p1")])           # its events arrive: no more guessing
+    assert r.choose([b"p1", b"q"]).worker is home and len(home.approx) == 0
+    r.choose([b"p1", b"r"])
+    assert len(home.approx) == 0
 
 
 def test_session_affinity_sticks_until_the_replica_fails():
