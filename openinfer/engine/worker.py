@@ -31,10 +31,16 @@ from openinfer.engine.kv_cache import allocate_caches
 from openinfer.engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from openinfer.engine.runner import ModelRunner
 from openinfer.huge_pages import huge_pages_in_use, system_mode
-from openinfer.kernels.cpu_attention import load_cpu_attention
+from openinfer.kernels.cpu_attention import (
+    BF16_DOT_ENV,
+    bf16_dot,
+    choose_bf16_dot,
+    load_cpu_attention,
+)
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.plan import BlockLoad
 from openinfer.kv.spec import BlockLayout, KVSpec, LayerGroup, MLALatentSpec
+from openinfer.layers.attention import Attention
 from openinfer.layers.cpu_kernels import use_cpu_kernels
 from openinfer.layers.gemm import describe_gemms
 from openinfer.layers.moe import FusedExperts
@@ -72,8 +78,10 @@ class Worker:
         huge_pages = "on" if huge_pages_in_use() else "off"
         logger.info("attention backend: %s; huge pages for tensors: %s (kernel THP mode %s)",
                     self.attention.name, huge_pages, system_mode())
+        attention_dot = ""
         if self.attention.name == "cpu":  # its extension also has the norms, SiLU-and-mul, GEMM
             use_cpu_kernels(self.model, load_cpu_attention())
+            attention_dot = self._choose_bf16_attention()
         self.counted_experts = self._count_expert_tokens() if config.moe_expert_stats else {}
         """Model layer index -> its MoE experts, counting the tokens routed to them."""
         self.balancer = None
@@ -84,7 +92,7 @@ class Worker:
                                            ep)
         self.compute_info = {"dtype": self.dtype_name, "gemm": gemm.label,
                              "cpu_capability": cpu_capability(), "attention": self.attention.name,
-                             "huge_pages": huge_pages}
+                             "attention_bf16_dot": attention_dot, "huge_pages": huge_pages}
         """How this worker computes (the labels of the compute_info metric)."""
         self.draft_model = self._load_draft_model(progress)
         self.runner: ModelRunner | None = None
@@ -93,6 +101,20 @@ class Worker:
         self.kv_server: KVServer | None = None
 
     # ---- set-up -----------------------------------------------------------------------
+
+    def _choose_bf16_attention(self) -> str:
+        """With a bf16 model on the cpu backend, the fastest bf16 product path of the
+        attention kernel on this CPU (timed on the model's shape); "" otherwise."""
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if self.config.model.dtype != torch.bfloat16 or not layers:
+            return ""
+        layer = layers[0]
+        times = choose_bf16_dot(layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                                self.config.cache.block_size)
+        timed = ", ".join(f"{path} {seconds * 1e3:.2f} ms" for path, seconds in times.items())
+        logger.info("bf16 attention products: %s (%s)", bf16_dot(),
+                    f"256-token prefill: {timed}" if timed else f"{BF16_DOT_ENV} or one path")
+        return bf16_dot()
 
     def compute_info_labels(self) -> dict[str, str]:
         return dict(self.compute_info)

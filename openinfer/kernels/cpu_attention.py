@@ -18,6 +18,13 @@ module has ``paged_attention(..., kv_splits=k)`` (force k KV splits per item; te
 ``paged_attention(..., invariant=True)`` (batch-invariant mode),
 ``plan_stats(...)`` (how a call would be split into items) and ``isa()``.
 
+bf16 products: the many-row items of a bf16 cache (prefill tiles, shared-prefix passes) can
+widen K/V to fp32 for FMAs (``fp32``), take VDPBF16PS dot products (``avx512_bf16``) or AMX
+tiles (``amx_bf16``), as the build and the CPU allow (``bf16_dot_paths()``). Which is fastest
+is the CPU's to say, not its flags' (VDPBF16PS doubles fp32 FMAs on Zen 5 and does not beat
+them on Intel cores, where AMX does): ``choose_bf16_dot`` times them once per process on the
+model's shape, unless ``OPENINFER_CPU_BF16_DOT`` names one.
+
 The extension is compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja)
 with ``-march=native`` into torch's extension cache (``~/.cache/torch_extensions`` or
 ``TORCH_EXTENSIONS_DIR``). Its name carries a hash of the CPU's ISA (``/proc/cpuinfo`` flags,
@@ -31,8 +38,10 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import os
 import platform
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -52,6 +61,10 @@ CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-Wno-psabi"
 
 _lock = threading.Lock()
 _built: dict[str, ModuleType | None] = {}  # "native": the build for this CPU, or None if it failed
+
+BF16_DOT_ENV = "OPENINFER_CPU_BF16_DOT"
+_bf16_dot = ""
+"""The bf16 product path every call takes ("": the build's default, VDPBF16PS where compiled)."""
 
 
 def cpu_isa_tag() -> str:
@@ -139,7 +152,8 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     max_query_len: int, invariant: bool = False, window: int = 0,
-                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                    bf16_dot: str | None = None) -> None:
     """out[T, Hq, D] = attention of q[T, Hq, D] over each sequence's paged K/V.
 
     key_cache / value_cache: [num_blocks, block_size, Hkv, D] — strided views: dim 0 has an
@@ -160,6 +174,8 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
     before its window are never read); ``softcap`` > 0, each scaled score ``s`` becomes
     ``softcap * tanh(s / softcap)``; ``sinks`` [Hq], one logit per query head added to the
     softmax's denominator (a key with no value).
+    ``bf16_dot``: the product path of a bf16 cache's many-row items (one of
+    ``bf16_dot_paths()``; None: the process's choice, see ``choose_bf16_dot``).
 
     Raises RuntimeError if the extension could not be built (check ``load_cpu_attention()``
     first) and on malformed inputs (shapes, strides, block ids out of range).
@@ -169,7 +185,67 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
         raise RuntimeError("the CPU paged attention extension could not be built (see the log)")
     module.paged_attention(out, q, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
                            float(scale), int(max_query_len), invariant=invariant, window=int(window),
-                           softcap=float(softcap), sinks=sinks)
+                           softcap=float(softcap), sinks=sinks,
+                           bf16_dot=_bf16_dot if bf16_dot is None else bf16_dot)
+
+
+def bf16_dot_paths() -> list[str]:
+    """The bf16 product paths this CPU and build have: "fp32", then "avx512_bf16" and
+    "amx_bf16" where compiled and usable; [] without the extension."""
+    module = load_cpu_attention()
+    return list(module.bf16_dot_paths()) if module is not None else []
+
+
+def set_bf16_dot(path: str) -> None:
+    """Every later call of this process takes ``path`` (one of ``bf16_dot_paths()``)."""
+    global _bf16_dot
+    if path not in bf16_dot_paths():
+        raise ValueError(f"{BF16_DOT_ENV}/bf16_dot: {path!r} is not one of this CPU's "
+                         f"paths {bf16_dot_paths()}")
+    _bf16_dot = path
+
+
+def choose_bf16_dot(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                    tokens: int = 256) -> dict[str, float]:
+    """Set the process's bf16 product path to the fastest on this CPU: each path times a
+    ``tokens``-token prefill of the model's attention shape (best of 3, a few ms each);
+    ``OPENINFER_CPU_BF16_DOT`` names one instead. Returns the seconds per path timed
+    ({} when forced or when there is one path); the choice is ``bf16_dot()``."""
+    forced = os.environ.get(BF16_DOT_ENV, "")
+    if forced:
+        set_bf16_dot(forced)
+        return {}
+    paths = bf16_dot_paths()
+    if len(paths) <= 1:
+        return {}
+    gen = torch.Generator().manual_seed(0)
+    blocks = -(-tokens // block_size)
+    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(2, blocks, block_size, num_kv_heads, head_dim,
+                     generator=gen).to(torch.bfloat16)
+    tables = torch.arange(blocks, dtype=torch.int32)[None]
+    qsl = torch.tensor([0, tokens], dtype=torch.int32)
+    lens = torch.tensor([tokens], dtype=torch.int32)
+    out = torch.empty_like(q)
+    times = {}
+    for path in paths:
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            paged_attention(out, q, kv[0], kv[1], tables, qsl, lens, head_dim ** -0.5, tokens,
+                            bf16_dot=path)
+            best = min(best, time.perf_counter() - start)
+        times[path] = best
+    set_bf16_dot(min(times, key=times.get))
+    return times
+
+
+def bf16_dot() -> str:
+    """The bf16 product path the process's calls take."""
+    if _bf16_dot:
+        return _bf16_dot
+    paths = bf16_dot_paths()
+    return "avx512_bf16" if "avx512_bf16" in paths else "fp32"
 
 
 def paged_attention_reference(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,

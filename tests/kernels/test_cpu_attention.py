@@ -243,6 +243,63 @@ def test_empty_query_sequences_are_skipped(ext):
     check(make_batch([0, 1, 0, 5], [10, 20, 30, 40]))
 
 
+BF16_CASES = {
+    # rows per KV head not a multiple of 16 (a tile's last rows), GQA groups 1, 2 and 8
+    "prefill": dict(query_lens=[37, 5, 100], seq_lens=[37, 5, 100], heads=16, kv_heads=8),
+    "prefill_mha": dict(query_lens=[70], seq_lens=[70], heads=4, kv_heads=4),
+    "prefill_group8": dict(query_lens=[45], seq_lens=[45], heads=8, kv_heads=1),
+    # continuations, with a chunk of keys of an odd number of blocks (padded to 32 keys)
+    "chunks": dict(query_lens=[20, 33, 3], seq_lens=[500, 81, 300], heads=16, kv_heads=8),
+    "cascade": dict(query_lens=[1] * 32, seq_lens=[1088] * 32, heads=16, kv_heads=8,
+                    shared_blocks=64),
+    "head_dim_128": dict(query_lens=[40, 1], seq_lens=[140, 77], head_dim=128),
+    "head_dim_80": dict(query_lens=[40, 1], seq_lens=[140, 77], head_dim=80),  # not 32 x k
+    "block_size_8": dict(query_lens=[40, 17], seq_lens=[90, 17], block_size=8),
+    "block_size_48": dict(query_lens=[40, 17], seq_lens=[90, 17], block_size=48),  # 48-key chunks
+    "block_size_128": dict(query_lens=[40, 17], seq_lens=[300, 17], block_size=128),
+}
+
+
+@pytest.mark.parametrize("path", ["fp32", "avx512_bf16", "amx_bf16"])
+@pytest.mark.parametrize("case", list(BF16_CASES))
+def test_every_bf16_product_path(ext, path, case):
+    # Each path the CPU has (widened to fp32, VDPBF16PS, AMX tiles) against the oracle, on the
+    # many-row items it serves (and the decode rows beside them), whatever the engine chose.
+    if path not in ext.bf16_dot_paths():
+        pytest.skip(f"this CPU/build has no {path} path")
+    batch = make_batch(**BF16_CASES[case], dtype=torch.bfloat16)
+    check(batch, lambda *args: paged_attention(*args, bf16_dot=path))
+    # Batch-invariant mode takes the path too, or a fallback that is invariant (AMX is not).
+    out = torch.full_like(batch.q, float("nan"))
+    ext.paged_attention(*batch.args(out), invariant=True, bf16_dot=path)
+    ref = torch.empty_like(batch.q)
+    paged_attention_reference(*batch.args(ref))
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_unknown_bf16_product_path_is_refused(ext):
+    batch = make_batch([3], [3], dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bf16_dot 'vnni' is not a path"):
+        paged_attention(*batch.args(torch.empty_like(batch.q)), bf16_dot="vnni")
+
+
+def test_the_fastest_bf16_path_is_chosen_by_timing(ext, monkeypatch):
+    from openinfer.kernels import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "_bf16_dot", "")
+    times = cpu_attention.choose_bf16_dot(16, 8, 64, 16)
+    paths = ext.bf16_dot_paths()
+    assert set(times) == (set(paths) if len(paths) > 1 else set())
+    if times:
+        assert cpu_attention.bf16_dot() == min(times, key=times.get)
+    monkeypatch.setenv(cpu_attention.BF16_DOT_ENV, "fp32")
+    assert cpu_attention.choose_bf16_dot(16, 8, 64, 16) == {}
+    assert cpu_attention.bf16_dot() == "fp32"
+    monkeypatch.setenv(cpu_attention.BF16_DOT_ENV, "vnni")
+    with pytest.raises(ValueError, match="'vnni' is not one of this CPU's paths"):
+        cpu_attention.choose_bf16_dot(16, 8, 64, 16)
+
+
 def test_rejects_bad_inputs(ext):
     batch = make_batch([1, 4], [20, 40])
     out = torch.empty_like(batch.q)

@@ -3,6 +3,8 @@ timings are measured once per shape, the choice rules, the switch, and dtype 'au
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ from openinfer import LLM, SamplingParams
 from openinfer.config import _resolve_dtype
 from openinfer.cpu_features import auto_cpu_dtype, cpu_capability, has_native_bf16
 from openinfer.huge_pages import huge_pages_in_use
+from openinfer.kernels.cpu_attention import bf16_dot, bf16_dot_paths, load_cpu_attention
 from openinfer.layers import gemm
 from openinfer.layers.embedding import LMHead, VocabEmbedding
 from openinfer.layers.gemm import (
@@ -317,10 +320,22 @@ def test_the_engine_reports_how_it_computes(qwen3_checkpoint, monkeypatch):
     monkeypatch.setenv(gemm.ENV_VAR, "auto")
     llm = LLM(str(qwen3_checkpoint), progress=False, kv_cache_memory=1 << 24)
     info = llm.engine.core.compute_info
-    assert set(info) == {"dtype", "gemm", "cpu_capability", "attention", "huge_pages"}
+    assert set(info) == {"dtype", "gemm", "cpu_capability", "attention", "attention_bf16_dot",
+                         "huge_pages"}
     assert info["dtype"] == "float32" and info["cpu_capability"] == cpu_capability()
+    assert info["attention_bf16_dot"] == ""  # a float32 model has no bf16 products to choose
     assert info["huge_pages"] == ("on" if huge_pages_in_use() else "off")
     assert set(info["gemm"].split("+")) <= set(PATHS)  # timed: MIN_TIMED_WEIGHT is 0 here
+
+
+def test_a_bf16_engine_reports_the_attention_products_it_chose(qwen3_checkpoint, caplog):
+    if load_cpu_attention() is None:
+        pytest.skip("no CPU kernel extension")
+    with caplog.at_level(logging.INFO, logger="openinfer.engine.worker"):
+        llm = LLM(str(qwen3_checkpoint), dtype="bfloat16", progress=False, kv_cache_memory=1 << 24)
+    chosen = llm.engine.core.compute_info["attention_bf16_dot"]
+    assert chosen in bf16_dot_paths() and chosen == bf16_dot()
+    assert f"bf16 attention products: {chosen}" in caplog.text
 
 
 # ----------------------------------------------------------------------------- choice rules

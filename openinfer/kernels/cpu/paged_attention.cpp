@@ -64,10 +64,16 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include "vec.h"
+
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -520,6 +526,73 @@ inline void accumulate_pv_bf16(int rows, const uint32_t* p, int p_stride, const 
 }
 #endif
 
+#if defined(OI_DPBF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX tiles (TDPBF16PS: C[16][16] fp32 += A[16][32 bf16] . B[16 pairs][16][2 bf16]) for the
+// full groups of 16 rows of the many-row bf16 items, on the same operands as the VDPBF16PS
+// path: Q rows as pairs of D (A), the K block transposed as pairs (B), P rows in bf16 (A) and
+// the chunk's V rows interleaved in pairs (B). One tile instruction is 16x16x32 products; the
+// rows left over (< 16 of a head) take the VDPBF16PS code. Linux hands a process the tile
+// state only once asked (arch_prctl), see amx_usable().
+#define OI_AMX 1
+
+// Every tile is 16 rows of 64 bytes: a 16 x 32 bf16 operand, 16 pairs x 16 columns, or
+// 16 x 16 fp32 results.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = 64;
+      rows[t] = 16;
+    }
+  }
+};
+
+// Tiles are per thread and other code (oneDNN's GEMMs) configures them its own way on the same
+// OpenMP threads: every item that uses them loads this configuration first.
+inline void configure_tiles() {
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+}
+
+// S[16][0 .. bsp) = scale * (Q . K^T) for 16 rows: Q as [16][D/2] pairs (row stride D/2), Kt as
+// [D/2][bsp] pairs, S with a row stride of s_stride floats. D a multiple of 32, bsp of 16.
+inline void scores_amx16(const uint32_t* q, int D, const uint32_t* kt, int bsp, float scale, float* s,
+                         int s_stride) {
+  for (int k0 = 0; k0 < bsp; k0 += 16) {
+    _tile_zero(2);
+    for (int d = 0; d < D / 2; d += 16) {  // 32 values of D per step
+      _tile_loadd(0, q + d, D * 2);
+      _tile_loadd(1, kt + size_t(d) * bsp + k0, bsp * 4);
+      _tile_dpbf16ps(2, 0, 1);
+    }
+    _tile_stored(2, s + k0, s_stride * 4);
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < 16; ++r)
+    for (int k = 0; k < bsp; k += 16) {
+      float* x = s + size_t(r) * s_stride + k;
+      _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_loadu_ps(x), sc));
+    }
+}
+
+// O[16][D] += P . V for 16 rows over `width` keys (a multiple of 32): P as [16][width] bf16 (row
+// stride p_stride values), V as [width/2][D] pairs.
+inline void pv_amx16(const c10::BFloat16* p, int p_stride, const uint32_t* vp, int width, float* o, int D) {
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    _tile_loadd(2, o + d0, D * 4);
+    for (int k = 0; k < width; k += 32) {
+      _tile_loadd(0, p + k, p_stride * 2);
+      _tile_loadd(1, vp + size_t(k / 2) * D + d0, D * 4);
+      _tile_dpbf16ps(2, 0, 1);
+    }
+    _tile_stored(2, o + d0, D * 4);
+  }
+}
+#endif
+
 // Per-thread scratch, grown on demand and kept across calls (OpenMP threads persist).
 struct Scratch {
   struct Free {
@@ -561,8 +634,14 @@ struct Plan {
   int tile_rows = 0;
 };
 
+// How the many-row items of a bf16 cache take their products (chosen per machine by
+// openinfer/kernels/cpu_attention.py, which times them: VDPBF16PS is twice fp32 FMAs on Zen 5,
+// no faster on Intel cores, where AMX tiles are the fast path).
+enum Bf16Dot : int { BF16_FP32 = 0, BF16_AVX512 = 1, BF16_AMX = 2 };
+
 struct Params {
   int Hq, Hkv, G, D, BS, BSP;
+  Bf16Dot bf16_dot;
   float scale;
   const int32_t* qsl;
   const int32_t* seq_lens;
@@ -610,14 +689,20 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
   }
   const bool rowdot = !P.invariant && MH <= ROWDOT_ROWS;
 #ifdef OI_DPBF16
-  const bool dpbf16 = std::is_same_v<T, c10::BFloat16> && !rowdot;
+  const bool dpbf16 = std::is_same_v<T, c10::BFloat16> && !rowdot && P.bf16_dot != BF16_FP32;
 #else
   const bool dpbf16 = false;
+#endif
+#ifdef OI_AMX
+  const bool amx = dpbf16 && P.bf16_dot == BF16_AMX;
+  if (amx) configure_tiles();
+#else
+  const bool amx = false;
 #endif
 
   const size_t TR = size_t(P.tile_rows), mD = TR * D;
   float* qf = tls_scratch.get(2 * mD + TR * (SW + 2) + size_t(D) * BSP + size_t(BS) * D +
-                              (dpbf16 ? TR * SW / 2 + size_t(BSP) * D / 2 : 0));
+                              (dpbf16 ? TR * SW / 2 + size_t(SW) * D / 2 : 0));
   float* o = qf + mD;                  // [M][D] unnormalised output
   float* s = o + mD;                   // [M][SW] scores, then probabilities, of one key chunk
   float* m = s + TR * SW;              // [M] running max
@@ -626,7 +711,7 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
   float* vf32 = kt + size_t(D) * BSP;  // [BS][D] fp32 V rows of one block and head
   // bf16 dot products: Q as [M][D/2] pairs in qf, K as [D/2][BSP] pairs in kt, and
   auto* pb = reinterpret_cast<c10::BFloat16*>(vf32 + size_t(BS) * D);  // [M][SW] bf16 P
-  auto* vpairs = reinterpret_cast<uint32_t*>(vf32 + size_t(BS) * D + TR * SW / 2);  // [BSP/2][D]
+  auto* vpairs = reinterpret_cast<uint32_t*>(vf32 + size_t(BS) * D + TR * SW / 2);  // [SW/2][D]
   auto* qpairs = reinterpret_cast<uint32_t*>(qf);
   auto* kpairs = reinterpret_cast<uint32_t*>(kt);
 
@@ -701,7 +786,15 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
 #ifdef OI_DPBF16
           // A key row read as D/2 32-bit words is its pairs of D: transposed as fp32 would be.
           transpose_keys(reinterpret_cast<const float*>(kb), P.kv_row / 2, n, D / 2, kt, BSP);
-          scores_bf16(rows_h, qpairs + size_t(hi * MH + r0) * (D / 2), D / 2, kpairs, BSP, P.scale, sr, SW);
+          const uint32_t* qh2 = qpairs + size_t(hi * MH + r0) * (D / 2);
+          int r = 0;
+#ifdef OI_AMX
+          if (amx)
+            for (; r + 16 <= rows_h; r += 16)
+              scores_amx16(qh2 + size_t(r) * (D / 2), D, kpairs, BSP, P.scale, sr + size_t(r) * SW, SW);
+#endif
+          scores_bf16(rows_h - r, qh2 + size_t(r) * (D / 2), D / 2, kpairs, BSP, P.scale, sr + size_t(r) * SW,
+                      SW);
 #endif
         } else {
           transpose_keys(kb, P.kv_row, n, D, kt, BSP);
@@ -756,9 +849,37 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
     }
 
 #ifdef OI_DPBF16
-    if (dpbf16)
-      for (int hi = 0; hi < NH; ++hi)
-        round_probabilities(rows_h, s + size_t(hi * MH + r0) * SW, SW, width, pb + size_t(hi * MH + r0) * SW);
+    if (dpbf16) {
+      // The chunk's P rows in bf16 and, per head, its V blocks as one run of pairs (pairs past a
+      // block's valid keys are 0, their p is 0): one P.V pass over the whole chunk. AMX takes
+      // keys 32 at a time: a chunk of 16 more is padded with zero P and V.
+      const int widthp = amx ? (width + 31) / 32 * 32 : width;
+      for (int hi = 0; hi < NH; ++hi) {
+        const size_t row0 = size_t(hi * MH + r0);
+        round_probabilities(rows_h, s + row0 * SW, SW, width, pb + row0 * SW);
+        for (int r = 0; r < rows_h && widthp > width; ++r)
+          std::fill(pb + (row0 + r) * SW + width, pb + (row0 + r) * SW + widthp, c10::BFloat16(0.f));
+      }
+      for (int hi = 0; hi < NH; ++hi) {
+        for (int c = 0; c < nb; ++c) {
+          if (hi == 0) prefetch_block(vc, P.v_s0, j0 + c + PREFETCH_BLOCKS);
+          uint32_t* vb = vpairs + size_t(c) * (BSP / 2) * D;
+          pack_value_pairs(reinterpret_cast<const c10::BFloat16*>(vblk[c] + hi * D), P.kv_row, nvalid[c], D, vb);
+          std::fill(vb + size_t(nvalid[c] + 1) / 2 * D, vb + size_t(BSP / 2) * D, 0u);
+        }
+        std::fill(vpairs + size_t(width / 2) * D, vpairs + size_t(widthp / 2) * D, 0u);
+        const size_t row0 = size_t(hi * MH + r0);
+        int r = 0;
+#ifdef OI_AMX
+        if (amx)
+          for (; r + 16 <= rows_h; r += 16)
+            pv_amx16(pb + (row0 + r) * SW, SW, vpairs, widthp, o + (row0 + r) * D, D);
+#endif
+        accumulate_pv_bf16(rows_h - r, reinterpret_cast<const uint32_t*>(pb + (row0 + r) * SW), SW / 2, vpairs,
+                           width / 2, o + (row0 + r) * D, D);
+      }
+      continue;
+    }
 #endif
     for (int c = 0; c < nb; ++c) {
       prefetch_block(vc, P.v_s0, j0 + c + PREFETCH_BLOCKS);
@@ -766,13 +887,7 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
         const T* vb = vblk[c] + hi * D;
         const float* pr = s + size_t(hi * MH + r0) * SW + c * BSP;
         float* orow = o + size_t(hi * MH + r0) * D;
-        if (dpbf16) {
-#ifdef OI_DPBF16
-          pack_value_pairs(reinterpret_cast<const c10::BFloat16*>(vb), P.kv_row, nvalid[c], D, vpairs);
-          accumulate_pv_bf16(rows_h, reinterpret_cast<const uint32_t*>(pb + size_t(hi * MH + r0) * SW + c * BSP),
-                             SW / 2, vpairs, (nvalid[c] + 1) / 2, orow, D);
-#endif
-        } else if (std::is_same_v<T, float> || rows_h <= PV_ROWS) {
+        if (std::is_same_v<T, float> || rows_h <= PV_ROWS) {
           // A single row tile converts each V element once anyway: read the block in place.
           accumulate_pv(rows_h, pr, SW, vb, P.kv_row, nvalid[c], orow, D);
         } else {
@@ -821,6 +936,35 @@ void merge_rows(const Params& P, const std::pair<int64_t, int64_t>* merges, int 
     T* dst = out + token * P.o_s0 + (h * G + g) * P.o_s1;
     store_from_float(dst, acc, D, normaliser(mmax, total, P.sinks, h * G + g));
   }
+}
+
+#ifdef OI_AMX
+// Linux gives a process AMX's tile data (8 KiB of state per thread) only once asked; without it
+// the first tile instruction faults. Asked once; oneDNN asks the same for its GEMMs.
+bool amx_usable() {
+  static const bool granted = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return granted;
+}
+#endif
+
+// "" is the default: VDPBF16PS where compiled, else fp32.
+Bf16Dot parse_bf16_dot(const std::string& name) {
+#ifdef OI_DPBF16
+  if (name.empty() || name == "avx512_bf16") return BF16_AVX512;
+#else
+  if (name.empty()) return BF16_FP32;
+#endif
+  if (name == "fp32") return BF16_FP32;
+#ifdef OI_AMX
+  if (name == "amx_bf16") {
+    TORCH_CHECK(amx_usable(), "paged_attention: the kernel refused this process AMX tile state");
+    return BF16_AMX;
+  }
+#endif
+  TORCH_CHECK(false, "paged_attention: bf16_dot '", name, "' is not a path of this build (bf16_dot_paths())");
 }
 
 void check_cache(const at::Tensor& c, const char* name, int64_t H, int64_t D) {
@@ -960,7 +1104,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
                      int64_t max_query_len, int64_t kv_splits, bool invariant, int64_t window, double softcap,
-                     const std::optional<at::Tensor>& sinks) {
+                     const std::optional<at::Tensor>& sinks, const std::string& bf16_dot) {
   for (const at::Tensor* t : {&static_cast<const at::Tensor&>(out), &q, &key_cache, &value_cache, &block_tables,
                               &query_start_loc, &seq_lens})
     TORCH_CHECK(t->device().is_cpu(), "paged_attention: CPU tensors only");
@@ -1026,6 +1170,12 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
   P.D = int(D);
   P.BS = int(BS);
   P.BSP = int((BS + KEY_TILE - 1) / KEY_TILE * KEY_TILE);
+  P.chunk_blocks = int(std::clamp<int64_t>(CHUNK_KEYS / BS, 1, MAX_CHUNK_BLOCKS));
+  P.bf16_dot = parse_bf16_dot(bf16_dot);
+  // AMX tiles take 32 values of D and 32 keys of a chunk at a time, and a row's result depends on
+  // which tile it falls in: not in batch-invariant mode.
+  if (P.bf16_dot == BF16_AMX && (invariant || D % 32 != 0 || P.chunk_blocks * P.BSP % 32 != 0))
+    P.bf16_dot = BF16_AVX512;
   P.scale = float(scale);
   P.qsl = qsl;
   P.seq_lens = sl;
@@ -1043,7 +1193,6 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
   P.window = int(window);
   P.softcap = float(softcap);
   P.sinks = sinks.has_value() ? sinks_f.data_ptr<float>() : nullptr;
-  P.chunk_blocks = int(std::clamp<int64_t>(CHUNK_KEYS / BS, 1, MAX_CHUNK_BLOCKS));
   P.row_tokens = plan.row_tokens.data();
   std::unique_ptr<float[]> parts(new float[size_t(plan.part_rows) * (D + 2)]);
   P.part_o = parts.get();
@@ -1096,6 +1245,19 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
     run(static_cast<c10::BFloat16*>(nullptr));
 }
 
+// The bf16 product paths this build has, in the order of Bf16Dot ("avx512_bf16" where compiled
+// for AVX512_BF16, "amx_bf16" where for AMX and the kernel grants this process the tile state).
+std::vector<std::string> bf16_dot_paths() {
+  std::vector<std::string> paths{"fp32"};
+#ifdef OI_DPBF16
+  paths.push_back("avx512_bf16");
+#endif
+#ifdef OI_AMX
+  if (amx_usable()) paths.push_back("amx_bf16");
+#endif
+  return paths;
+}
+
 std::string isa() {
   std::string s = "vec" + std::to_string(W);
 #if defined(__AVX512F__)
@@ -1103,6 +1265,9 @@ std::string isa() {
 #endif
 #if defined(__AVX512BF16__)
   s += "+avx512bf16";
+#endif
+#ifdef OI_AMX
+  s += "+amxbf16";
 #endif
 #if defined(__AVX2__)
   s += "+avx2";
@@ -1152,7 +1317,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("max_query_len"),
         py::arg("kv_splits") = 0, py::arg("invariant") = false, py::arg("window") = 0, py::arg("softcap") = 0.0,
-        py::arg("sinks") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("sinks") = py::none(), py::arg("bf16_dot") = "", py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_dot_paths", &bf16_dot_paths, "The bf16 product paths of this build: fp32, avx512_bf16, amx_bf16");
   m.def("plan_stats", &plan_stats, "(items, shared-prefix items, partial items) of a call's plan",
         py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("num_kv_heads"),
         py::arg("group"), py::arg("block_size"), py::arg("threads"), py::arg("kv_splits") = 0,
