@@ -14,11 +14,17 @@ Per-step metadata (masks, tables) is built outside the timed region for both.
 
     .venv/bin/python benchmarks/bench_attention.py            # every case, fp32 and bf16
     .venv/bin/python benchmarks/bench_attention.py --quick    # fewer repeats
+    .venv/bin/python benchmarks/bench_attention.py --bf16-paths
+
+``--bf16-paths``: for a bf16 cache, the kernel's product paths on this CPU side by side
+(``fp32``: K/V widened for fp32 FMAs, the baseline; ``avx512_bf16``: VDPBF16PS; ``amx_bf16``:
+AMX tiles), interleaved, each path's speedup over ``fp32``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import platform
 import statistics
@@ -31,7 +37,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from openinfer.kernels.cpu_attention import load_cpu_attention, paged_attention  # noqa: E402
+from openinfer.kernels.cpu_attention import (  # noqa: E402
+    bf16_dot_paths,
+    load_cpu_attention,
+    paged_attention,
+)
 from openinfer.kernels.paged_attention import (  # noqa: E402
     decode_attention,
     gather_kv,
@@ -100,9 +110,9 @@ class Setup:
         self.fresh = [gather_kv(self.cache, t, s) for t, s in
                       zip(self.prefill_tables, case.seq_lens[nd:])]
 
-    def kernel(self) -> None:
+    def kernel(self, bf16_dot: str | None = None) -> None:
         paged_attention(self.out, self.q, self.cache[0], self.cache[1], self.tables, self.qsl,
-                        self.seq_lens, self.scale, max(self.case.query_lens))
+                        self.seq_lens, self.scale, max(self.case.query_lens), bf16_dot=bf16_dot)
 
     def reference(self) -> torch.Tensor:
         out, nd = torch.empty_like(self.q), self.num_decodes
@@ -170,6 +180,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28, help="layers in the block-major cache")
     parser.add_argument("--quick", action="store_true", help="3 rounds of 0.05 s")
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
+    parser.add_argument("--bf16-paths", action="store_true",
+                        help="bf16 only: each product path of the kernel against its fp32 path")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.min_seconds = 3, 0.05
@@ -182,6 +194,10 @@ def main() -> None:
           f"{torch.backends.cpu.get_cpu_capability()}; kernel build {module.isa()}; "
           f"{args.threads} threads; {args.repeats} interleaved rounds")
     print(stall_note(args.threads, "before"))
+    if args.bf16_paths:
+        compare_bf16_paths(args)
+        print(stall_note(args.threads, "after"))
+        return
     print("| case | head_dim | dtype | kernel ms | reference ms | speedup median [min, max] |")
     print("|---|---|---|---|---|---|")
     for case in cases():
@@ -204,6 +220,33 @@ def main() -> None:
                       f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}] |",
                       flush=True)
     print(stall_note(args.threads, "after"))
+
+
+def compare_bf16_paths(args: argparse.Namespace) -> None:
+    paths = bf16_dot_paths()
+    print(f"| case | head_dim | {' | '.join(f'{p} ms' for p in paths)} | "
+          f"{' | '.join(f'{p} / fp32' for p in paths[1:])} |")
+    print("|---|---|" + "---|" * (2 * len(paths) - 1))
+    for case in cases():
+        if args.only not in case.name:
+            continue
+        for head_dim in (64, 128):
+            setup = Setup(case, head_dim, torch.bfloat16, args.layers)
+            ref = setup.reference().float()
+            for path in paths:
+                setup.kernel(path)
+                err = (setup.out.float() - ref).abs().max().item()
+                assert err < 3e-2, f"{case.name} {path}: max err {err}"
+            times: dict[str, list[float]] = {p: [] for p in paths}
+            for _ in range(args.repeats):
+                for path in paths:
+                    times[path].append(timed(functools.partial(setup.kernel, path), args.min_seconds))
+            ms = [f"{statistics.median(times[p]) * 1e3:.3f}" for p in paths]
+            ratios = []
+            for path in paths[1:]:
+                r = [f / t for f, t in zip(times["fp32"], times[path])]
+                ratios.append(f"{statistics.median(r):.2f}x [{min(r):.2f}, {max(r):.2f}]")
+            print(f"| {case.name} | {head_dim} | {' | '.join(ms)} | {' | '.join(ratios)} |", flush=True)
 
 
 if __name__ == "__main__":

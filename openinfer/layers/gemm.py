@@ -3,7 +3,7 @@
     load_model ── load_weights ── plan_gemms(model) ──> every GemmLayer (Linear, MergedLinear,
                                                          LMHead) gets a GemmPlan
 
-Paths compute the same product from the weight in one of two formats:
+Paths compute the same product from the weight in one of three formats:
 
     path           weight           call
     torch          plain [N, K]     F.linear(x, W, b): the reference every path is checked against
@@ -16,6 +16,10 @@ Paths compute the same product from the weight in one of two formats:
     small_gemm     plain            openinfer's C++ few-row kernel (kernels/cpu/small_gemm.cpp):
                                     streams W once at close to the read bandwidth; float32,
                                     timed for up to 16 rows
+    amx            amx              openinfer's AMX kernel (kernels/cpu/amx_gemm.cpp) on W packed
+                                    once into 1 KiB tile blocks in the order they are read; bf16
+                                    on CPUs with AMX. 1.4-1.7x oneDNN's packed linear at 1-4
+                                    rows, 1.8-2.5x at 17-32, parity at 512 (2 Intel cores)
 
 A plan sends each call, by its row count M (tokens in the step), to one path:
 
@@ -42,8 +46,9 @@ cached for the process, so a model's 30 identical layers are timed once:
   3. per bucket the fastest wins; a path other than ``torch`` must be ``MARGIN`` faster, so
      that noise does not flip choices between equals (weights under ``MIN_TIMED_WEIGHT``
      elements are not timed: ``torch`` everywhere);
-  4. memory: a layer holds one copy of its weight, plain or packed, whichever format's paths
-     are faster over the buckets (``choose_paths``). A packed weight replaces the plain one: the
+  4. memory: a layer holds one copy of its weight, plain or packed (for oneDNN or for amx),
+     whichever format's paths are faster over the buckets (``choose_paths``). A packed weight
+     replaces the plain one: the
      layer's ``weight`` becomes a meta tensor of the same shape (``parameters()`` still counts
      it; reading it fails). A weight another module shares (a tied embedding) stays plain, and
      gets a packed copy (its only extra memory) only if that is ``EXTRA_COPY_MARGIN`` faster in
@@ -76,7 +81,8 @@ from openinfer.layers.linear import GemmLayer
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "OPENINFER_CPU_GEMM"
-PLAIN, PACKED = "plain", "packed"
+PLAIN, PACKED, AMX = "plain", "packed", "amx"
+FORMATS = (PLAIN, PACKED, AMX)
 PACK_ROWS = 128
 """The row count oneDNN picks the packed layout for (vLLM packs for 128 too)."""
 MARGIN = 1.05
@@ -152,11 +158,30 @@ def _small_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tor
     return out
 
 
+def _amx(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    _amx_kernels().amx_gemm(out, x.contiguous(), w, b)
+    return out
+
+
+def _amx_kernels():
+    kernels = load_cpu_attention()
+    if kernels is None or not kernels.amx_gemm_available():
+        raise RuntimeError("no AMX GEMM here (a CPU or build without AMX-BF16, or tile state refused)")
+    return kernels
+
+
+def amx_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] in the amx path's tile blocks ([N, K/32, 32], the same bytes). Raises
+    RuntimeError where there is no AMX, for other dtypes, or unless 16 | N and 32 | K."""
+    return _amx_kernels().amx_pack_weight(weight)
+
+
 @dataclass(frozen=True)
 class GemmPath:
     name: str
     weight_format: str
-    """PLAIN (the loaded [N, K] tensor) or PACKED (see ``pack_weight``)."""
+    """PLAIN (the loaded [N, K] tensor), PACKED (see ``pack_weight``) or AMX (``amx_pack_weight``)."""
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     """(x [M, K], weight in ``weight_format``, bias or None) -> [M, N]."""
     rows: tuple[int, int | None] = (1, None)
@@ -174,6 +199,7 @@ PATHS: dict[str, GemmPath] = {p.name: p for p in (
     GemmPath("onednn", PLAIN, _onednn),
     GemmPath("onednn_packed", PACKED, _onednn),
     GemmPath("small_gemm", PLAIN, _small_gemm, rows=(1, 16)),
+    GemmPath("amx", AMX, _amx),
 )}
 
 
@@ -281,15 +307,16 @@ def why_no_plans(layers: Sequence[GemmLayer], mode: str) -> str | None:
 
 
 def weight_formats(weight: torch.Tensor) -> Callable[[str], torch.Tensor]:
-    """``weight`` in a format (PLAIN or PACKED); the one packed copy is made when first asked."""
-    packed: list[torch.Tensor] = []
+    """``weight`` in a format (one of FORMATS); each packed copy is made when first asked."""
+    packed: dict[str, torch.Tensor] = {}
+    packers = {PACKED: pack_weight, AMX: amx_pack_weight}
 
     def weight_in(fmt: str) -> torch.Tensor:
         if fmt == PLAIN:
             return weight
-        if not packed:
-            packed.append(pack_weight(weight))
-        return packed[0]
+        if fmt not in packed:
+            packed[fmt] = packers[fmt](weight)
+        return packed[fmt]
 
     return weight_in
 
@@ -334,9 +361,8 @@ def _plan_layer(layer: GemmLayer, mode: str, shared: bool, cold: bool = False) -
         routes.append(Route(bucket, path, weight_in(path.weight_format), t.get(name),
                             t.get("torch")))
     formats = {r.path.weight_format for r in routes}
-    extra = 0
-    if PACKED in formats and (PLAIN in formats or shared):
-        extra = weight.numel() * weight.element_size()
+    held = formats | ({PLAIN} if shared else set())  # a shared weight stays plain for its sharer
+    extra = (len(held) - 1) * weight.numel() * weight.element_size()
     if PLAIN not in formats and not shared:
         # Free the loaded weight: nothing reads it any more (see the module docstring).
         layer.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
@@ -473,11 +499,11 @@ def choose_paths(times: Sequence[Mapping[str, float]],
     """Per bucket, the path to run, from seconds per call (``times[i][path]``, bucket i; each
     must include ``torch``).
 
-    A layer holds one copy of its weight, plain or packed. Each format is scored by its paths'
-    times summed over buckets, each relative to the bucket's best (MARGIN counted against
-    paths other than torch); plain wins unless packed scores MARGIN lower. A weight held plain
-    anyway (``kept``: another module shares it) gets a packed copy only if that makes some
-    bucket EXTRA_COPY_MARGIN faster.
+    A layer holds one copy of its weight, plain or packed (PACKED or AMX). Each format is
+    scored by its paths' times summed over buckets, each relative to the bucket's best (MARGIN
+    counted against paths other than torch); plain wins unless the best packed format scores
+    MARGIN lower. A weight held plain anyway (``kept``: another module shares it) gets a packed
+    copy only if that makes some bucket EXTRA_COPY_MARGIN faster (the format gaining most).
     """
     best = [min(t.values()) for t in times]
 
@@ -488,15 +514,20 @@ def choose_paths(times: Sequence[Mapping[str, float]],
         return sum(_handicapped(t, p) / b for t, p, b in zip(times, picks, best)), picks
 
     plain = option(frozenset({PLAIN}))
-    packed = option(frozenset({PACKED}) | kept)
     if plain is None:
         raise ValueError("choose_paths needs the torch path's time in every bucket")
-    if packed is None:
+    packed = [o for o in (option(frozenset({fmt}) | kept) for fmt in FORMATS if fmt != PLAIN)
+              if o is not None]
+    if not packed:
         return plain[1]
     if kept:
-        gain = max(t[a] / t[b] for t, a, b in zip(times, plain[1], packed[1]))
-        return packed[1] if gain >= EXTRA_COPY_MARGIN else plain[1]
-    return packed[1] if packed[0] * MARGIN < plain[0] else plain[1]
+        def gain(o: tuple[float, list[str]]) -> float:
+            return max(t[a] / t[b] for t, a, b in zip(times, plain[1], o[1]))
+
+        best_gain = max(packed, key=gain)
+        return best_gain[1] if gain(best_gain) >= EXTRA_COPY_MARGIN else plain[1]
+    best = min(packed, key=lambda o: o[0])
+    return best[1] if best[0] * MARGIN < plain[0] else plain[1]
 
 
 @dataclass(frozen=True)

@@ -68,12 +68,8 @@
 #include <tuple>
 #include <vector>
 
+#include "amx.h"
 #include "vec.h"
-
-#if defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -526,35 +522,23 @@ inline void accumulate_pv_bf16(int rows, const uint32_t* p, int p_stride, const 
 }
 #endif
 
-#if defined(OI_DPBF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(OI_DPBF16) && defined(OI_AMX)
+#define OI_AMX_ATTENTION 1
 // AMX tiles (TDPBF16PS: C[16][16] fp32 += A[16][32 bf16] . B[16 pairs][16][2 bf16]) for the
 // full groups of 16 rows of the many-row bf16 items, on the same operands as the VDPBF16PS
 // path: Q rows as pairs of D (A), the K block transposed as pairs (B), P rows in bf16 (A) and
 // the chunk's V rows interleaved in pairs (B). One tile instruction is 16x16x32 products; the
-// rows left over (< 16 of a head) take the VDPBF16PS code. Linux hands a process the tile
-// state only once asked (arch_prctl), see amx_usable().
-#define OI_AMX 1
+// rows left over (< 16 of a head) take the VDPBF16PS code.
 
 // Every tile is 16 rows of 64 bytes: a 16 x 32 bf16 operand, 16 pairs x 16 columns, or
-// 16 x 16 fp32 results.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) {
-      colsb[t] = 64;
-      rows[t] = 16;
-    }
-  }
-};
-
-// Tiles are per thread and other code (oneDNN's GEMMs) configures them its own way on the same
-// OpenMP threads: every item that uses them loads this configuration first.
+// 16 x 16 fp32 results. Loaded by every item that uses tiles (see oi_amx::TileConfig).
 inline void configure_tiles() {
-  static const TileConfig config;
-  _tile_loadconfig(&config);
+  static const oi_amx::TileConfig config = [] {
+    oi_amx::TileConfig c;
+    for (int t = 0; t < 8; ++t) c.set(t, 16, 64);
+    return c;
+  }();
+  config.load();
 }
 
 // S[16][0 .. bsp) = scale * (Q . K^T) for 16 rows: Q as [16][D/2] pairs (row stride D/2), Kt as
@@ -693,7 +677,7 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
 #else
   const bool dpbf16 = false;
 #endif
-#ifdef OI_AMX
+#ifdef OI_AMX_ATTENTION
   const bool amx = dpbf16 && P.bf16_dot == BF16_AMX;
   if (amx) configure_tiles();
 #else
@@ -788,7 +772,7 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
           transpose_keys(reinterpret_cast<const float*>(kb), P.kv_row / 2, n, D / 2, kt, BSP);
           const uint32_t* qh2 = qpairs + size_t(hi * MH + r0) * (D / 2);
           int r = 0;
-#ifdef OI_AMX
+#ifdef OI_AMX_ATTENTION
           if (amx)
             for (; r + 16 <= rows_h; r += 16)
               scores_amx16(qh2 + size_t(r) * (D / 2), D, kpairs, BSP, P.scale, sr + size_t(r) * SW, SW);
@@ -870,7 +854,7 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
         std::fill(vpairs + size_t(width / 2) * D, vpairs + size_t(widthp / 2) * D, 0u);
         const size_t row0 = size_t(hi * MH + r0);
         int r = 0;
-#ifdef OI_AMX
+#ifdef OI_AMX_ATTENTION
         if (amx)
           for (; r + 16 <= rows_h; r += 16)
             pv_amx16(pb + (row0 + r) * SW, SW, vpairs, widthp, o + (row0 + r) * D, D);
@@ -938,18 +922,6 @@ void merge_rows(const Params& P, const std::pair<int64_t, int64_t>* merges, int 
   }
 }
 
-#ifdef OI_AMX
-// Linux gives a process AMX's tile data (8 KiB of state per thread) only once asked; without it
-// the first tile instruction faults. Asked once; oneDNN asks the same for its GEMMs.
-bool amx_usable() {
-  static const bool granted = [] {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return granted;
-}
-#endif
-
 // "" is the default: VDPBF16PS where compiled, else fp32.
 Bf16Dot parse_bf16_dot(const std::string& name) {
 #ifdef OI_DPBF16
@@ -958,9 +930,9 @@ Bf16Dot parse_bf16_dot(const std::string& name) {
   if (name.empty()) return BF16_FP32;
 #endif
   if (name == "fp32") return BF16_FP32;
-#ifdef OI_AMX
+#ifdef OI_AMX_ATTENTION
   if (name == "amx_bf16") {
-    TORCH_CHECK(amx_usable(), "paged_attention: the kernel refused this process AMX tile state");
+    TORCH_CHECK(oi_amx::usable(), "paged_attention: the kernel refused this process AMX tile state");
     return BF16_AMX;
   }
 #endif
@@ -1252,8 +1224,8 @@ std::vector<std::string> bf16_dot_paths() {
 #ifdef OI_DPBF16
   paths.push_back("avx512_bf16");
 #endif
-#ifdef OI_AMX
-  if (amx_usable()) paths.push_back("amx_bf16");
+#ifdef OI_AMX_ATTENTION
+  if (oi_amx::usable()) paths.push_back("amx_bf16");
 #endif
   return paths;
 }
@@ -1266,7 +1238,7 @@ std::string isa() {
 #if defined(__AVX512BF16__)
   s += "+avx512bf16";
 #endif
-#ifdef OI_AMX
+#ifdef OI_AMX_ATTENTION
   s += "+amxbf16";
 #endif
 #if defined(__AVX2__)
@@ -1305,6 +1277,7 @@ void register_token_mask(pybind11::module& m);  // token_mask.cpp
 void register_activation(pybind11::module& m);  // activation.cpp
 void register_rotary(pybind11::module& m);      // rotary.cpp
 void register_write_kv(pybind11::module& m);    // write_kv.cpp
+void register_amx_gemm(pybind11::module& m);    // amx_gemm.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_rms_norm(m);
@@ -1313,6 +1286,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_activation(m);
   register_rotary(m);
   register_write_kv(m);
+  register_amx_gemm(m);
   m.def("paged_attention", &paged_attention, "Paged varlen attention (see openinfer/kernels/cpu_attention.py)",
         py::arg("out"), py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("max_query_len"),
