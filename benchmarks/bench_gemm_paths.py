@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from openinfer.cpu_features import cpu_capability, cpu_flags, cpu_model_name, has_native_bf16
-from openinfer.layers.gemm import PATHS, pack_weight
+from openinfer.layers.gemm import PATHS, weight_formats
 
 SHAPES = {"qkv": (2048, 1024), "o": (1024, 1024), "gate_up": (6144, 1024), "down": (1024, 3072),
           "lm_head": (32000, 1024)}  # name: (N, K)
@@ -41,16 +41,12 @@ SAMPLE_SECONDS = 0.005
 def candidates(w: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Path name -> fn(x), for the paths that run here for this dtype ('F.linear' first)."""
     fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"F.linear": lambda x: F.linear(x, w)}
-    packed = None
+    weight_in = weight_formats(w)
     for name, path in PATHS.items():
         if name == "torch" or (name == "torch_t" and rows == 1):
             continue
         try:
-            if path.weight_format == "packed":
-                packed = pack_weight(w) if packed is None else packed
-                weight = packed
-            else:
-                weight = w
+            weight = weight_in(path.weight_format)
             path.run(torch.randn(rows, w.shape[1], dtype=w.dtype), weight, None)
         except RuntimeError:
             continue
