@@ -269,9 +269,12 @@ def test_every_bf16_product_path(ext, path, case):
         pytest.skip(f"this CPU/build has no {path} path")
     batch = make_batch(**BF16_CASES[case], dtype=torch.bfloat16)
     check(batch, lambda *args: paged_attention(*args, bf16_dot=path))
-    # Batch-invariant mode takes the path too, or a fallback that is invariant (AMX is not).
+    # Batch-invariant mode takes the build's default path whatever is asked (and stays right).
     out = torch.full_like(batch.q, float("nan"))
     ext.paged_attention(*batch.args(out), invariant=True, bf16_dot=path)
+    default = torch.full_like(batch.q, float("nan"))
+    ext.paged_attention(*batch.args(default), invariant=True)
+    assert torch.equal(out, default)
     ref = torch.empty_like(batch.q)
     paged_attention_reference(*batch.args(ref))
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -1143,11 +1143,12 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
   P.BS = int(BS);
   P.BSP = int((BS + KEY_TILE - 1) / KEY_TILE * KEY_TILE);
   P.chunk_blocks = int(std::clamp<int64_t>(CHUNK_KEYS / BS, 1, MAX_CHUNK_BLOCKS));
-  P.bf16_dot = parse_bf16_dot(bf16_dot);
-  // AMX tiles take 32 values of D and 32 keys of a chunk at a time, and a row's result depends on
-  // which tile it falls in: not in batch-invariant mode.
-  if (P.bf16_dot == BF16_AMX && (invariant || D % 32 != 0 || P.chunk_blocks * P.BSP % 32 != 0))
-    P.bf16_dot = BF16_AVX512;
+  // Batch-invariant mode takes the build's default path whatever was chosen: a choice timed at
+  // start-up may differ between two processes on one machine, and under AMX a row's sum order
+  // would depend on the 16-row tile it falls in. AMX tiles take 32 values of D and 32 keys of a
+  // chunk at a time.
+  P.bf16_dot = parse_bf16_dot(invariant ? "" : bf16_dot);
+  if (P.bf16_dot == BF16_AMX && (D % 32 != 0 || P.chunk_blocks * P.BSP % 32 != 0)) P.bf16_dot = BF16_AVX512;
   P.scale = float(scale);
   P.qsl = qsl;
   P.seq_lens = sl;
