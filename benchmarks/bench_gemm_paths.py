@@ -9,7 +9,7 @@ per-round speedup over F.linear, with its range. Also listed, never used by the 
 ``mkl_packed`` (MKL's packed sgemm, fp32, packed for exactly that M; any other M falls back to
 F.linear on the original weight, so the engine would have to keep both copies).
 
-    .venv/bin/python benchmarks/bench_gemm_paths.py [--rounds 7] [--plan-model smollm2]
+    .venv/bin/python benchmarks/bench_gemm_paths.py [--rounds 7] [--cold] [--plan-model smollm2]
 
 ``--plan-model`` also loads a model and reports its GEMM plans and what they cost at start-up.
 ``--output docs/benchmarks.md`` writes the table as that file's ``bench_gemm_paths`` section.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import os
 import statistics
 import time
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from openinfer.cpu_features import cpu_capability, cpu_flags, cpu_model_name, has_native_bf16
-from openinfer.layers.gemm import PATHS, weight_formats
+from openinfer.layers.gemm import PATHS, cold_copies, weight_formats
 
 SHAPES = {"qkv": (2048, 1024), "o": (1024, 1024), "gate_up": (6144, 1024), "down": (1024, 3072),
           "lm_head": (32000, 1024)}  # name: (N, K)
@@ -38,33 +39,46 @@ LM_HEAD_MAX_ROWS = 32  # logits are computed for each sequence's last token only
 SAMPLE_SECONDS = 0.005
 
 
-def candidates(w: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Path name -> fn(x), for the paths that run here for this dtype ('F.linear' first)."""
-    fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"F.linear": lambda x: F.linear(x, w)}
-    weight_in = weight_formats(w)
+def candidates(ws: list[torch.Tensor], rows: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Path name -> fn(x), for the paths that run here for this dtype ('F.linear' first). Each
+    fn's successive calls rotate over the copies ``ws`` of the weight (cold timing when they
+    outgrow the cache, as a forward pass reads each weight from memory)."""
+    plain = itertools.cycle(ws)
+    fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "F.linear": lambda x: F.linear(x, next(plain))}
+    formats = [weight_formats(w) for w in ws]
     for name, path in PATHS.items():
         if name == "torch" or (name == "torch_t" and rows == 1):
             continue
         try:
-            weight = weight_in(path.weight_format)
-            path.run(torch.randn(rows, w.shape[1], dtype=w.dtype), weight, None)
+            weights = [weight_in(path.weight_format) for weight_in in formats]
+            path.run(torch.randn(rows, ws[0].shape[1], dtype=ws[0].dtype), weights[0], None)
         except RuntimeError:
             continue
-        fns[name] = lambda x, run=path.run, weight=weight: run(x, weight, None)
-    if w.dtype == torch.float32 and torch.backends.mkl.is_available():
-        mkl_w = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
-        fns["mkl_packed"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl_w, w, None, rows)
+        rotation = itertools.cycle(weights)
+        fns[name] = lambda x, run=path.run, it=rotation: run(x, next(it), None)
+    if ws[0].dtype == torch.float32 and torch.backends.mkl.is_available():
+        mkl = itertools.cycle([(torch.ops.mkl._mkl_reorder_linear_weight(w, rows), w) for w in ws])
+
+        def mkl_packed(x: torch.Tensor) -> torch.Tensor:
+            packed, w = next(mkl)
+            return torch.ops.mkl._mkl_linear(x, packed, w, None, rows)
+
+        fns["mkl_packed"] = mkl_packed
     return fns
 
 
-def measure(n: int, k: int, rows: int, dtype: torch.dtype, rounds: int) -> dict[str, list[float]]:
+def measure(n: int, k: int, rows: int, dtype: torch.dtype, rounds: int,
+            cold: bool = False) -> dict[str, list[float]]:
     """Per path, the per-round speedups over F.linear (seconds per call of F.linear / path)."""
     w = (torch.randn(n, k) / k**0.5).to(dtype)
+    copies = cold_copies(w) if cold else 1
     x = torch.randn(rows, k, dtype=dtype)
-    fns = candidates(w, rows)
+    fns = candidates([w] * copies if copies == 1 else [w] + [w.clone() for _ in range(copies - 1)],
+                     rows)
     reference = F.linear(x.float(), w.float())
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-    for name, fn in fns.items():  # warm-up and correctness
+    for name, fn in fns.items():  # warm-up and correctness (every copy holds the same values)
         err = (fn(x).float() - reference).abs().max().item()
         assert err <= tolerance * reference.abs().max().item(), f"{name} is wrong by {err}"
     repeat = {}
@@ -87,7 +101,7 @@ def measure(n: int, k: int, rows: int, dtype: torch.dtype, rounds: int) -> dict[
     return ratios
 
 
-def table(dtype: torch.dtype, rounds: int) -> list[str]:
+def table(dtype: torch.dtype, rounds: int, cold: bool = False) -> list[str]:
     paths = [p for p in PATHS if p != "torch"] + ["mkl_packed"]
     lines = ["| shape (N x K) | M | " + " | ".join(paths) + " |", "|---" * (len(paths) + 2) + "|"]
     print("\n".join(lines), flush=True)
@@ -95,7 +109,7 @@ def table(dtype: torch.dtype, rounds: int) -> list[str]:
         for rows in ROWS:
             if name == "lm_head" and rows > LM_HEAD_MAX_ROWS:
                 continue
-            ratios = measure(n, k, rows, dtype, rounds)
+            ratios = measure(n, k, rows, dtype, rounds, cold)
             cells = []
             for path in paths:
                 r = ratios.get(path)
@@ -127,6 +141,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--cold", action="store_true",
+                        help="rotate over copies of each weight that outgrow the last-level cache "
+                             "(as the engine's planner times few-row GEMMs): weights read from memory")
     parser.add_argument("--plan-model", default=None)
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
@@ -139,17 +156,20 @@ def main() -> None:
         f"{cpu_capability()}, bf16 flags: "
         f"{', '.join(f for f in ('avx512_bf16', 'amx_bf16') if f in flags) or 'none'}; "
         f"load average {os.getloadavg()[0]:.1f} at start.",
-        f"- Speedup over F.linear, median of {args.rounds} interleaved rounds (range). "
+        f"- Speedup over F.linear, median of {args.rounds} interleaved rounds (range); "
+        + ("cold: each call reads its weight from memory (calls rotate over copies of it that "
+           "outgrow the last-level cache). " if args.cold else
+           "hot: the same weight every call (it stays in cache where it fits). ") +
         "Paths: openinfer/layers/gemm.py; mkl_packed: MKL packed sgemm for exactly that M "
         "(not used by the engine).",
         "",
     ]
     print("\n".join(header), flush=True)
     print("### float32\n", flush=True)
-    body = [*header, "### float32", "", *table(torch.float32, args.rounds), ""]
+    body = [*header, "### float32", "", *table(torch.float32, args.rounds, args.cold), ""]
     if has_native_bf16(flags):
         print("### bfloat16\n", flush=True)
-        body += ["### bfloat16", "", *table(torch.bfloat16, args.rounds), ""]
+        body += ["### bfloat16", "", *table(torch.bfloat16, args.rounds, args.cold), ""]
     else:
         body += ["### bfloat16: skipped", "",
                  "This CPU has no AVX512_BF16 or AMX_BF16, so no bf16 dot-product instructions: "
