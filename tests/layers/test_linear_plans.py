@@ -29,7 +29,7 @@ from openinfer.layers.gemm import (
 from openinfer.layers.linear import Linear, MergedLinear
 
 ROWS = (1, 7, 33, 600)  # one row per bucket
-SHAPES = [(13, 37), (96, 64), (200, 384), (256, 80)]  # (in, out): odd sizes and model-like ones
+SHAPES = [(13, 37), (96, 64), (200, 384), (256, 80), (128, 96)]  # (in, out): odd sizes, model-like
 
 
 @pytest.fixture(autouse=True)
