@@ -37,6 +37,7 @@ from openinfer.router.pd import prefill_first
 from openinfer.router.policies import Router, RouterConfig, Worker, parse_event_batch
 from openinfer.router.upstream import ReplicaEjected, ReplicaResponse
 from openinfer.server.anthropic_api import MessagesRequest, openai_tools
+from openinfer.server.disconnect import CancelOnDisconnect
 from openinfer.server.errors import document_errors, error_body
 from openinfer.server.limits import admin_refusal, bearer_token, tenant_salt, within_tenant
 from openinfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -286,6 +287,7 @@ def build_router_app(state: RouterState, admin_api_key: str | None = None) -> Fa
     app = FastAPI(title="openinfer router", lifespan=lifespan)
 
     app.add_middleware(_AdminOnly, admin_api_key=admin_api_key)
+    app.add_middleware(CancelOnDisconnect)  # a client gone before its answer frees the replica
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -459,6 +461,10 @@ def _generate_route(state: RouterState, path: str):
                 logger.warning("replica %s failed before answering (%s); rerouting",
                                worker.url, e)
                 continue
+            except asyncio.CancelledError:  # the client hung up before the replica answered
+                await upstream.close()  # (the replica sees its connection go: it aborts)
+                worker.in_flight -= 1
+                raise
             state.decisions.labels(reason=decision.reason).inc()
             state.prompt_blocks.inc(len(hashes))
             state.matched_blocks.inc(decision.matched_blocks)

@@ -22,6 +22,7 @@ from openinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.anthropic_api import install_anthropic_routes
 from openinfer.server.chat_output import ChatOutput, plan_tools
+from openinfer.server.disconnect import CancelOnDisconnect
 from openinfer.server.errors import APIError, document_errors, error_body, install_error_handlers
 from openinfer.server.limits import ServerLimits, install_limits, salted
 from openinfer.server.metrics import ServerMetrics
@@ -64,6 +65,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
     app = FastAPI(title="openinfer", version=openinfer.__version__, lifespan=lifespan)
     install_error_handlers(app)
     install_limits(app, limits or ServerLimits(), num_waiting=lambda: llm.client.stats.get("num_waiting", 0))
+    app.add_middleware(CancelOnDisconnect)  # outermost: it sees the client's own receive()
     max_model_len = llm.config.model.max_model_len
     metrics = ServerMetrics.for_llm(llm, served_model_name, prefix=metrics_prefix,
                                     engine=metrics_engine)

@@ -354,6 +354,33 @@ def test_a_client_that_hangs_up_ends_the_request_on_the_replica(replicas, router
     assert ended == {"abort": 1, "length": 0}
 
 
+@pytest.mark.slow
+def test_a_client_gone_before_a_non_streamed_answer_frees_the_replica(replicas, routers):
+    """A non-streamed answer has no byte before its end: a client that gives up first (its
+    read timeout) is seen by the router, which closes its connection to the replica, which
+    aborts the request, instead of 128 x 480 tokens being made for nobody."""
+    router = routers["round_robin"]
+    before = {url: metrics(url) for url in replicas}
+    body = {"model": MODEL, "prompt": "nobody waits for this", "n": 128, "max_tokens": 480,
+            "temperature": 1, "seed": 1, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{router}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+
+    def ended(reason: str) -> float:
+        key = f"openinfer:request_success_total[{reason}]"
+        return sum(metrics(url).get(key, 0) - before[url].get(key, 0) for url in replicas)
+
+    deadline = time.monotonic() + 30
+    while ended("abort") < 1 or any(metrics(url)["openinfer:num_requests_running"]
+                                    for url in replicas):
+        assert time.monotonic() < deadline, "the replica went on generating"
+        time.sleep(0.05)
+    assert (ended("abort"), ended("length")) == (1, 0)
+    in_flight = metrics(router)
+    assert all(in_flight[f"openinfer_router:worker_in_flight[{url}]"] == 0 for url in replicas)
+    assert _complete(router, "still serving", max_tokens=2)[0]
+
+
 def test_streams_ended_either_way_leave_no_connection_open_and_break_none(replicas,
                                                                         router_procs):
     """Each hang-up closes the router's connection to the replica. (A cancelled reader used to

@@ -14,6 +14,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
+import httpx
 import openai
 import pytest
 from server_process import MODEL, process_running, start_servers
@@ -580,6 +581,32 @@ def test_metrics_move_and_dropped_streams_are_aborted(server, client):
     assert ended(m, "abort") >= 40
     # ... and the server still answers.
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+
+
+def test_a_client_gone_before_a_non_streamed_answer_aborts_it(server):
+    """A non-streamed completion has no byte to send before its end: a client that gives up
+    first (its read timeout) aborts it, rather than leaving 128 x 480 tokens to be made for
+    nobody, and the server keeps serving."""
+    base, _ = server
+    before = _metrics(base)
+    body = {"model": MODEL, "prompt": "nobody waits for this", "n": 128, "max_tokens": 480,
+            "temperature": 1, "seed": 1, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+
+    def ended(m: dict, reason: str) -> float:
+        key = f"openinfer:request_success_total[{reason}]"
+        return m.get(key, 0) - before.get(key, 0)
+
+    deadline = time.monotonic() + 30
+    while (m := _metrics(base))["openinfer:num_requests_running"] > 0 or not ended(m, "abort"):
+        assert time.monotonic() < deadline, "the engine went on generating"
+        time.sleep(0.05)
+    assert (ended(m, "abort"), ended(m, "length")) == (1, 0)
+    assert m["openinfer:kv_cache_usage_perc"] == 0
+    status, answer = _post(base, "/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                      "max_tokens": 2})
+    assert status == 200 and answer["choices"]
 
 
 @pytest.mark.slow
