@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from openinfer.cli import build_parser, engine_kwargs, resolve_model_arg
+from openinfer.cli import build_parser, engine_kwargs, main, resolve_model_arg
 from openinfer.config import EngineConfig
 
 # (flags, attribute path in EngineConfig, expected value)
@@ -114,3 +114,11 @@ def test_every_engine_flag_has_a_row():
     covered = {s for flags, _, _ in ROWS for s in flags if s.startswith("-")}
     missing = _engine_option_strings() - covered - set(NOT_IN_CONFIG)
     assert not missing, f"engine flags no row of ROWS checks: {sorted(missing)}"
+
+
+def test_headless_is_refused_on_node_zero(qwen3_checkpoint):
+    """--headless runs another node's ranks: on node 0 (the default) it would leave the
+    server unstarted, so it is refused by name before anything loads. With --node-rank 1 it
+    runs in tests/e2e/test_tensor_parallel_server.py."""
+    with pytest.raises(SystemExit, match="--headless is for the nodes other than 0"):
+        main(["serve", "--model", str(qwen3_checkpoint), "--headless"])

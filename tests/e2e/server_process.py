@@ -23,8 +23,11 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def start_server(checkpoint, *flags: str, port: int | None = None,
-                 admin_key: str | None = ADMIN_KEY) -> tuple[str, subprocess.Popen]:
-    return _start(_serve_args(checkpoint, flags), port, admin_key)
+                 admin_key: str | None = ADMIN_KEY,
+                 host: str | None = None) -> tuple[str, subprocess.Popen]:
+    """``host``: passed as ``--host`` and used in the returned base URL (default: the
+    server's own default, 127.0.0.1)."""
+    return _start(_serve_args(checkpoint, flags), port, admin_key, host)
 
 
 def start_servers(*servers: tuple, admin_key: str | None = ADMIN_KEY,
@@ -72,23 +75,25 @@ def _start_all(arg_lists: list[list[str]],
     return launched
 
 
-def _start(args: list[str], port: int | None,
-           admin_key: str | None = ADMIN_KEY) -> tuple[str, subprocess.Popen]:
-    base, proc = _launch(args, port, admin_key)
+def _start(args: list[str], port: int | None, admin_key: str | None = ADMIN_KEY,
+           host: str | None = None) -> tuple[str, subprocess.Popen]:
+    base, proc = _launch(args, port, admin_key, host)
     _wait_healthy(base, proc, args)
     return base, proc
 
 
-def _launch(args: list[str], port: int | None,
-            admin_key: str | None = ADMIN_KEY) -> tuple[str, subprocess.Popen]:
+def _launch(args: list[str], port: int | None, admin_key: str | None = ADMIN_KEY,
+            host: str | None = None) -> tuple[str, subprocess.Popen]:
     port = port or free_ports(1)[0]
+    if host is not None:
+        args = [*args, "--host", host]
     env = {k: v for k, v in os.environ.items() if k != "OPENINFER_ADMIN_API_KEY"}
     if admin_key is not None:
         env["OPENINFER_ADMIN_API_KEY"] = admin_key
     proc = subprocess.Popen(
         [sys.executable, "-m", "openinfer.cli", *args, "--port", str(port), "--log-level",
          "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    return f"http://127.0.0.1:{port}", proc
+    return f"http://{host or '127.0.0.1'}:{port}", proc
 
 
 def _wait_healthy(base: str, proc: subprocess.Popen, args: list[str]) -> None:

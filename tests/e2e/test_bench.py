@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -311,3 +312,88 @@ def test_a_server_without_models_or_tokenize_is_a_clear_error(stub, tmp_path, ca
     assert main([*serve, "--base-url", base, "--result-dir", str(tmp_path)]) == 2
     assert "give one or the other" in capsys.readouterr().err
     assert not out.exists()
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """An OpenAI-like streaming server that records every request body and, after
+    ``server.delay`` seconds, streams one "x" per requested token, then the usage."""
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.bodies.append(body)
+        time.sleep(self.server.delay)
+        chat = self.path.endswith("/chat/completions")
+        tokens = body.get("max_completion_tokens") or body["max_tokens"]
+        choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
+        events = [{"choices": [choice]}] * tokens + [
+            {"choices": [], "usage": {"prompt_tokens": 0, "completion_tokens": tokens}}]
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()  # HTTP/1.0: the body ends when the connection closes
+            for event in events:
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+        except OSError:  # a client that gave up (--timeout) has closed the socket
+            pass
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def recorder():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    httpd.bodies, httpd.delay = [], 0.0
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
+    thread.start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_request_flags_reach_the_wire_and_results_land_where_named(recorder, qwen3_checkpoint,
+                                                                   tmp_path, capsys):
+    """--no-ignore-eos, --shared-system-prompt and --timeout as the server sees them;
+    --result-filename and `bench compare --markdown` on what was saved."""
+    base = f"http://127.0.0.1:{recorder.server_address[1]}"
+    run = ["bench", "serve", "--base-url", base, "--model", "m", "--tokenizer",
+           str(qwen3_checkpoint), "--no-progress", "--input-len", "8", "--output-len", "3"]
+
+    def bodies(*flags: str, code: int = 0) -> list[dict]:
+        recorder.bodies.clear()
+        assert main([*run, *flags]) == code
+        return list(recorder.bodies)
+
+    sent = bodies("--num-requests", "2", "--output", str(tmp_path / "plain.json"))
+    assert [(b["ignore_eos"], b["min_tokens"], b["max_tokens"]) for b in sent] == [(True, 3, 3)] * 2
+    sent = bodies("--num-requests", "2", "--no-ignore-eos", "--output", str(tmp_path / "eos.json"))
+    assert len(sent) == 2 and not any({"ignore_eos", "min_tokens"} & b.keys() for b in sent)
+
+    chat = ["--workload", "multi-turn", "--num-users", "3", "--num-turns", "1", "--prefix-len", "16"]
+    systems = lambda sent: {b["messages"][0]["content"] for b in sent
+                            if b["messages"][0]["role"] == "system"}
+    assert len(systems(bodies(*chat, "--output", str(tmp_path / "own.json")))) == 3
+    assert len(systems(bodies(*chat, "--shared-system-prompt",
+                              "--output", str(tmp_path / "shared.json")))) == 1
+
+    # --timeout: every request gives up after 0.3 s, long before the server's 3 s answer.
+    recorder.delay = 3.0
+    start = time.monotonic()
+    assert main([*run, "--num-requests", "2", "--timeout", "0.3",
+                 "--output", str(tmp_path / "late.json")]) == 1
+    assert time.monotonic() - start < 2.5
+    summary = json.loads((tmp_path / "late.json").read_text())["runs"][0]["summary"]
+    assert summary["failed"] == 2 and "Timeout" in summary["errors"][0]
+    recorder.delay = 0.0
+
+    assert main([*run, "--num-requests", "2", "--save-result", "openinfer", "--result-dir",
+                 str(tmp_path / "dir"), "--result-filename", "mine.json"]) == 0
+    saved = tmp_path / "dir" / "mine.json"
+    assert json.loads(saved.read_text())["runs"][0]["summary"]["completed"] == 2
+    capsys.readouterr()
+    assert main(["bench", "compare", str(saved), str(tmp_path / "plain.json"), "--markdown"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| metric | mine | plain |" and lines[1] == "|---|---|---|"
+    assert all(line.startswith("| ") and line.endswith(" |") for line in lines[2:])

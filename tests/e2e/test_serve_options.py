@@ -1,6 +1,6 @@
 """`openinfer serve` start-up options, as a new user meets them: the socket bound before the
-model loads, keys from the environment, a chat template and sampling defaults from flags,
-help with defaults, `--version` and `python -m openinfer`."""
+model loads, on the address --host names, keys from the environment, a chat template and
+sampling defaults from flags, help with defaults, `--version` and `python -m openinfer`."""
 
 from __future__ import annotations
 
@@ -64,8 +64,13 @@ def test_keys_template_generation_defaults_and_async_scheduling(qwen3_checkpoint
     base, proc = start_server(qwen3_checkpoint, "--chat-template", str(template),
                               "--generation-config", str(defaults),
                               "--disable-uvicorn-access-log", "--async-scheduling",
-                              admin_key=None)
+                              admin_key=None, host="127.0.0.2")
     try:
+        # --host: it listens on that loopback address only, not on the default 127.0.0.1.
+        port = int(base.rsplit(":", 1)[1])
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=10).close()
+
         # The key came from the environment; admin endpoints fall back to it.
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(f"{base}/v1/models", timeout=30)

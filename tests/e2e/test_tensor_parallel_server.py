@@ -129,7 +129,8 @@ def test_tensor_parallel_over_two_nodes_answers_as_one_rank(qwen3_checkpoint, tm
     with open(tmp_path / "node1.log", "w") as log:
         headless = subprocess.Popen(  # started first: it waits for node 0
             [sys.executable, "-m", "openinfer", "serve", "--model", str(qwen3_checkpoint),
-             "-tp", "2", *nodes, "--node-rank", "1"], stdout=log, stderr=subprocess.STDOUT)
+             "-tp", "2", *nodes, "--node-rank", "1", "--headless"], stdout=log,
+            stderr=subprocess.STDOUT)
     try:
         base, proc = start_server(qwen3_checkpoint, "-tp", "2", *nodes)
         try:
