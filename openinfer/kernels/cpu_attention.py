@@ -55,7 +55,8 @@ SOURCES = [Path(__file__).parent / "cpu" / name
 """The extension: paged attention and the write of a step's K/V into the cache, the RMSNorm,
 rotary embedding and the gated MLP's SiLU-and-multiply the layers use with it, the few-row
 float32 GEMM the GEMM planner may choose for decode, and structured outputs' token masking."""
-HEADERS = [Path(__file__).parent / "cpu" / name for name in ("vec.h", "amx.h")]
+HEADERS = [Path(__file__).parent / "cpu" / name
+           for name in ("vec.h", "amx.h", "attention_tiles.h", "attention_bf16.h")]
 """Included by the sources (so they count in the build's cache key)."""
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-Wno-psabi")
 

@@ -1,0 +1,211 @@
+// The bf16 product paths of the CPU paged attention (paged_attention.cpp) for the many-row
+// items of a bf16 cache: VDPBF16PS dot products (OI_DPBF16) and AMX tiles
+// (OI_AMX_ATTENTION), on operands packed as 32-bit pairs of bf16. Included by
+// paged_attention.cpp only.
+#pragma once
+
+#include "amx.h"
+#include "attention_tiles.h"
+
+namespace oi_attention {
+
+#if defined(__AVX512BF16__) && OI_VEC_WIDTH == 16
+// bfloat16 dot products (VDPBF16PS: 16 lanes, each += a[2i] b[2i] + a[2i+1] b[2i+1] in fp32)
+// for the many-row items of a bf16 cache: Q . K^T over pairs of D, P . V over pairs of keys,
+// on operands packed as 32-bit pairs of bf16 (a pair is one broadcastable lane). Twice the
+// products per instruction of fp32 FMAs, and K/V blocks are packed rather than widened.
+// P is rounded to bf16 for P . V (as torch's CPU flash attention does for bf16); the softmax
+// itself (max, exp, running sum) stays fp32.
+#define OI_DPBF16 1
+
+inline __m512 dp(__m512 acc, uint32_t a_pair, __m512i b_pairs) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(int(a_pair)), (__m512bh)b_pairs);
+}
+inline __m512i load_pairs(const uint32_t* p) { return _mm512_loadu_si512(p); }
+
+// S[r][0 .. NK*16) = scale * (Q[r] . Kt) for R rows: Q as [R][DP] pairs of D, Kt as [DP][bsp]
+// pairs of D per key (transpose_keys on the block's rows read as 32-bit words).
+template <int R, int NK>
+inline void score_tile_bf16(const uint32_t* __restrict q, int DP, const uint32_t* __restrict kt,
+                            int bsp, float scale, float* __restrict s, int s_stride) {
+  __m512 acc[R][NK];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NK; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int d = 0; d < DP; ++d) {
+    __m512i k[NK];
+#pragma GCC unroll 4
+    for (int v = 0; v < NK; ++v) k[v] = load_pairs(kt + d * bsp + v * W);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NK; ++v) acc[r][v] = dp(acc[r][v], q[r * DP + d], k[v]);
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NK; ++v) _mm512_storeu_ps(s + r * s_stride + v * W, _mm512_mul_ps(acc[r][v], sc));
+}
+
+template <int R>
+inline void score_rows_bf16(const uint32_t* q, int DP, const uint32_t* kt, int bsp, float scale, float* s,
+                            int s_stride) {
+  int v = 0;
+  for (; v + QK_VECS <= bsp / W; v += QK_VECS)
+    score_tile_bf16<R, QK_VECS>(q, DP, kt + v * W, bsp, scale, s + v * W, s_stride);
+  for (; v < bsp / W; ++v) score_tile_bf16<R, 1>(q, DP, kt + v * W, bsp, scale, s + v * W, s_stride);
+}
+
+template <int R>
+inline void score_tail_bf16(int rows, const uint32_t* q, int DP, const uint32_t* kt, int bsp, float scale,
+                            float* s, int s_stride) {
+  if constexpr (R > 0) {
+    if (rows == R)
+      score_rows_bf16<R>(q, DP, kt, bsp, scale, s, s_stride);
+    else
+      score_tail_bf16<R - 1>(rows, q, DP, kt, bsp, scale, s, s_stride);
+  }
+}
+
+inline void scores_bf16(int rows, const uint32_t* q, int DP, const uint32_t* kt, int bsp, float scale, float* s,
+                        int s_stride) {
+  int r = 0;
+  for (; r + QK_ROWS <= rows; r += QK_ROWS)
+    score_rows_bf16<QK_ROWS>(q + r * DP, DP, kt, bsp, scale, s + r * s_stride, s_stride);
+  score_tail_bf16<QK_ROWS - 1>(rows - r, q + r * DP, DP, kt, bsp, scale, s + r * s_stride, s_stride);
+}
+
+// V rows 2j and 2j + 1 of a block (n valid) interleaved into vp[j][D] pairs; the partner of
+// an odd last key is 0 (its p is 0 too): keys past n are never read.
+inline void pack_value_pairs(const c10::BFloat16* v, int64_t stride, int n, int D, uint32_t* vp) {
+  for (int j = 0; 2 * j < n; ++j) {
+    const c10::BFloat16* a = v + 2 * j * stride;
+    for (int d = 0; d < D; d += W) {
+      __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)));
+      __m512i hi = _mm512_setzero_si512();
+      if (2 * j + 1 < n)
+        hi = _mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + stride + d))), 16);
+      _mm512_storeu_si512(vp + j * D + d, _mm512_or_si512(lo, hi));
+    }
+  }
+}
+
+// Probabilities [rows][width] fp32 -> bf16 (round to nearest even), same layout and stride.
+inline void round_probabilities(int rows, const float* p, int stride, int width, c10::BFloat16* pb) {
+  for (int r = 0; r < rows; ++r)
+    for (int k = 0; k < width; k += W)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + size_t(r) * stride + k),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + size_t(r) * stride + k)));
+}
+
+// O[r][d0 .. d0 + NV*16) += sum_j P[r][pair j] . V[pair j][d0 ..] for R rows over np key pairs:
+// P rows as pairs with a stride of p_stride pairs.
+template <int R, int NV>
+inline void pv_tile_bf16(const uint32_t* __restrict p, int p_stride, const uint32_t* __restrict vp, int np,
+                         float* __restrict o, int D) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + c * W);
+  for (int j = 0; j < np; ++j) {
+    __m512i x[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) x[c] = load_pairs(vp + j * D + c * W);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) acc[r][c] = dp(acc[r][c], p[r * p_stride + j], x[c]);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * D + c * W, acc[r][c]);
+}
+
+template <int R>
+inline void pv_rows_bf16(const uint32_t* p, int p_stride, const uint32_t* vp, int np, float* o, int D) {
+  int d = 0;
+  for (; d + PV_VECS * W <= D; d += PV_VECS * W) pv_tile_bf16<R, PV_VECS>(p, p_stride, vp + d, np, o + d, D);
+  for (; d < D; d += W) pv_tile_bf16<R, 1>(p, p_stride, vp + d, np, o + d, D);
+}
+
+template <int R>
+inline void pv_tail_bf16(int rows, const uint32_t* p, int p_stride, const uint32_t* vp, int np, float* o,
+                         int D) {
+  if constexpr (R > 0) {
+    if (rows == R)
+      pv_rows_bf16<R>(p, p_stride, vp, np, o, D);
+    else
+      pv_tail_bf16<R - 1>(rows, p, p_stride, vp, np, o, D);
+  }
+}
+
+inline void accumulate_pv_bf16(int rows, const uint32_t* p, int p_stride, const uint32_t* vp, int np, float* o,
+                               int D) {
+  int r = 0;
+  for (; r + PV_ROWS <= rows; r += PV_ROWS)
+    pv_rows_bf16<PV_ROWS>(p + r * p_stride, p_stride, vp, np, o + r * D, D);
+  pv_tail_bf16<PV_ROWS - 1>(rows - r, p + r * p_stride, p_stride, vp, np, o + r * D, D);
+}
+#endif
+
+#if defined(OI_DPBF16) && defined(OI_AMX)
+#define OI_AMX_ATTENTION 1
+// AMX tiles (TDPBF16PS: C[16][16] fp32 += A[16][32 bf16] . B[16 pairs][16][2 bf16]) for the
+// full groups of 16 rows of the many-row bf16 items, on the same operands as the VDPBF16PS
+// path: Q rows as pairs of D (A), the K block transposed as pairs (B), P rows in bf16 (A) and
+// the chunk's V rows interleaved in pairs (B). One tile instruction is 16x16x32 products; the
+// rows left over (< 16 of a head) take the VDPBF16PS code.
+
+// Every tile is 16 rows of 64 bytes: a 16 x 32 bf16 operand, 16 pairs x 16 columns, or
+// 16 x 16 fp32 results. Loaded by every item that uses tiles (see oi_amx::TileConfig).
+inline void configure_tiles() {
+  static const oi_amx::TileConfig config = [] {
+    oi_amx::TileConfig c;
+    for (int t = 0; t < 8; ++t) c.set(t, 16, 64);
+    return c;
+  }();
+  config.load();
+}
+
+// S[16][0 .. bsp) = scale * (Q . K^T) for 16 rows: Q as [16][D/2] pairs (row stride D/2), Kt as
+// [D/2][bsp] pairs, S with a row stride of s_stride floats. D a multiple of 32, bsp of 16.
+inline void scores_amx16(const uint32_t* q, int D, const uint32_t* kt, int bsp, float scale, float* s,
+                         int s_stride) {
+  for (int k0 = 0; k0 < bsp; k0 += 16) {
+    _tile_zero(2);
+    for (int d = 0; d < D / 2; d += 16) {  // 32 values of D per step
+      _tile_loadd(0, q + d, D * 2);
+      _tile_loadd(1, kt + size_t(d) * bsp + k0, bsp * 4);
+      _tile_dpbf16ps(2, 0, 1);
+    }
+    _tile_stored(2, s + k0, s_stride * 4);
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < 16; ++r)
+    for (int k = 0; k < bsp; k += 16) {
+      float* x = s + size_t(r) * s_stride + k;
+      _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_loadu_ps(x), sc));
+    }
+}
+
+// O[16][D] += P . V for 16 rows over `width` keys (a multiple of 32): P as [16][width] bf16 (row
+// stride p_stride values), V as [width/2][D] pairs.
+inline void pv_amx16(const c10::BFloat16* p, int p_stride, const uint32_t* vp, int width, float* o, int D) {
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    _tile_loadd(2, o + d0, D * 4);
+    for (int k = 0; k < width; k += 32) {
+      _tile_loadd(0, p + k, p_stride * 2);
+      _tile_loadd(1, vp + size_t(k / 2) * D + d0, D * 4);
+      _tile_dpbf16ps(2, 0, 1);
+    }
+    _tile_stored(2, o + d0, D * 4);
+  }
+}
+#endif
+
+}  // namespace oi_attention
