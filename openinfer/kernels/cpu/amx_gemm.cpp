@@ -94,8 +94,8 @@ inline void block_column(const c10::BFloat16* x, int64_t K, const c10::BFloat16*
 // fall into two sets of L1 and evict each other. Tiles: 0-3 the results (2 * row group +
 // column), 4-5 x, 6-7 weight blocks. On the peers model's shapes (2 Intel cores): 1.1-1.4x the
 // block columns from 32 to 2048 rows before the prefetch below, which adds 1.15-1.3x; then
-// 1.2-1.6x oneDNN's packed linear at 64-128 rows and 1.0-1.2x at 512-2048 (a loaded host;
-// 0.8-1.0x at 512 on a quiet one before the prefetch).
+// 1.2-1.6x oneDNN's packed linear at 64-128 rows, and 0.7-1.2x at 512-2048 depending on the
+// run (benchmarks/bench_gemm_paths.py: still behind oneDNN's at 512 rows on a quiet host).
 oi_amx::TileConfig config_2x2() {
   oi_amx::TileConfig c;
   for (int t = 0; t < 8; ++t) c.set(t, 16, 64);
