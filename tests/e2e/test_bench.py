@@ -3,6 +3,7 @@ the model and tokenizer taken from the server, vLLM's result format."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -284,16 +285,27 @@ class _Stub(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def stub():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
-    httpd.models = []
+@contextlib.contextmanager
+def _serving(handler: type[BaseHTTPRequestHandler], **state):
+    """A ThreadingHTTPServer on a free loopback port, serving from a thread; ``state``
+    becomes attributes of the server (its handlers read them as ``self.server.NAME``)."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    for name, value in state.items():
+        setattr(httpd, name, value)
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
                               daemon=True)
     thread.start()
-    yield httpd
-    httpd.shutdown()
-    httpd.server_close()
+    try:
+        yield httpd
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.fixture
+def stub():
+    with _serving(_Stub, models=[]) as httpd:
+        yield httpd
 
 
 def test_a_server_without_models_or_tokenize_is_a_clear_error(stub, tmp_path, capsys):
@@ -343,14 +355,8 @@ class _Recorder(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def recorder():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    httpd.bodies, httpd.delay = [], 0.0
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                              daemon=True)
-    thread.start()
-    yield httpd
-    httpd.shutdown()
-    httpd.server_close()
+    with _serving(_Recorder, bodies=[], delay=0.0) as httpd:
+        yield httpd
 
 
 def test_request_flags_reach_the_wire_and_results_land_where_named(recorder, qwen3_checkpoint,
