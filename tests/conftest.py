@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import openinfer.llm
 from openinfer.demo import build_demo_tokenizer
+from openinfer.engine.core import EngineCore
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -106,26 +108,61 @@ def hf_model_loader() -> Callable[[Path], torch.nn.Module]:
     return load_hf_model
 
 
-@pytest.fixture(autouse=True)
-def check_block_pools_after_test(monkeypatch):
-    """After every test, every engine it built is idle: no request left, no block held."""
-    engines: list[openinfer.llm.LLM] = []
-    original_init = openinfer.llm.LLM.__init__
+class _EngineRegistry:
+    """Every EngineCore built in this process: those a test built, and (weakly) those built
+    outside any test, by module- or session-scoped fixtures, which later tests share."""
+
+    def __init__(self) -> None:
+        self.of_test: list[EngineCore] | None = None
+        self.shared: weakref.WeakSet[EngineCore] = weakref.WeakSet()
+
+    def record(self, core: EngineCore) -> None:
+        if self.of_test is not None:
+            self.of_test.append(core)
+        else:
+            self.shared.add(core)
+
+
+_ENGINES = _EngineRegistry()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def record_engines():
+    original_init = EngineCore.__init__
 
     def recording_init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        engines.append(self)
+        _ENGINES.record(self)
 
-    monkeypatch.setattr(openinfer.llm.LLM, "__init__", recording_init)
-    yield
-    for llm in engines:
-        core = llm.engine.core
-        core.check_integrity()
-        assert not core.has_unfinished_requests(), "a request was left in the engine"
-        assert core.kv.pool.num_free == core.kv.pool.num_blocks, "KV blocks leaked"
-        if core.executor.alive:  # (not after a shutdown that ended worker processes)
-            assert not any(core.executor.collective_rpc("runner_request_ids")), (
-                "the runner kept a finished request")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EngineCore, "__init__", recording_init)
+        yield
+
+
+def assert_idle(core: EngineCore) -> None:
+    """No request left, no block held, the runner holding no finished request's state.
+    An engine whose worker processes have ended (shut down, or failed on purpose: a rank
+    killed) is left as it was."""
+    if not core.executor.alive:
+        return
+    core.check_integrity()
+    assert not core.has_unfinished_requests(), "a request was left in the engine"
+    assert core.kv.pool.num_free == core.kv.pool.num_blocks, "KV blocks leaked"
+    assert not any(core.executor.collective_rpc("runner_request_ids")), (
+        "the runner kept a finished request")
+
+
+@pytest.fixture(autouse=True)
+def check_block_pools_after_test(record_engines):
+    """After every test, every engine it built is idle, and so is every engine that
+    fixtures built for tests to share."""
+    _ENGINES.of_test = built = []
+    try:
+        yield
+    finally:
+        _ENGINES.of_test = None
+    for core in [*built, *_ENGINES.shared]:
+        assert_idle(core)
 
 
 def run_disaggregated(path: Path, prompts: list[list[int]], params: dict,

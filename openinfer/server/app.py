@@ -24,7 +24,7 @@ from openinfer.server.anthropic_api import install_anthropic_routes
 from openinfer.server.chat_output import ChatOutput, plan_tools
 from openinfer.server.disconnect import CancelOnDisconnect
 from openinfer.server.errors import APIError, document_errors, error_body, install_error_handlers
-from openinfer.server.limits import ServerLimits, install_limits, salted
+from openinfer.server.limits import Admission, EngineLoad, ServerLimits, salted
 from openinfer.server.metrics import ServerMetrics
 from openinfer.server.openai_protocol import (
     ChatCompletionRequest,
@@ -64,8 +64,13 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
 
     app = FastAPI(title="openinfer", version=openinfer.__version__, lifespan=lifespan)
     install_error_handlers(app)
-    install_limits(app, limits or ServerLimits(), num_waiting=lambda: llm.client.stats.get("num_waiting", 0))
-    app.add_middleware(CancelOnDisconnect)  # outermost: it sees the client's own receive()
+    def engine_load() -> EngineLoad:
+        return EngineLoad(llm.config.scheduler.max_num_seqs,
+                          llm.client.stats.get("num_waiting", 0))
+
+    app.add_middleware(CancelOnDisconnect)  # it sees the client's own receive()
+    # Outermost: a refusal is decided on the headers, before any other layer runs.
+    app.add_middleware(Admission, limits=limits or ServerLimits(), load=engine_load)
     max_model_len = llm.config.model.max_model_len
     metrics = ServerMetrics.for_llm(llm, served_model_name, prefix=metrics_prefix,
                                     engine=metrics_engine)

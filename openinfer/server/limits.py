@@ -9,8 +9,9 @@ import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from openinfer.server.errors import error_response
 
@@ -89,17 +90,73 @@ def admin_refusal(request: Request, admin_key: str | None) -> JSONResponse | Non
     return None
 
 
-def install_limits(app: FastAPI, limits: ServerLimits, num_waiting: Callable[[], int]) -> None:
-    @app.middleware("http")
-    async def admit(request: Request, call_next):
-        path = request.url.path
-        given = bearer_token(request)
+def is_generation(method: str, path: str) -> bool:
+    """A request that queues for the engine (the admin /v1/cache/ calls do not)."""
+    return method == "POST" and path.startswith("/v1/") and not path.startswith("/v1/cache/")
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What admission reads of the engine: how many requests it runs at most, and how many
+    were waiting at its latest report."""
+    max_num_seqs: int
+    num_waiting: int = 0
+
+
+class Admission:
+    """Admission control as an outermost ASGI middleware: API keys, body size, queue depth
+    and the tenant salt, decided on the headers alone, before anything reads, parses or
+    tokenizes the body; a refusal costs a header lookup and one small JSON answer.
+
+    Queue depth counts here, not only in the engine's reports. The engine reports its
+    waiting queue once per step; a burst that arrives within one step, or while earlier
+    arrivals are still being parsed on their way in, would all read the same stale count
+    and all be admitted (under 3x overload that let the queue grow far past
+    --max-waiting-requests, and admitted requests' p99 TTFT with it). So every generation
+    admitted and not yet answered is counted, and those beyond what the engine runs at once
+    are waiting, or about to. (The engine's own report still counts where it is higher: a
+    request of n samples is n sequences, and a full KV cache runs fewer than max_num_seqs.)"""
+
+    def __init__(self, app: ASGIApp, limits: ServerLimits, load: Callable[[], EngineLoad]) -> None:
+        self.app = app
+        self.limits = limits
+        self.load = load
+        self.generating = 0
+        """Generation requests admitted whose responses have not ended."""
+
+    def num_waiting(self) -> int:
+        load = self.load()
+        return max(load.num_waiting, self.generating - load.max_num_seqs)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        refusal = self.refusal(request)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        limits = self.limits
+        if limits.cache_salt_per_api_key:
+            TENANT_SALT.set(tenant_salt(bearer_token(request)))
+        if not is_generation(scope["method"], scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        self.generating += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.generating -= 1
+
+    def refusal(self, request: Request) -> JSONResponse | None:
+        limits, path = self.limits, request.url.path
         if path in ADMIN_PATHS:
             refusal = admin_refusal(request, limits.admin_key)
             if refusal is not None:
                 return refusal
         elif (limits.api_keys and path not in PUBLIC_PATHS
-              and not any([key_matches(given, key) for key in limits.api_keys])):
+              and not any([key_matches(bearer_token(request), key) for key in limits.api_keys])):
             return error_response(request, 401, "invalid or missing API key",
                                   "authentication_error", code="invalid_api_key")
         length = request.headers.get("content-length")
@@ -107,13 +164,9 @@ def install_limits(app: FastAPI, limits: ServerLimits, num_waiting: Callable[[],
             return error_response(request, 413,
                                   f"request body exceeds {limits.max_body_bytes} bytes",
                                   "invalid_request_error")
-        generating = (request.method == "POST" and path.startswith("/v1/")
-                      and not path.startswith("/v1/cache/"))
-        if (generating and limits.max_waiting_requests is not None
-                and num_waiting() > limits.max_waiting_requests):
+        if (is_generation(request.method, path) and limits.max_waiting_requests is not None
+                and self.num_waiting() > limits.max_waiting_requests):
             return error_response(request, 503, "the server is overloaded; retry later",
                                   "server_overloaded", code="overloaded",
                                   headers={"Retry-After": str(limits.retry_after_s)})
-        if limits.cache_salt_per_api_key:
-            TENANT_SALT.set(tenant_salt(given))
-        return await call_next(request)
+        return None

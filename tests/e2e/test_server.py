@@ -417,6 +417,39 @@ def test_tokenize_and_detokenize(server, offline):
     assert code == 400 and err["error"]["param"] == "tokens"
 
 
+async def _burst(base: str, count: int) -> tuple[int, int]:
+    """Send ``count`` long streams at once; (admitted, refused with 503 + Retry-After)."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 450, "ignore_eos": True,
+            "stream": True}
+    async with httpx.AsyncClient(base_url=base, timeout=60,
+                                 headers={"Authorization": "Bearer sekrit"}) as http:
+        async def one() -> int:
+            async with http.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code == 503:
+                    assert resp.headers["retry-after"] == "1"
+                    return 503
+                assert resp.status_code == 200
+                await gate.wait()  # every answer has started: close the admitted streams
+                return 200
+
+        gate = asyncio.Event()
+        tasks = [asyncio.create_task(one()) for _ in range(count)]
+        deadline = time.monotonic() + 10  # (the refusals take milliseconds)
+        while sum(t.done() for t in tasks) < count - 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # (a third admitted one would be streaming by now)
+        gate.set()
+        codes = await asyncio.gather(*tasks)
+    return codes.count(200), codes.count(503)
+
+
+def _wait_idle(base: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(_metrics(base)[f"openinfer:num_requests_{state}"] for state in ("running", "waiting")):
+        assert time.monotonic() < deadline, "the engine never went idle"
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
 def test_api_key_body_size_and_queue_limits(servers):
     # --api-key sekrit --max-body-bytes 2000 --max-num-seqs 1 --max-waiting-requests 0
@@ -430,6 +463,12 @@ def test_api_key_body_size_and_queue_limits(servers):
         with pytest.raises(openai.APIStatusError) as big:
             keyed.completions.create(model=MODEL, prompt="x" * 5000, max_tokens=2)
         assert big.value.status_code == 413
+        # A burst that lands within one engine step: before, every arrival read the engine's
+        # last report (nothing waiting) and all 12 were admitted. Admission counts what it
+        # has let in, so one runs, one may wait, and the rest get 503 at once.
+        admitted, refused_in_burst = asyncio.run(_burst(base, 12))
+        assert 1 <= admitted <= 2 and refused_in_burst == 12 - admitted, admitted
+        _wait_idle(base)
         # With one request running, more than zero waiting is too many: long streams are
         # admitted until the queue is seen non-empty, then a request gets 503 + Retry-After.
         long = dict(model=MODEL, prompt="hi", max_tokens=450, extra_body={"ignore_eos": True},
