@@ -440,6 +440,13 @@ def test_a_replica_killed_under_load_loses_no_request_and_comes_back(replica_pro
             futures = [pool.submit(_complete, router, p, max_tokens=6) for p in prompts]
             for future in futures[:8]:
                 done.append(future.result())
+            # Frozen first, so that a request is surely in flight there when it dies (its
+            # short requests were otherwise all answered before the kill now and then).
+            victim.send_signal(signal.SIGSTOP)
+            deadline = time.monotonic() + 30
+            while (time.monotonic() < deadline and not any(
+                    w["url"] == victim_url and w["in_flight"] for w in admin_workers(router))):
+                time.sleep(0.05)
             victim.kill()  # while the rest are queued or running on all three
             victim.wait()
             done += [future.result() for future in futures[8:]]  # none may fail
@@ -449,7 +456,7 @@ def test_a_replica_killed_under_load_loses_no_request_and_comes_back(replica_pro
     assert whole.startswith(text) and len(text) < len(whole)
     assert [text for text, _, _ in done] == expected
     assert any(worker == victim_url for _, worker, _ in done[:8])
-    assert _rerouted(router, victim_url) > rerouted  # in flight there, or sent as it died
+    assert _rerouted(router, victim_url) > rerouted  # in flight there when it died
     workers = {w["url"]: w for w in admin_workers(router)}
     assert not workers[victim_url]["healthy"]
     assert sum(w["in_flight"] for w in workers.values()) == 0  # nothing counted twice
