@@ -462,6 +462,8 @@ class Scheduler:
                               RequestStatus.WAITING_FOR_KV):
                 self._waiting = [(k, r) for k, r in self._waiting if r is not req]
                 heapq.heapify(self._waiting)
+            if req.remote_prefill is not None and not req.remote_load_tried and self.kv.can_pull:
+                self.kv.plan.releases.append(req.remote_prefill)  # never to be pulled: let go
             self._finish(req, status)
             finished.append(req)
         return finished

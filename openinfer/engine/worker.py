@@ -354,6 +354,7 @@ class Worker:
             stats["kv_leases"] = self.kv_server.num_leases
             stats["kv_bytes_served"] = self.kv_server.bytes_sent
             stats["kv_transfer_rejected"] = self.kv_server.num_rejected
+            stats["kv_leases_expired"] = self.kv_server.num_expired
         return stats
 
     def close_kv_server(self) -> None:

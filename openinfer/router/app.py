@@ -33,7 +33,7 @@ from pydantic.json_schema import models_json_schema
 from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.kv.events import secure_subscriber
 from openinfer.router.metrics import cluster_exposition, replica_load
-from openinfer.router.pd import prefill_first
+from openinfer.router.pd import prefill_first, release_unused_lease
 from openinfer.router.policies import Router, RouterConfig, Worker, parse_event_batch
 from openinfer.router.upstream import ReplicaEjected, ReplicaResponse
 from openinfer.server.anthropic_api import MessagesRequest, openai_tools
@@ -57,7 +57,7 @@ class RouterState:
                  block_size: int,
                  prefill_urls: list[str] = (), disagg_min_tokens: int = 256,
                  cache_salt_per_api_key: bool = False,
-                 kv_events_secret: str | None = None) -> None:
+                 kv_transfer_secret: str | None = None) -> None:
         self.router = Router(config, [Worker(u.rstrip("/")) for u in urls])
         """The replicas that answer clients (decode instances, when disaggregated)."""
         self.prefill = Router(config, [Worker(u.rstrip("/")) for u in prefill_urls]) \
@@ -66,8 +66,9 @@ class RouterState:
         self.disagg_min_tokens = disagg_min_tokens
         self.cache_salt_per_api_key = cache_salt_per_api_key
         """The replicas salt each request's prefix cache by its API key: hash as they do."""
-        self.kv_events_secret = kv_events_secret
-        """The replicas' --kv-transfer-secret: their KV events speak CURVE, keyed by it."""
+        self.kv_transfer_secret = kv_transfer_secret
+        """The replicas' --kv-transfer-secret: their KV events speak CURVE, keyed by it, and
+        the router gives it when it releases a lease nobody will pull."""
         self.renderer = renderer
         """The server's prompt renderer, over the replicas' tokenizer and chat template."""
         self.block_size = block_size
@@ -102,6 +103,10 @@ class RouterState:
                               "Disaggregation per request: prefill_then_decode, decode_only "
                               "(short or cached prompt), prefill_failed (decode recomputed)",
                               ["decision"], registry=r)
+        self.disagg_leases_released = Counter(
+            "openinfer_router:disagg_leases_released",
+            "Prefill leases released by the router because their decode leg never started "
+            "(the client left between the legs, or no decode instance answered)", registry=r)
         self.routed = Counter("openinfer_router:worker_requests", "Requests routed per replica",
                               ["worker"], registry=r)
         self.rerouted = Counter("openinfer_router:rerouted_requests",
@@ -186,7 +191,7 @@ class RouterState:
             endpoint = _connectable(info["endpoint"], host)
             replay = _connectable(info["replay_endpoint"], host) if info.get("replay_endpoint") else None
             sub = self.zmq.socket(zmq.SUB)
-            secure_subscriber(sub, self.kv_events_secret)
+            secure_subscriber(sub, self.kv_transfer_secret)
             sub.setsockopt(zmq.SUBSCRIBE, info.get("topic", "").encode())
             sub.connect(endpoint)
             try:
@@ -214,7 +219,7 @@ class RouterState:
 
     async def _replay(self, worker: Worker, endpoint: str) -> None:
         sock = self.zmq.socket(zmq.DEALER)
-        secure_subscriber(sock, self.kv_events_secret)
+        secure_subscriber(sock, self.kv_transfer_secret)
         sock.connect(endpoint)
         try:
             await sock.send_multipart((b"", worker.index.next_seq.to_bytes(8, "big")))
@@ -427,13 +432,15 @@ def _generate_route(state: RouterState, path: str):
                    if k.lower() in ("authorization", "x-api-key", "content-type",
                                     "anthropic-version")}
         tried: set[str] = set()
-        prefilled_by = "none"
+        prefilled_by, lease = "none", None
         while True:
             decision = state.router.choose(hashes, session, exclude=tried)
             if decision is not None and state.prefill is not None and not tried:
-                raw, prefilled_by = await prefill_first(state, path, body, raw, headers,
-                                                        num_tokens, hashes, decision)
+                raw, prefilled_by, lease = await prefill_first(state, path, body, raw, headers,
+                                                               num_tokens, hashes, decision)
             if decision is None:
+                if lease is not None:
+                    release_unused_lease(state, lease)
                 return JSONResponse(error_body("no healthy replica to serve the request",
                                                "service_unavailable", code="no_replica"),
                                     status_code=503, headers={"Retry-After": "1"})
@@ -464,6 +471,8 @@ def _generate_route(state: RouterState, path: str):
             except asyncio.CancelledError:  # the client hung up before the replica answered
                 await upstream.close()  # (the replica sees its connection go: it aborts)
                 worker.in_flight -= 1
+                if lease is not None:  # (a pull under way holds the lease until it ends)
+                    release_unused_lease(state, lease)
                 raise
             state.decisions.labels(reason=decision.reason).inc()
             state.prompt_blocks.inc(len(hashes))

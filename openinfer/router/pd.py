@@ -10,19 +10,25 @@ instance, which pulls the blocks it lacks and decodes, streaming to the client.
 
 Whatever fails on the prefill leg (no prefill instance, a dead one, an error answer)
 sends the request to decode unchanged: it recomputes, and the client only sees a
-slower first token.
+slower first token. A request whose decode leg never starts (the client left between
+the legs, or no decode instance answered) releases its lease at once: the prefill
+instance frees the blocks instead of holding them to --kv-lease-timeout.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from typing import TYPE_CHECKING
 
 import httpx
 
 from openinfer.router.policies import Decision
 from openinfer.router.upstream import ReplicaEjected, unless_ejected
+from openinfer.transfer.connector import release_lease
+from openinfer.transfer.params import KVTransferParams
+from openinfer.transfer.protocol import KVTransferError
 
 if TYPE_CHECKING:
     from openinfer.router.app import RouterState
@@ -32,14 +38,15 @@ logger = logging.getLogger(__name__)
 
 async def prefill_first(state: RouterState, path: str, body: dict, raw: bytes,
                         headers: dict, num_tokens: int, hashes: list[bytes],
-                        decode: Decision) -> tuple[bytes, str]:
-    """The body to send the decode instance, and the prefill instance used ("none")."""
+                        decode: Decision) -> tuple[bytes, str, dict | None]:
+    """The body to send the decode instance, the prefill instance used ("none"), and the
+    kv_transfer_params of the lease it holds (None)."""
     uncached = num_tokens - decode.matched_blocks * state.block_size
     # n > 1 samples would race for one lease: those, and short or mostly cached prompts,
     # go straight to decode.
     if body.get("n", 1) != 1 or uncached < state.disagg_min_tokens:
         state.disagg.labels(decision="decode_only").inc()
-        return raw, "none"
+        return raw, "none", None
     choice = state.prefill.choose(hashes)
     params = None
     if choice is not None:
@@ -67,6 +74,20 @@ async def prefill_first(state: RouterState, path: str, body: dict, raw: bytes,
         worker.routed += 1
     if not params:
         state.disagg.labels(decision="prefill_failed").inc()
-        return raw, "none"
+        return raw, "none", None
     state.disagg.labels(decision="prefill_then_decode").inc()
-    return json.dumps({**body, "kv_transfer_params": params}).encode(), choice.worker.url
+    return json.dumps({**body, "kv_transfer_params": params}).encode(), choice.worker.url, params
+
+
+def release_unused_lease(state: RouterState, params: dict) -> None:
+    """Tell the prefill instance that no decode instance will pull this lease. In a thread:
+    the caller may be a handler being cancelled, which can no longer await."""
+    def release() -> None:
+        try:
+            release_lease(KVTransferParams.parse(params), state.kv_transfer_secret, 5.0)
+            state.disagg_leases_released.inc()
+        except (OSError, KVTransferError, ValueError) as e:  # it expires in its own time
+            logger.warning("could not release KV lease at %s:%s: %s",
+                           params.get("remote_host"), params.get("remote_port"), e)
+
+    threading.Thread(target=release, name="openinfer-release-lease", daemon=True).start()

@@ -298,6 +298,8 @@ class _EngineStats(Collector):
         ("kv_bytes_served", "kv_bytes_served", "Bytes a prefill instance sent to decode instances"),
         ("kv_transfer_rejected", "kv_transfer_rejected",
          "KV server connections refused and closed (unknown lease, wrong secret, bad request)"),
+        ("kv_leases_expired", "kv_leases_expired",
+         "KV leases that timed out unreleased (no decode instance pulled and let go)"),
         ("swa_replayed_tokens", "swa_replayed_tokens",
          "Prefix-hit tokens recomputed because no window snapshot was cached at their end "
          "(sliding-window models)"),

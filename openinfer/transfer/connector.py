@@ -43,6 +43,19 @@ SEGMENT_PREFIX = "openinfer-kv-"
 it never writes into a segment a puller names otherwise."""
 
 
+def release_lease(params: KVTransferParams, secret: str | None, timeout_s: float) -> None:
+    """End a lease now: its blocks will not be pulled (or were read elsewhere), so the
+    prefill instance frees them instead of holding them to the lease timeout. Raises
+    OSError or KVTransferError when the prefill instance cannot be told."""
+    frame = {"op": "release", "lease": params.remote_lease_id}
+    if secret:
+        frame["secret"] = secret
+    with socket.create_connection((params.remote_host, params.remote_port),
+                                  timeout=timeout_s) as sock:
+        send_frame(sock, frame)
+        recv_frame(sock, 0)
+
+
 class KVConnector:
     name = "base"
 
@@ -199,9 +212,8 @@ class FileConnector(KVConnector):
             e.delivered = delivered
             raise
         finally:
-            with contextlib.suppress(KVTransferError, OSError), self._connect(params) as sock:
-                send_frame(sock, self._frame(op="release", lease=params.remote_lease_id))
-                recv_frame(sock, 0)  # the lease is no longer needed either way
+            with contextlib.suppress(KVTransferError, OSError):  # not needed either way
+                release_lease(params, self.secret, self.timeout_s)
         return delivered
 
 

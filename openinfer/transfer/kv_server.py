@@ -64,6 +64,9 @@ class KVServer:
         self.bytes_sent = 0
         self.num_pulls = 0
         self.num_rejected = 0
+        self.num_expired = 0
+        """Leases that ended unreleased: no decode instance pulled them and let go (it never
+        came, or failed), so their blocks were held for the whole lease timeout."""
         """Connections refused and closed: a wrong or missing secret, a lease that is not
         live (lease ids are 128 random bits: a puller cannot guess one), a bad request."""
         self._closed = False
@@ -83,7 +86,7 @@ class KVServer:
             ended = [lid for lid, lease in self._leases.items()
                      if lease.pulls == 0 and (lease.released or now > lease.deadline)]
             for lid in ended:
-                del self._leases[lid]
+                self.num_expired += not self._leases.pop(lid).released
         return ended
 
     @property

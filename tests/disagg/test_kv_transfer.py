@@ -112,6 +112,23 @@ def test_decode_pulls_only_the_blocks_it_does_not_hold(engine, plain):
     _wait_leases_freed(prefill, timeout_s=5)
 
 
+def test_a_request_aborted_before_its_pull_releases_the_lease(engine):
+    """A decode request that ends before it pulls (its client left while it waited) tells
+    the prefill instance at once, instead of leaving the blocks held to the lease timeout."""
+    prefill = engine(kv_role="prefill")
+    decode = engine(kv_role="decode")
+    (prompt,) = _prompts(1, seed=5)
+    params = _prefill(prefill, [prompt])
+    assert prefill.engine.core.executor.worker.kv_server.num_leases == 1
+    decode.engine.add_request("gone", prompt, SamplingParams(**DECODE,
+                                                             kv_transfer_params=params[0]))
+    decode.engine.abort_request("gone")
+    assert not decode.engine.has_unfinished_requests()
+    _wait_leases_freed(prefill)  # (its lease timeout is 30 s)
+    assert prefill.engine.core.executor.worker.kv_server.num_expired == 0
+    assert decode.engine.core.scheduler.num_remote_blocks_pulled == 0
+
+
 def test_32_simultaneous_transfers(engine, plain):
     prefill = engine(kv_role="prefill")
     decode = engine(kv_role="decode", kv_host_memory=64 * 6 * 16 * 2 * 2 * 16 * 4)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import socket
 import time
 
@@ -50,10 +51,11 @@ def servers(qwen3_checkpoint):
 
 @pytest.fixture(scope="module")
 def pd(servers, qwen3_checkpoint):
-    (prefill, p_proc), (decode, _), _ = servers
+    (prefill, p_proc), (decode, d_proc), _ = servers
     router, r_proc = start_router([decode], qwen3_checkpoint, "--prefill", prefill,
                                   "--disagg-min-tokens", "32")
-    yield {"prefill": prefill, "decode": decode, "router": router, "prefill_proc": p_proc}
+    yield {"prefill": prefill, "decode": decode, "router": router, "prefill_proc": p_proc,
+           "decode_proc": d_proc}
     stop(r_proc)
 
 
@@ -82,7 +84,8 @@ def test_serve_disaggregate_starts_prefill_and_decode_behind_a_router(qwen3_chec
 
 
 @pytest.mark.slow
-def test_disaggregated_serving_equals_colocated_and_frees_kv_on_both_sides(pd, qwen3_checkpoint):
+def test_disaggregated_serving_equals_colocated_and_frees_kv_on_both_sides(pd, servers,
+                                                                          qwen3_checkpoint):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 1000) for _ in range(100)] for _ in range(4)]
     offline = LLM(str(qwen3_checkpoint), kv_cache_memory=32 * MiB, progress=False)
@@ -101,7 +104,9 @@ def test_disaggregated_serving_equals_colocated_and_frees_kv_on_both_sides(pd, q
         chunks = [json.loads(line[5:]) for line in stream.iter_lines()
                   if line.startswith("data:") and "[DONE]" not in line]
     streamed = "".join(c["choices"][0]["text"] for c in chunks)
-    direct = _complete(pd["decode"], prompts[0][:50] + [7] * 50).json()["choices"][0]["text"]
+    # Compared with another instance, whose cache holds none of the pulled blocks.
+    independent = servers[2][0]
+    direct = _complete(independent, prompts[0][:50] + [7] * 50).json()["choices"][0]["text"]
     assert streamed == direct
     # Anthropic's endpoint disaggregates too.
     messages = {"model": MODEL, "max_tokens": 6, "temperature": 0,
@@ -109,7 +114,7 @@ def test_disaggregated_serving_equals_colocated_and_frees_kv_on_both_sides(pd, q
     via_router = httpx.post(f"{pd['router']}/v1/messages", json=messages, timeout=120)
     assert via_router.status_code == 200, via_router.text
     assert via_router.headers["x-openinfer-prefill"] == pd["prefill"]
-    direct = httpx.post(f"{pd['decode']}/v1/messages", json=messages, timeout=120).json()
+    direct = httpx.post(f"{independent}/v1/messages", json=messages, timeout=120).json()
     assert via_router.json()["content"] == direct["content"]
     # A short prompt, and a prompt whose prefix the decode instance now holds, skip prefill.
     assert _complete(pd["router"], "hello").headers["x-openinfer-prefill"] == "none"
@@ -122,11 +127,66 @@ def test_disaggregated_serving_equals_colocated_and_frees_kv_on_both_sides(pd, q
             break
         time.sleep(0.1)
     assert _metric(pd["prefill"], "openinfer:kv_leases") == 0
+    assert _metric(pd["prefill"], "openinfer:kv_leases_expired_total") == 0  # each released
     assert _metric(pd["prefill"], "openinfer:kv_cache_usage_perc") == 0
     assert _metric(pd["decode"], "openinfer:kv_cache_usage_perc") == 0
     metrics = httpx.get(f"{pd['router']}/metrics", timeout=30).text
     assert 'openinfer_router:disagg_decisions_total{decision="prefill_then_decode"} 6.0' in metrics
     assert 'openinfer_router:disagg_decisions_total{decision="decode_only"} 2.0' in metrics
+
+
+def _poll(read, want, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while read() != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return read() == want
+
+
+@pytest.mark.slow
+def test_a_decode_leg_that_never_starts_releases_the_prefill_lease(pd, qwen3_checkpoint):
+    """The prefill instance holds a prompt's KV, and the decode leg never starts: no decode
+    instance answers (a frozen one, ejected), or the client leaves first. Either way the
+    router releases the lease at once, instead of the prefill instance holding the blocks
+    to its lease timeout (5 s here; one that ran out would count as expired)."""
+    prefill, decode = pd["prefill"], pd["decode"]
+    router, r_proc = start_router([decode], qwen3_checkpoint, "--prefill", prefill,
+                                  "--disagg-min-tokens", "32")
+    frozen = pd["decode_proc"]
+    prompt = list(range(200, 300))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    expired = _metric(prefill, "openinfer:kv_leases_expired_total")
+
+    def released() -> float:
+        return _metric(router, "openinfer_router:disagg_leases_released_total")
+
+    def healthy(*routers: str) -> bool:
+        return all(w["healthy"] for r in routers for w in admin_workers(r))
+
+    try:
+        # No decode instance answers: the one chosen is frozen, then ejected.
+        frozen.send_signal(signal.SIGSTOP)
+        resp = httpx.post(f"{router}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 503 and resp.headers.get("x-openinfer-prefill") is None
+        assert _poll(released, 1, 10) and _poll(
+            lambda: _metric(prefill, "openinfer:kv_leases"), 0, 2)
+        frozen.send_signal(signal.SIGCONT)
+        assert _poll(lambda: healthy(router), True, 30)
+        # The client leaves once the prefill instance holds the KV, before decode answers.
+        frozen.send_signal(signal.SIGSTOP)
+        host, port = router.removeprefix("http://").split(":")
+        raw = json.dumps({**body, "prompt": prompt[::-1]}).encode()
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
+                           b"Content-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+            assert _poll(lambda: _metric(prefill, "openinfer:kv_leases"), 1, 60)
+        assert _poll(released, 2, 10) and _poll(
+            lambda: _metric(prefill, "openinfer:kv_leases"), 0, 2)
+        assert _metric(prefill, "openinfer:kv_leases_expired_total") == expired
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+        stop(r_proc)
+    assert _poll(lambda: healthy(pd["router"]), True, 30)  # (the next tests' router)
 
 
 @pytest.mark.slow
