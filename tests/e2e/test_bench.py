@@ -120,9 +120,11 @@ def test_the_reported_hit_rate_is_the_servers_own_count(server, qwen3_checkpoint
     assert s["completed"] == 8 and s["cached_tokens"] > 0
     assert s["cached_tokens"] == metrics(server)[hits] - before
     assert s["cache_hit_rate"] == s["cached_tokens"] / s["prompt_tokens"]
-    # --arrival fixed: one request every 1/20 s.
+    # --arrival fixed: request i is sent at i/20 s, never before (a loaded machine may send
+    # it late, so the gaps themselves are not compared).
     starts = sorted(r["start_s"] for r in run["requests"])
-    assert all(0.04 <= b - a <= 0.2 for a, b in zip(starts, starts[1:]))
+    assert all(start >= i / 20 - 0.005 for i, start in enumerate(starts))
+    assert starts[-1] - starts[0] >= 0.3
     # --slo: no request finishes within 1 ms end to end, so none is good.
     assert s["slo_ms"] == {"ttft": 600000.0, "e2e": 1.0} and s["goodput"] == 0
     economics = run["economics"]

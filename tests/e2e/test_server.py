@@ -381,16 +381,31 @@ def test_models_and_clean_shutdown(servers):
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
     child_pids = [int(p) for p in children.stdout.split()]
     assert child_pids, "the engine core runs in a child process"
-    # SIGTERM with a stream in flight: it runs to its end (within --shutdown-timeout, 30 s)
-    # before the server goes; new connections are refused meanwhile.
-    stream = client.completions.create(model=MODEL, prompt="drain me", max_tokens=150,
-                                       stream=True, extra_body={"ignore_eos": True})
-    chunks = iter(stream)
-    first = next(chunks)
-    proc.send_signal(signal.SIGTERM)
-    rest = list(chunks)
-    assert rest[-1].choices[0].finish_reason == "length"
-    assert len("".join(c.choices[0].text for c in [first, *rest])) > 0
+    # SIGTERM under load (6 streams, 4 non-streamed requests in flight): each runs to its
+    # end (within --shutdown-timeout, 30 s) before the server goes; new connections are
+    # refused meanwhile.
+    long = {"model": MODEL, "max_tokens": 150, "extra_body": {"ignore_eos": True}}
+    streams = [iter(client.completions.create(prompt=f"drain me {i}", stream=True, **long))
+               for i in range(6)]
+    firsts = [next(chunks) for chunks in streams]
+    with ThreadPoolExecutor(4) as pool:
+        plain = [pool.submit(client.completions.create, prompt=f"drain plain {i}", **long)
+                 for i in range(4)]
+        deadline = time.monotonic() + 60
+        while (sum(_metrics(base)[f"openinfer:num_requests_{state}"] for state in
+                   ("running", "waiting")) < 10 and time.monotonic() < deadline):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(openai.APIConnectionError):  # nothing new is let in
+            client.completions.create(model=MODEL, prompt="too late", max_tokens=2)
+        answers = [future.result() for future in plain]
+        rests = [list(chunks) for chunks in streams]
+    assert all(a.usage.completion_tokens == 150 and a.choices[0].finish_reason == "length"
+               for a in answers)
+    for first, rest in zip(firsts, rests):  # each ran to max_tokens
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert "".join(c.choices[0].text for c in [first, *rest])
     # uvicorn shuts down gracefully, then re-raises the signal so the exit status tells it.
     assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
     deadline = time.monotonic() + 10  # helpers (e.g. multiprocessing's tracker) exit on EOF
