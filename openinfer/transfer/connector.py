@@ -53,7 +53,9 @@ def release_lease(params: KVTransferParams, secret: str | None, timeout_s: float
     with socket.create_connection((params.remote_host, params.remote_port),
                                   timeout=timeout_s) as sock:
         send_frame(sock, frame)
-        recv_frame(sock, 0)
+        reply, _ = recv_frame(sock, 0)
+    if reply.get("op") != "ok":
+        raise KVTransferError(f"release refused: {reply.get('error')}")
 
 
 class KVConnector:

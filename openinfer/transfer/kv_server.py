@@ -147,12 +147,14 @@ class KVServer:
         if header.get("op") not in ("pull", "release"):
             return "unknown op"
         lease = header.get("lease")
+        if header["op"] == "release":
+            # Idempotent: the lease may have ended already (its pull released it, and then
+            # the router released it too), and releasing nothing lends nothing.
+            return None if isinstance(lease, str) else "a release names its lease"
         with self._lock:
             live = isinstance(lease, str) and lease in self._leases
         if not live:
             return "no such lease (expired?)"
-        if header["op"] == "release":
-            return None
         hashes = header.get("hashes")
         if not (isinstance(hashes, list) and all(isinstance(h, bytes) for h in hashes)):
             return "a pull names its blocks as a list of hashes"

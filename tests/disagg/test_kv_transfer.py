@@ -249,6 +249,9 @@ def test_a_lease_is_readable_only_by_who_holds_its_random_id_and_the_secret(engi
         assert closed, frame
     assert server.num_rejected == len(attempts) and server.bytes_sent == 0
     assert server.num_leases == 1  # the refused release released nothing
+    header, _ = _ask(port, dict(op="release", lease="ab" * 16, secret="s3cret"))
+    assert header["op"] == "ok" and server.num_leases == 1  # releasing nothing: no refusal
+    assert server.num_rejected == len(attempts)
     stats = prefill.engine.core.stats()
     assert stats["kv_transfer_rejected"] == len(attempts)
     # The holder of the id and the secret: the blocks, and the tokens of a plain run.
