@@ -18,7 +18,9 @@ file-store writes are not announced (that store is shared, not a replica's own).
 A subscriber that joins late or sees a gap in ``seq`` asks the replay socket (ROUTER)
 for everything from a sequence number: it sends ``(b"", start_seq as 8 bytes)`` from a
 REQ/DEALER socket and receives ``(seq, payload)`` for each buffered batch, then
-``(-1 as 8 signed bytes, b"")``.
+``(-1 as 8 signed bytes, next_seq as 8 bytes)``: the sequence number the publisher will give
+its next batch. A subscriber that asked for more than that is numbering an earlier life of
+the publisher (a restarted engine, whose cache started empty).
 
 With a shared secret (`--kv-transfer-secret`), both sockets speak CURVE (ZMQ's
 encryption and authentication): the publisher's key pair and the one key pair it admits
@@ -159,7 +161,7 @@ class KVEventPublisher:
         for seq, payload in list(self._buffer):
             if seq >= first:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+        self._replay.send_multipart((client, b"", END_OF_REPLAY, self._seq.to_bytes(8, "big")))
 
     def shutdown(self) -> None:
         self._queue.put(None)

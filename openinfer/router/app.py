@@ -5,15 +5,18 @@ server's own prompt renderer, server/prompt.py, over the same tokenizer and chat
 then the same hash chain), picks a replica (policies.py) and streams the
 replica's response back byte for byte. A replica that cannot be reached before it
 answered is marked unhealthy and the request goes to the next choice, so no request is
-lost to a dead replica; once a response has started, a broken stream ends with an error
-event. Replicas are health-checked every second (ejected on failure, re-admitted when
-they answer again), and their KV events, when they publish them, keep the cache index
-exact.
+lost to a dead replica; a replica that answers 503 (its engine dead or restarting, its
+queue full) has refused without starting anything, and the request goes to the next
+choice too (the last refusal is the answer when every replica refused); once a response
+has started, a broken stream ends with an error event. Replicas are health-checked every
+second (ejected on failure, re-admitted when they answer again), and their KV events, when
+they publish them, keep the cache index exact.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -110,8 +113,8 @@ class RouterState:
         self.routed = Counter("openinfer_router:worker_requests", "Requests routed per replica",
                               ["worker"], registry=r)
         self.rerouted = Counter("openinfer_router:rerouted_requests",
-                                "Requests sent to another replica because this one failed or "
-                                "was ejected before answering", ["worker"], registry=r)
+                                "Requests sent to another replica because this one failed, "
+                                "was ejected or answered 503 before answering", ["worker"], registry=r)
 
     # ---- replicas --------------------------------------------------------------------
 
@@ -148,6 +151,19 @@ class RouterState:
         self._tasks[worker.url] = [asyncio.create_task(self._health_loop(worker)),
                                    asyncio.create_task(self._events_loop(worker))]
 
+    async def _follow_events_again(self, worker: Worker) -> None:
+        """A replica back in rotation may be a new process (its event endpoints new, its
+        cache empty): subscribe afresh, and wait (a few seconds at most) until the index
+        has caught up or started over."""
+        tasks = self._tasks[worker.url]
+        tasks[1].cancel()
+        await asyncio.wait({tasks[1]})
+        synced = asyncio.Event()
+        tasks[1] = asyncio.create_task(self._events_loop(worker, synced))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                await synced.wait()
+
     async def close(self) -> None:
         for tasks in self._tasks.values():
             for task in tasks:
@@ -164,6 +180,8 @@ class RouterState:
                     await self._poll_load(worker)
             except (httpx.HTTPError, OSError):
                 healthy = False
+            if healthy and not worker.healthy:
+                await self._follow_events_again(worker)  # (before it is routed to again)
             if healthy != worker.healthy:
                 logger.warning("replica %s %s", worker.url, "re-admitted" if healthy else "ejected")
             worker.healthy = healthy
@@ -177,8 +195,9 @@ class RouterState:
         requests, worker.kv_usage = replica_load(resp.text)  # whatever its --metrics-prefix
         worker.report(requests, in_flight)
 
-    async def _events_loop(self, worker: Worker) -> None:
-        """Follow the replica's KV events (if it publishes them) into its exact index."""
+    async def _events_loop(self, worker: Worker, synced: asyncio.Event | None = None) -> None:
+        """Follow the replica's KV events (if it publishes them) into its exact index;
+        ``synced`` is set once the index has caught up (or there are no events)."""
         while True:
             try:
                 info = (await self.http.get(f"{worker.url}/kv_events", timeout=2.0)).json()
@@ -186,6 +205,8 @@ class RouterState:
                 await asyncio.sleep(HEALTH_INTERVAL_S)
                 continue
             if not info.get("endpoint"):
+                if synced is not None:
+                    synced.set()
                 return  # no events: the approximate index serves
             host = urlparse(worker.url).hostname
             endpoint = _connectable(info["endpoint"], host)
@@ -196,7 +217,15 @@ class RouterState:
             sub.connect(endpoint)
             try:
                 if replay is not None:  # catch up on what happened before we subscribed
-                    await self._replay(worker, replay)
+                    publisher_next = await self._replay(worker, replay)
+                    if publisher_next is not None and publisher_next < worker.index.next_seq:
+                        # Numbering behind ours: a restarted engine, its cache empty.
+                        logger.warning("replica %s restarted: its cache index starts over",
+                                       worker.url)
+                        worker.index.reset()
+                        await self._replay(worker, replay)
+                if synced is not None:
+                    synced.set()
                 while True:
                     _, seq_bytes, payload = await sub.recv_multipart()
                     seq = int.from_bytes(seq_bytes, "big")
@@ -217,7 +246,9 @@ class RouterState:
             finally:
                 sub.close(linger=0)
 
-    async def _replay(self, worker: Worker, endpoint: str) -> None:
+    async def _replay(self, worker: Worker, endpoint: str) -> int | None:
+        """Apply the batches the replica buffered from our next one on; returns the number
+        its publisher gives its next batch (None: not told)."""
         sock = self.zmq.socket(zmq.DEALER)
         secure_subscriber(sock, self.kv_transfer_secret)
         sock.connect(endpoint)
@@ -227,8 +258,9 @@ class RouterState:
                 _, seq_bytes, payload = await sock.recv_multipart()
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if seq < 0:
-                    break
+                    return int.from_bytes(payload, "big") if len(payload) == 8 else None
                 worker.index.apply(seq, parse_event_batch(payload))
+            return None
         finally:
             sock.close(linger=0)
 
@@ -433,6 +465,7 @@ def _generate_route(state: RouterState, path: str):
                                     "anthropic-version")}
         tried: set[str] = set()
         prefilled_by, lease = "none", None
+        refusal: Response | None = None  # the last replica's 503, if each one refused
         while True:
             decision = state.router.choose(hashes, session, exclude=tried)
             if decision is not None and state.prefill is not None and not tried:
@@ -441,6 +474,8 @@ def _generate_route(state: RouterState, path: str):
             if decision is None:
                 if lease is not None:
                     release_unused_lease(state, lease)
+                if refusal is not None:
+                    return refusal
                 return JSONResponse(error_body("no healthy replica to serve the request",
                                                "service_unavailable", code="no_replica"),
                                     status_code=503, headers={"Retry-After": "1"})
@@ -474,6 +509,13 @@ def _generate_route(state: RouterState, path: str):
                 if lease is not None:  # (a pull under way holds the lease until it ends)
                     release_unused_lease(state, lease)
                 raise
+            if upstream.response.status_code == 503:
+                # Refused, nothing started (its engine dead or restarting, its queue full):
+                # another replica may serve it. The health loop decides on ejection.
+                refusal = await _refusal(upstream, first, worker)
+                state.rerouted.labels(worker=worker.url).inc()
+                logger.warning("replica %s answered 503; trying another", worker.url)
+                continue
             state.decisions.labels(reason=decision.reason).inc()
             state.prompt_blocks.inc(len(hashes))
             state.matched_blocks.inc(decision.matched_blocks)
@@ -487,6 +529,26 @@ def _generate_route(state: RouterState, path: str):
                          "x-openinfer-prefill": prefilled_by, **_prefix_headers(hashes)})
 
     return route
+
+
+async def _refusal(upstream: ReplicaResponse, first: bytes | None, worker: Worker) -> Response:
+    """A replica's refusal (a short error body) read whole, and its request ended."""
+    body = bytearray(first or b"")
+    try:
+        async with asyncio.timeout(5):
+            while (chunk := await upstream.next_chunk(worker)) is not None \
+                    and len(body) < 65536:
+                body += chunk
+    except (TimeoutError, httpx.HTTPError, OSError, ReplicaEjected):
+        pass  # what came is the answer
+    finally:
+        worker.in_flight -= 1
+        await upstream.close()
+    response = upstream.response
+    return Response(bytes(body), status_code=response.status_code,
+                    media_type=response.headers.get("content-type"),
+                    headers={"Retry-After": response.headers.get("retry-after", "1"),
+                             "x-openinfer-worker": worker.url})
 
 
 class _RelayResponse(StreamingResponse):

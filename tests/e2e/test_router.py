@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import (
@@ -19,6 +20,7 @@ from server_process import (
     MODEL,
     admin_workers,
     metrics,
+    start_router,
     start_routers,
     start_server,
     start_servers,
@@ -176,25 +178,45 @@ def _cache_hits(router: str) -> float:
 @pytest.mark.slow
 def test_cache_aware_keeps_each_conversation_on_the_replica_holding_it(routers):
     router = routers["cache_aware"]
-    time.sleep(1.0)  # subscriptions to the replicas' KV events
     hits_before = _cache_hits(router)  # the router may have served another test already
     homes: dict[int, str] = {}
-    histories = {user: [{"role": "system", "content": f"You are assistant {user}. " * 8}]
-                 for user in range(4)}
-    for turn in range(3):
+    histories: dict[int, list[dict]] = {}
+    # New conversations (no cached prefix) go to the replica routed the fewest requests so
+    # far, which after the module's other tests may be one replica several times over:
+    # conversations start until they live on two replicas at least.
+    for user in range(16):
+        histories[user] = [{"role": "system", "content": f"You are assistant {user}. " * 8},
+                           {"role": "user", "content": "This is turn 0."}]
+        indexed = _indexed_blocks(router)
+        text, homes[user], _ = _chat(router, histories[user])
+        histories[user].append({"role": "assistant", "content": text})
+        _wait_indexed(router, homes[user], indexed)  # before its next turn is routed
+        if user >= 3 and len(set(homes.values())) >= 2:
+            break
+    assert len(set(homes.values())) >= 2
+    for turn in (1, 2):
         for user, history in histories.items():
             history.append({"role": "user", "content": f"This is turn {turn}."})
             text, worker, reason = _chat(router, history)
             history.append({"role": "assistant", "content": text})
-            if turn == 0:
-                homes[user] = worker
-            else:
-                assert worker == homes[user], (user, turn)
-                assert reason == "cache_hit"
-    assert len(set(homes.values())) >= 2  # users spread over replicas, then stick
+            assert worker == homes[user], (user, turn)
+            assert reason == "cache_hit"
     workers = admin_workers(router)
     assert all(w["events"] for w in workers) and sum(w["indexed_blocks"] for w in workers) > 0
-    assert _cache_hits(router) - hits_before >= 4 * 2  # turns 1 and 2 of each user
+    assert _cache_hits(router) - hits_before >= 2 * len(homes)  # turns 1 and 2 of each
+
+
+def _indexed_blocks(router: str) -> dict[str, int]:
+    return {w["url"]: w["indexed_blocks"] for w in admin_workers(router)}
+
+
+def _wait_indexed(router: str, worker: str, before: dict[str, int], grew_by: int = 1) -> None:
+    """Until the router's index of ``worker`` holds the blocks a request stored there (its
+    KV events arrived; a subscription that missed them replays them at the next batch)."""
+    deadline = time.monotonic() + 30
+    while _indexed_blocks(router)[worker] < before[worker] + grew_by:
+        assert time.monotonic() < deadline, "the replica's KV events never reached the router"
+        time.sleep(0.05)
 
 
 @pytest.mark.slow
@@ -226,9 +248,9 @@ def test_cache_aware_load_guard_holds_under_concurrent_load(routers):
     acts when max - min > abs *and* max > rel * min; rel 1.0 leaves abs as the bound.)"""
     router = routers["load_guard"]  # --balance-abs 2 --balance-rel 1.0
     shared = list(range(100, 164))  # 4 full blocks
-    time.sleep(1.0)  # subscriptions to the replicas' KV events
+    indexed = _indexed_blocks(router)
     _, home, _ = _complete(router, shared + [1])
-    time.sleep(0.5)  # its BlockStored events reach the router
+    _wait_indexed(router, home, indexed, grew_by=4)
     with ThreadPoolExecutor(24) as pool:
         served = list(pool.map(lambda i: _complete(router, shared + [2, i], max_tokens=12),
                                range(24)))
@@ -305,6 +327,69 @@ def test_a_replica_that_stops_answering_is_ejected_and_loses_no_request(replica_
     while not {w["url"]: w for w in admin_workers(router)}[url]["healthy"]:
         assert time.monotonic() < deadline, "the thawed replica was not re-admitted"
         time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_replica_that_answers_503_sends_the_request_elsewhere(replicas, qwen3_checkpoint):
+    """A 503 from a replica (its engine dead or restarting, its queue full) starts nothing:
+    the router tries the next replica, and when every replica refused, the client gets the
+    last refusal itself (its code and Retry-After), not a relayed 503 while another replica
+    had room. Here the queue is full: --max-num-seqs 1 --max-waiting-requests 0 and two
+    requests admitted while its engine is stopped (/health still answers)."""
+    (full, full_proc), = start_servers((qwen3_checkpoint, "--max-num-seqs", "1",
+                                        "--max-waiting-requests", "0"))
+    engine = next(p for p in psutil.Process(full_proc.pid).children()
+                  if any("spawn_main" in arg for arg in p.cmdline()))
+    router, router_proc = start_router([replicas[0], full], qwen3_checkpoint,
+                                       "--policy", "round_robin")
+    engine.suspend()
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            held = []
+            try:
+                _fill_queue(full, pool, held)
+                _refused_elsewhere(router, full, replicas[0])
+            finally:
+                engine.resume()  # (before the pool waits on the held requests)
+            statuses = [f.result().status_code for f in held]
+            assert statuses.count(200) >= 2 and set(statuses) <= {200, 503}
+        workers = admin_workers(router)
+        assert [w["in_flight"] for w in workers] == [0]  # a refusal is not left counted
+    finally:
+        engine.resume()
+        stop(router_proc)
+        stop(full_proc)
+
+
+def _fill_queue(full: str, pool: ThreadPoolExecutor, held: list) -> None:
+    """Requests held by the stopped engine until a probe is refused: two admitted (one
+    running, one waiting) is a full queue. A probe that overtook them is admitted instead,
+    until its client gives up; a held one refused in its place answers 503 at once."""
+    for i in range(6):
+        held.append(pool.submit(httpx.post, f"{full}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": f"held {i}", "max_tokens": 2}))
+        with contextlib.suppress(httpx.ReadTimeout):
+            probe = httpx.post(f"{full}/v1/completions", timeout=2, json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 2})
+            if probe.status_code == 503:
+                return
+    pytest.fail("the replica never refused a request")
+
+
+def _refused_elsewhere(router: str, full: str, other: str) -> None:
+    before = _rerouted(router, full)
+    served = [_complete(router, p) for p in PROMPTS[:4]]  # round robin: 2 tried on full
+    assert {worker for _, worker, _ in served} == {other}
+    assert _rerouted(router, full) >= before + 2
+    assert [text for text, _, _ in served] == [_complete(other, p)[0] for p in PROMPTS[:4]]
+    removed = httpx.delete(f"{router}/admin/workers", params={"url": other}, headers=ADMIN,
+                           timeout=30)
+    assert removed.status_code == 200
+    alone = httpx.post(f"{router}/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert alone.status_code == 503 and alone.headers["retry-after"]
+    assert alone.json()["error"]["code"] == "overloaded"  # the replica's own answer
+    assert alone.headers["x-openinfer-worker"] == full
 
 
 def test_workers_added_at_run_time_enter_rotation_once_healthy(routers):
@@ -469,7 +554,12 @@ def test_a_replica_killed_under_load_loses_no_request_and_comes_back(replica_pro
             break
         time.sleep(0.1)
     assert workers[victim_url]["healthy"]
+    # It restarted with an empty cache and new KV-event sockets: the router's index of it
+    # started over before it was re-admitted, and follows its new events from then on.
+    assert workers[victim_url]["indexed_blocks"] == 0
+    indexed = _indexed_blocks(router)
     assert victim_url in {_complete(router, p)[1] for p in prompts[:6]}
+    _wait_indexed(router, victim_url, indexed)
 
 
 def _families(url: str) -> dict:
