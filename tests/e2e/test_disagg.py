@@ -40,7 +40,7 @@ def servers(qwen3_checkpoint):
     """A prefill instance, a decode instance, and a decode instance that fails requests whose
     KV it cannot pull (test_fail_policy...): all three started at once."""
     started = start_servers(
-        (qwen3_checkpoint, "--role", "prefill", "--kv-lease-timeout", "5"),
+        (qwen3_checkpoint, "--role", "prefill", "--kv-lease-timeout", "30"),
         (qwen3_checkpoint, "--role", "decode"),
         (qwen3_checkpoint, "--role", "decode", "--kv-load-failure-policy", "fail",
          "--kv-transfer-timeout", "1"))
@@ -147,7 +147,8 @@ def test_a_decode_leg_that_never_starts_releases_the_prefill_lease(pd, qwen3_che
     """The prefill instance holds a prompt's KV, and the decode leg never starts: no decode
     instance answers (a frozen one, ejected), or the client leaves first. Either way the
     router releases the lease at once, instead of the prefill instance holding the blocks
-    to its lease timeout (5 s here; one that ran out would count as expired)."""
+    to its lease timeout (30 s here, long enough that a loaded CI machine never runs one out
+    on its own; one that ran out would count as expired)."""
     prefill, decode = pd["prefill"], pd["decode"]
     router, r_proc = start_router([decode], qwen3_checkpoint, "--prefill", prefill,
                                   "--disagg-min-tokens", "32")
