@@ -104,12 +104,15 @@ class RouterState:
         self.max_excess_seen = 0
         self.disagg = Counter("openinfer_router:disagg_decisions",
                               "Disaggregation per request: prefill_then_decode, decode_only "
-                              "(short or cached prompt), prefill_failed (decode recomputed)",
+                              "(short or cached prompt), prefill_failed (decode recomputed), "
+                              "client_left (during the prefill leg, whose lease is then "
+                              "released)",
                               ["decision"], registry=r)
         self.disagg_leases_released = Counter(
             "openinfer_router:disagg_leases_released",
             "Prefill leases released by the router because their decode leg never started "
-            "(the client left between the legs, or no decode instance answered)", registry=r)
+            "(the client left during or between the legs, or no decode instance answered)",
+            registry=r)
         self.routed = Counter("openinfer_router:worker_requests", "Requests routed per replica",
                               ["worker"], registry=r)
         self.rerouted = Counter("openinfer_router:rerouted_requests",

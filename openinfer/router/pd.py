@@ -12,11 +12,15 @@ Whatever fails on the prefill leg (no prefill instance, a dead one, an error ans
 sends the request to decode unchanged: it recomputes, and the client only sees a
 slower first token. A request whose decode leg never starts (the client left between
 the legs, or no decode instance answered) releases its lease at once: the prefill
-instance frees the blocks instead of holding them to --kv-lease-timeout.
+instance frees the blocks instead of holding them to --kv-lease-timeout. A client that
+leaves during the prefill leg itself does not cut the leg short: closing the connection
+would abort a prefill still running, but one that has just finished holds a lease nobody
+would hear of. The leg runs to its end in the background, and its lease is released.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -24,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from openinfer.router.policies import Decision
+from openinfer.router.policies import Decision, Worker
 from openinfer.router.upstream import ReplicaEjected, unless_ejected
 from openinfer.transfer.connector import release_lease
 from openinfer.transfer.params import KVTransferParams
@@ -34,6 +38,9 @@ if TYPE_CHECKING:
     from openinfer.router.app import RouterState
 
 logger = logging.getLogger(__name__)
+ORPHANED_LEG_S = 600.0
+"""How long a prefill leg whose client left is waited on for the lease it returns."""
+_orphaned: set[asyncio.Task] = set()  # (held: the event loop keeps only weak references)
 
 
 async def prefill_first(state: RouterState, path: str, body: dict, raw: bytes,
@@ -57,26 +64,55 @@ async def prefill_first(state: RouterState, path: str, body: dict, raw: bytes,
         if "max_completion_tokens" in leg:
             leg["max_completion_tokens"] = 1
         worker.in_flight += 1
+        answer = asyncio.ensure_future(state.http.post(
+            worker.url + path, json=leg, headers=worker.forwarded_headers(headers)))
+        orphaned = False
         try:
-            resp = await unless_ejected(worker, state.http.post(
-                worker.url + path, json=leg, headers=worker.forwarded_headers(headers)))
+            resp = await unless_ejected(worker, asyncio.shield(answer))
             if resp.status_code == 200:
                 params = resp.json().get("kv_transfer_params")
             else:
                 logger.warning("prefill %s answered %d: %s", worker.url, resp.status_code,
                                resp.text[:200])
+        except asyncio.CancelledError:  # the client left: the leg ends in the background
+            orphaned = True
+            state.disagg.labels(decision="client_left").inc()
+            task = asyncio.create_task(_release_when_answered(state, worker, answer))
+            _orphaned.add(task)
+            task.add_done_callback(_orphaned.discard)
+            raise
         except (httpx.HTTPError, OSError, ValueError, ReplicaEjected) as e:
+            answer.cancel()
             if isinstance(e, httpx.TransportError | ReplicaEjected):
                 worker.healthy = False  # the health loop re-admits it when it answers
             logger.warning("prefill %s failed (%s); decode recomputes", worker.url, e)
         finally:
-            worker.in_flight -= 1
+            if not orphaned:  # (an orphaned leg counts until it ends)
+                worker.in_flight -= 1
         worker.routed += 1
     if not params:
         state.disagg.labels(decision="prefill_failed").inc()
         return raw, "none", None
     state.disagg.labels(decision="prefill_then_decode").inc()
     return json.dumps({**body, "kv_transfer_params": params}).encode(), choice.worker.url, params
+
+
+async def _release_when_answered(state: RouterState, worker: Worker,
+                                  answer: asyncio.Future) -> None:
+    """Wait for the prefill leg of a client that left, and release the lease it returns."""
+    params = None
+    try:
+        async with asyncio.timeout(ORPHANED_LEG_S):
+            resp = await unless_ejected(worker, asyncio.shield(answer))
+        if resp.status_code == 200:
+            params = resp.json().get("kv_transfer_params")
+    except (TimeoutError, httpx.HTTPError, OSError, ValueError, ReplicaEjected) as e:
+        answer.cancel()
+        logger.warning("prefill %s of a request whose client left: %s", worker.url, e)
+    finally:
+        worker.in_flight -= 1
+    if params:
+        release_unused_lease(state, params)
 
 
 def release_unused_lease(state: RouterState, params: dict) -> None:

@@ -4,6 +4,7 @@ is freed on both sides, and a dead prefill instance costs no request."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import signal
@@ -11,6 +12,7 @@ import socket
 import time
 
 import httpx
+import psutil
 import pytest
 from server_process import (
     MODEL,
@@ -145,10 +147,11 @@ def _poll(read, want, timeout_s: float) -> bool:
 @pytest.mark.slow
 def test_a_decode_leg_that_never_starts_releases_the_prefill_lease(pd, qwen3_checkpoint):
     """The prefill instance holds a prompt's KV, and the decode leg never starts: no decode
-    instance answers (a frozen one, ejected), or the client leaves first. Either way the
-    router releases the lease at once, instead of the prefill instance holding the blocks
-    to its lease timeout (30 s here, long enough that a loaded CI machine never runs one out
-    on its own; one that ran out would count as expired)."""
+    instance answers (a frozen one, ejected), or the client leaves first, between the legs
+    or during the prefill leg. Each time the router releases the lease at once, instead of
+    the prefill instance holding the blocks to its lease timeout (30 s here, long enough
+    that a loaded CI machine never runs one out on its own; one that ran out would count
+    as expired)."""
     prefill, decode = pd["prefill"], pd["decode"]
     router, r_proc = start_router([decode], qwen3_checkpoint, "--prefill", prefill,
                                   "--disagg-min-tokens", "32")
@@ -174,20 +177,47 @@ def test_a_decode_leg_that_never_starts_releases_the_prefill_lease(pd, qwen3_che
         assert _poll(lambda: healthy(router), True, 30)
         # The client leaves once the prefill instance holds the KV, before decode answers.
         frozen.send_signal(signal.SIGSTOP)
-        host, port = router.removeprefix("http://").split(":")
-        raw = json.dumps({**body, "prompt": prompt[::-1]}).encode()
-        with socket.create_connection((host, int(port))) as client:
-            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
-                           b"Content-Type: application/json\r\n"
-                           b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+        with _raw_request(router, {**body, "prompt": prompt[::-1]}):
             assert _poll(lambda: _metric(prefill, "openinfer:kv_leases"), 1, 60)
         assert _poll(released, 2, 10) and _poll(
+            lambda: _metric(prefill, "openinfer:kv_leases"), 0, 2)
+        frozen.send_signal(signal.SIGCONT)
+        assert _poll(lambda: healthy(router), True, 30)
+        # The client leaves during the prefill leg (the prefill engine stopped under it): the
+        # leg runs to its end behind the router, which releases the lease it returns. (Cut
+        # short, the leg would abort a prefill still running, but one just finished would
+        # hold a lease nobody hears of, to its timeout.)
+        engine = next(p for p in psutil.Process(pd["prefill_proc"].pid).children()
+                      if any("spawn_main" in arg for arg in p.cmdline()))
+        engine.suspend()
+        try:
+            with _raw_request(router, {**body, "prompt": prompt[50:] + prompt[:50]}):
+                assert _poll(lambda: {w["url"]: w for w in admin_workers(router)}[prefill][
+                    "in_flight"], 1, 30)
+            left = 'openinfer_router:disagg_decisions_total{decision="client_left"} 1.0'
+            assert _poll(lambda: left in httpx.get(f"{router}/metrics", timeout=30).text,
+                         True, 10)
+        finally:
+            engine.resume()
+        assert _poll(released, 3, 30) and _poll(
             lambda: _metric(prefill, "openinfer:kv_leases"), 0, 2)
         assert _metric(prefill, "openinfer:kv_leases_expired_total") == expired
     finally:
         frozen.send_signal(signal.SIGCONT)
         stop(r_proc)
     assert _poll(lambda: healthy(pd["router"]), True, 30)  # (the next tests' router)
+
+
+@contextlib.contextmanager
+def _raw_request(base: str, body: dict):
+    """A completion request sent on a bare socket, whose client hangs up on leaving."""
+    host, port = base.removeprefix("http://").split(":")
+    raw = json.dumps(body).encode()
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
+                       b"Content-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+        yield
 
 
 @pytest.mark.slow
