@@ -18,15 +18,9 @@ import zmq
 from server_process import MODEL, start_server
 from test_server import _metrics
 
+from openinfer.router.launch import free_ports
+
 PROMPT = list(range(100, 140))  # 40 token ids: two full blocks
-
-
-def _free_tcp() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def _complete(base: str) -> tuple[str, int]:
@@ -46,7 +40,8 @@ def _replay(endpoint: str, start: int) -> list[tuple[int, dict]]:
         assert sock.poll(10_000), "no replay answer"
         _, seq, payload = sock.recv_multipart()
         seq = int.from_bytes(seq, "big", signed=True)
-        if seq == -1:
+        if seq == -1:  # the end, with the number of the publisher's next batch
+            assert int.from_bytes(payload, "big") == (batches[-1][0] + 1 if batches else start)
             break
         batches.append((seq, msgpack.unpackb(payload)))
     sock.close(linger=0)
@@ -56,7 +51,7 @@ def _replay(endpoint: str, start: int) -> list[tuple[int, dict]]:
 @pytest.mark.slow
 def test_file_store_events_reset_and_restart(qwen3_checkpoint, tmp_path):
     store = tmp_path / "store"
-    pub, replay = _free_tcp(), _free_tcp()
+    pub, replay = (f"tcp://127.0.0.1:{port}" for port in free_ports(2))  # (picked together)
     flags = ("--kv-store-dir", str(store), "--kv-events-endpoint", pub,
              "--kv-events-replay-endpoint", replay, "--admin-api-key", "admin-key")
     base, proc = start_server(qwen3_checkpoint, *flags)

@@ -3,19 +3,13 @@ subscriber holding the secret can connect to (the events carry the tenants' toke
 
 from __future__ import annotations
 
-import socket
 import time
 
 import msgpack
 import zmq
 
 from openinfer.kv.events import END_OF_REPLAY, KVEventPublisher, secure_subscriber
-
-
-def _tcp() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+from openinfer.router.launch import free_ports
 
 
 def _subscriber(ctx: zmq.Context, endpoint: str, secret: str | None) -> zmq.Socket:
@@ -49,7 +43,7 @@ def _replayed(ctx: zmq.Context, endpoint: str, secret: str | None) -> list[int] 
 
 
 def test_only_holders_of_the_secret_read_kv_events():
-    endpoint, replay = _tcp(), _tcp()
+    endpoint, replay = (f"tcp://127.0.0.1:{port}" for port in free_ports(2))  # (together)
     publisher = KVEventPublisher(endpoint, replay, secret="s3cret")
     ctx = zmq.Context()
     try:
