@@ -18,9 +18,10 @@ file-store writes are not announced (that store is shared, not a replica's own).
 A subscriber that joins late or sees a gap in ``seq`` asks the replay socket (ROUTER)
 for everything from a sequence number: it sends ``(b"", start_seq as 8 bytes)`` from a
 REQ/DEALER socket and receives ``(seq, payload)`` for each buffered batch, then
-``(-1 as 8 signed bytes, next_seq as 8 bytes)``: the sequence number the publisher will give
-its next batch. A subscriber that asked for more than that is numbering an earlier life of
-the publisher (a restarted engine, whose cache started empty).
+``(-1 as 8 signed bytes, next_seq as 8 bytes + epoch as 8 bytes)``: the sequence number the
+publisher will give its next batch, and 8 random bytes drawn when the publisher started. A
+new epoch, or a next_seq below what the subscriber asked for, is a publisher that started
+over (a restarted engine, whose cache started empty).
 
 With a shared secret (`--kv-transfer-secret`), both sockets speak CURVE (ZMQ's
 encryption and authentication): the publisher's key pair and the one key pair it admits
@@ -31,6 +32,7 @@ the network reads the token ids in the events (they are the tenants' prompts).
 from __future__ import annotations
 
 import hashlib
+import os
 import queue
 import threading
 import time
@@ -114,6 +116,8 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._queue: queue.Queue[list[dict] | None] = queue.Queue()
         self._seq = 0
+        self.epoch = os.urandom(8)
+        """Which life of the publisher this is: its sequence numbers count from 0 in each."""
         self._thread = threading.Thread(target=self._run, name="openinfer-kv-events",
                                         daemon=True)
         self._thread.start()
@@ -161,7 +165,8 @@ class KVEventPublisher:
         for seq, payload in list(self._buffer):
             if seq >= first:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_OF_REPLAY, self._seq.to_bytes(8, "big")))
+        self._replay.send_multipart((client, b"", END_OF_REPLAY,
+                                     self._seq.to_bytes(8, "big") + self.epoch))
 
     def shutdown(self) -> None:
         self._queue.put(None)

@@ -220,13 +220,15 @@ class RouterState:
             sub.connect(endpoint)
             try:
                 if replay is not None:  # catch up on what happened before we subscribed
-                    publisher_next = await self._replay(worker, replay)
-                    if publisher_next is not None and publisher_next < worker.index.next_seq:
-                        # Numbering behind ours: a restarted engine, its cache empty.
+                    publisher = await self._replay(worker, replay)
+                    if publisher is not None and worker.index.started_over(*publisher):
+                        # A restarted engine, its cache empty.
                         logger.warning("replica %s restarted: its cache index starts over",
                                        worker.url)
                         worker.index.reset()
                         await self._replay(worker, replay)
+                    if publisher is not None:
+                        worker.index.epoch = publisher[1]
                 if synced is not None:
                     synced.set()
                 while True:
@@ -249,9 +251,9 @@ class RouterState:
             finally:
                 sub.close(linger=0)
 
-    async def _replay(self, worker: Worker, endpoint: str) -> int | None:
+    async def _replay(self, worker: Worker, endpoint: str) -> tuple[int, bytes | None] | None:
         """Apply the batches the replica buffered from our next one on; returns the number
-        its publisher gives its next batch (None: not told)."""
+        its publisher gives its next batch and the publisher's epoch (None: not told)."""
         sock = self.zmq.socket(zmq.DEALER)
         secure_subscriber(sock, self.kv_transfer_secret)
         sock.connect(endpoint)
@@ -260,8 +262,10 @@ class RouterState:
             while await sock.poll(5000):
                 _, seq_bytes, payload = await sock.recv_multipart()
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
-                if seq < 0:
-                    return int.from_bytes(payload, "big") if len(payload) == 8 else None
+                if seq < 0:  # the end: vLLM's carries nothing, ours next_seq and epoch
+                    if len(payload) < 8:
+                        return None
+                    return int.from_bytes(payload[:8], "big"), payload[8:16] or None
                 worker.index.apply(seq, parse_event_batch(payload))
             return None
         finally:

@@ -62,11 +62,20 @@ class WorkerCacheIndex:
         self.next_seq = 0
         self.live = False
         """True once events have been applied without a gap since the last reset."""
+        self.epoch: bytes | None = None
+        """The publisher life the index follows (its replay says which), once known."""
 
     def reset(self) -> None:
         self._media.clear()
         self.next_seq = 0
         self.live = False
+
+    def started_over(self, next_seq: int, epoch: bytes | None) -> bool:
+        """Whether a publisher that gives its next batch ``next_seq`` in its life ``epoch``
+        (what its replay ends with) is a new life of the one this index followed: a
+        restarted engine, whose cache started empty."""
+        changed = epoch is not None and self.epoch is not None and epoch != self.epoch
+        return changed or next_seq < self.next_seq
 
     def apply(self, seq: int, events: list[dict]) -> bool:
         """Apply one batch; False (applying nothing) when ``seq`` shows batches were missed

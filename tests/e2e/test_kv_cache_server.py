@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -40,8 +39,10 @@ def _replay(endpoint: str, start: int) -> list[tuple[int, dict]]:
         assert sock.poll(10_000), "no replay answer"
         _, seq, payload = sock.recv_multipart()
         seq = int.from_bytes(seq, "big", signed=True)
-        if seq == -1:  # the end, with the number of the publisher's next batch
-            assert int.from_bytes(payload, "big") == (batches[-1][0] + 1 if batches else start)
+        if seq == -1:  # the end, with the number of the publisher's next batch and its epoch
+            assert int.from_bytes(payload[:8], "big") == (
+                batches[-1][0] + 1 if batches else start)
+            assert len(payload) == 16
             break
         batches.append((seq, msgpack.unpackb(payload)))
     sock.close(linger=0)
@@ -57,9 +58,12 @@ def test_file_store_events_reset_and_restart(qwen3_checkpoint, tmp_path):
     base, proc = start_server(qwen3_checkpoint, *flags)
     try:
         sub = zmq.Context.instance().socket(zmq.SUB)
-        sub.connect(pub)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        time.sleep(0.3)  # let the subscription reach the publisher
+        connected = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        sub.connect(pub)
+        assert connected.poll(10_000), "the subscription never reached the publisher"
+        sub.disable_monitor()
+        connected.close(linger=0)
         text, cached = _complete(base)
         assert cached == 0
         assert sub.poll(10_000)

@@ -27,6 +27,22 @@ def test_index_follows_events_detects_gaps_and_restarts():
     assert index.match([b"q"]) == 0 and index.match([b"x"]) == 1
 
 
+def test_a_publisher_that_started_over_is_told_by_its_epoch_or_numbering():
+    """What a replay's end says of the publisher (its next seq, its epoch) against what the
+    index followed: a restart shows even when the new life has published more batches than
+    the old one had (a numbering not behind ours), by its epoch."""
+    index = WorkerCacheIndex()
+    assert not index.started_over(0, b"life-one")   # nothing followed yet
+    index.epoch = b"life-one"
+    for seq in range(5):
+        index.apply(seq, [_stored(bytes([seq]))])
+    assert not index.started_over(5, b"life-one")   # caught up
+    assert not index.started_over(9, b"life-one")   # ahead: a replay brings the rest
+    assert index.started_over(2, b"life-one")       # behind us: it restarted
+    assert index.started_over(9, b"life-two")       # a new life, further on than the old
+    assert index.started_over(2, None) and not index.started_over(9, None)  # (no epoch)
+
+
 def _router(policy: str, n: int = 3, **kw) -> Router:
     return Router(RouterConfig(policy=policy, **kw), [Worker(f"w{i}") for i in range(n)])
 
