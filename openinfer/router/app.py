@@ -25,7 +25,6 @@ from contextlib import asynccontextmanager
 from urllib.parse import urlparse
 
 import httpx
-import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -34,10 +33,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic.json_schema import models_json_schema
 
 from openinfer.kv.block_hash import extend_block_hashes
-from openinfer.kv.events import secure_subscriber
+from openinfer.router.kv_events import EventFollower
 from openinfer.router.metrics import cluster_exposition, replica_load
 from openinfer.router.pd import prefill_first, release_unused_lease
-from openinfer.router.policies import Router, RouterConfig, Worker, parse_event_batch
+from openinfer.router.policies import Router, RouterConfig, Worker
 from openinfer.router.upstream import ReplicaEjected, ReplicaResponse
 from openinfer.server.anthropic_api import MessagesRequest, openai_tools
 from openinfer.server.disconnect import CancelOnDisconnect
@@ -79,6 +78,7 @@ class RouterState:
                                       limits=httpx.Limits(max_connections=None,
                                                           max_keepalive_connections=None))
         self.zmq = zmq.asyncio.Context()
+        self.events = EventFollower(self.http, self.zmq, kv_transfer_secret)
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self.engine_index = {w.url: i for i, w in enumerate(self.all_workers)}
         """Each replica's number, its `engine` label in /metrics: serving replicas, prefill
@@ -152,7 +152,7 @@ class RouterState:
 
     def _start_watch(self, worker: Worker) -> None:
         self._tasks[worker.url] = [asyncio.create_task(self._health_loop(worker)),
-                                   asyncio.create_task(self._events_loop(worker))]
+                                   asyncio.create_task(self.events.follow(worker))]
 
     async def _follow_events_again(self, worker: Worker) -> None:
         """A replica back in rotation may be a new process (its event endpoints new, its
@@ -162,7 +162,7 @@ class RouterState:
         tasks[1].cancel()
         await asyncio.wait({tasks[1]})
         synced = asyncio.Event()
-        tasks[1] = asyncio.create_task(self._events_loop(worker, synced))
+        tasks[1] = asyncio.create_task(self.events.follow(worker, synced))
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(5):
                 await synced.wait()
@@ -197,79 +197,6 @@ class RouterState:
         resp = await self.http.get(f"{worker.url}/metrics", timeout=2.0)
         requests, worker.kv_usage = replica_load(resp.text)  # whatever its --metrics-prefix
         worker.report(requests, in_flight)
-
-    async def _events_loop(self, worker: Worker, synced: asyncio.Event | None = None) -> None:
-        """Follow the replica's KV events (if it publishes them) into its exact index;
-        ``synced`` is set once the index has caught up (or there are no events)."""
-        while True:
-            try:
-                info = (await self.http.get(f"{worker.url}/kv_events", timeout=2.0)).json()
-            except (httpx.HTTPError, OSError, ValueError):
-                await asyncio.sleep(HEALTH_INTERVAL_S)
-                continue
-            if not info.get("endpoint"):
-                if synced is not None:
-                    synced.set()
-                return  # no events: the approximate index serves
-            host = urlparse(worker.url).hostname
-            endpoint = _connectable(info["endpoint"], host)
-            replay = _connectable(info["replay_endpoint"], host) if info.get("replay_endpoint") else None
-            sub = self.zmq.socket(zmq.SUB)
-            secure_subscriber(sub, self.kv_transfer_secret)
-            sub.setsockopt(zmq.SUBSCRIBE, info.get("topic", "").encode())
-            sub.connect(endpoint)
-            try:
-                if replay is not None:  # catch up on what happened before we subscribed
-                    publisher = await self._replay(worker, replay)
-                    if publisher is not None and worker.index.started_over(*publisher):
-                        # A restarted engine, its cache empty.
-                        logger.warning("replica %s restarted: its cache index starts over",
-                                       worker.url)
-                        worker.index.reset()
-                        await self._replay(worker, replay)
-                    if publisher is not None:
-                        worker.index.epoch = publisher[1]
-                if synced is not None:
-                    synced.set()
-                while True:
-                    _, seq_bytes, payload = await sub.recv_multipart()
-                    seq = int.from_bytes(seq_bytes, "big")
-                    events = parse_event_batch(payload)
-                    if not worker.index.apply(seq, events):
-                        if replay is not None:
-                            await self._replay(worker, replay)
-                        if not worker.index.apply(seq, events):
-                            worker.index.reset()  # lost for good: start over from here
-                            worker.index.next_seq = seq
-                            worker.index.apply(seq, events)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a broken event stream must not take the router down
-                logger.warning("KV events of %s: %s", worker.url, e)
-                worker.index.reset()
-                await asyncio.sleep(HEALTH_INTERVAL_S)
-            finally:
-                sub.close(linger=0)
-
-    async def _replay(self, worker: Worker, endpoint: str) -> tuple[int, bytes | None] | None:
-        """Apply the batches the replica buffered from our next one on; returns the number
-        its publisher gives its next batch and the publisher's epoch (None: not told)."""
-        sock = self.zmq.socket(zmq.DEALER)
-        secure_subscriber(sock, self.kv_transfer_secret)
-        sock.connect(endpoint)
-        try:
-            await sock.send_multipart((b"", worker.index.next_seq.to_bytes(8, "big")))
-            while await sock.poll(5000):
-                _, seq_bytes, payload = await sock.recv_multipart()
-                seq = int.from_bytes(seq_bytes, "big", signed=True)
-                if seq < 0:  # the end: vLLM's carries nothing, ours next_seq and epoch
-                    if len(payload) < 8:
-                        return None
-                    return int.from_bytes(payload[:8], "big"), payload[8:16] or None
-                worker.index.apply(seq, parse_event_batch(payload))
-            return None
-        finally:
-            sock.close(linger=0)
 
     # ---- requests --------------------------------------------------------------------
 
@@ -619,10 +546,3 @@ def _prefix_headers(hashes: list[bytes]) -> dict[str, str]:
     if hashes:
         headers["x-openinfer-prefix-hash"] = hashes[-1].hex()
     return headers
-
-
-def _connectable(endpoint: str, host: str | None) -> str:
-    """A bind address (tcp://*:5557) as the router can connect to it."""
-    for wildcard in ("*", "0.0.0.0"):
-        endpoint = endpoint.replace(f"//{wildcard}:", f"//{host or '127.0.0.1'}:")
-    return endpoint
