@@ -302,8 +302,9 @@ def main() -> None:
         "",
         f"{args.requests} requests, {args.concurrency} at a time, in {elapsed:.0f} s "
         f"({args.requests / elapsed:.1f} requests/s) on the tiny demo model "
-        "(`--kv-cache-memory 64MiB --kv-host-memory 128MiB --kv-store-dir`, one store "
-        "directory for every replica): completions, chat "
+        "(`--kv-cache-memory 64MiB --kv-host-memory 128MiB --kv-store-dir`"
+        f"{'' if args.topology == 'single' else ', one store directory for every replica'}"
+        "): completions, chat "
         "and Anthropic messages, half streamed, 10% of completions with n = 2, 10% of all "
         "aborted by the client mid-stream, 5% bad requests, most prompts behind one of 6 "
         "shared 120-word prefixes.",

@@ -66,7 +66,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-store-bytes", type=parse_bytes, default="16GiB",
                    help="most bytes the file store holds")
     g.add_argument("--kv-events-endpoint", help="publish KV events (vLLM's schema) on this ZMQ "
-                                                "PUB address, e.g. tcp://*:5557")
+                                                "PUB address, e.g. tcp://*:5557 (port *: a "
+                                                "free one, shown on GET /kv_events)")
     g.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER address for replaying "
                                                        "missed KV event batches")
     g.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events")
@@ -249,10 +250,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from openinfer.engine.async_llm import AsyncLLM
     from openinfer.server.app import build_app
     from openinfer.server.limits import ServerLimits
-    from openinfer.server.listener import bind_socket, serve
+    from openinfer.server.listener import base_url, bind_socket, inherited_socket, serve
     from openinfer.server.sampling_defaults import load_chat_template, sampling_defaults
 
-    sock = bind_socket(args.host, args.port)  # a port in use fails now, not after the load
+    # A port in use fails now, not after the load. A replica of serve_data_parallel is
+    # handed the socket its launcher bound (no window between picking a port and binding it).
+    sock = (bind_socket(args.host, args.port) if args.listen_fd is None
+            else inherited_socket(args.listen_fd))
     warn_if_demo_model(args.model)
     restarts = args.max_engine_restarts if args.restart_on_engine_failure else 0
     llm = AsyncLLM(args.model, max_engine_restarts=restarts,
@@ -264,7 +268,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_body_bytes=args.max_body_bytes,
                           max_waiting_requests=args.max_waiting_requests,
                           cache_salt_per_api_key=args.cache_salt_per_api_key)
-    url = f"http://{args.host}:{args.port}"
+    url = base_url(sock)
     app = build_app(llm, name, limits,
                     sampling_defaults=sampling_defaults(llm.config.model.path,
                                                         args.generation_config),
@@ -341,7 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=HelpFormatter)
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--port", type=int, default=8000,
+                       help="port to listen on (0: a free one, printed at start)")
+    serve.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)  # see serve_data_parallel
     serve.add_argument("--served-model-name",
                        help="model name clients use (unset: the model's, e.g. smollm2-135m-instruct)")
     serve.add_argument("--api-key", nargs="+", default=[], metavar="KEY",
@@ -430,7 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--chat-template", help="the replicas' --chat-template, if they have one "
                                                 "(so chat prompt hashes match theirs)")
     router.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    router.add_argument("--port", type=int, default=8000, help="port to listen on")
+    router.add_argument("--port", type=int, default=8000,
+                        help="port to listen on (0: a free one, printed at start)")
     router.add_argument("--timeout-keep-alive", type=int, default=KEEP_ALIVE_S,
                         help="seconds an idle client connection stays open")
     router.add_argument("--log-level", default="info",

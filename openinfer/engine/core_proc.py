@@ -51,6 +51,8 @@ def run_engine_core(engine_options: dict, input_addr: str, output_addr: str,
             "block_size": core.kv.block_size,
             "max_model_len": core.config.model.max_model_len,
             "compute_info": core.compute_info,
+            "kv_events": core.publisher and {"endpoint": core.publisher.endpoint,
+                                             "replay_endpoint": core.publisher.replay_endpoint},
         }))
         _serve(core, inputs, outputs, parent_pid)
         core.shutdown()  # finish file-store writes: a restarted server finds them

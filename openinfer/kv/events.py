@@ -109,10 +109,14 @@ class KVEventPublisher:
         self._pub = self._secured(self._ctx.socket(zmq.PUB), secret)
         self._pub.set_hwm(100_000)
         self._pub.bind(endpoint)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        """Where it is bound: the port ZMQ picked for a ``tcp://host:*`` endpoint."""
         self._replay = None
+        self.replay_endpoint = None
         if replay_endpoint is not None:
             self._replay = self._secured(self._ctx.socket(zmq.ROUTER), secret)
             self._replay.bind(replay_endpoint)
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._queue: queue.Queue[list[dict] | None] = queue.Queue()
         self._seq = 0

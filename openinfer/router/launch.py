@@ -14,7 +14,7 @@ import time
 import urllib.request
 
 from openinfer.router.policies import POLICIES, RouterConfig
-from openinfer.server.listener import bind_socket, serve
+from openinfer.server.listener import base_url, bind_socket, serve
 
 logger = logging.getLogger(__name__)
 
@@ -122,23 +122,27 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     num_prefill = 0
     if args.disaggregate:
         num_prefill, num_decode = _parse_pd(args.disaggregate)
-        roles = [["--role", "prefill", "--kv-transfer-port", str(port)]
-                 for port in free_ports(num_prefill)] + [["--role", "decode"]] * num_decode
-    # Every replica's three ports at once: picked one by one, a port just picked (and
-    # released, its replica not yet started) can be handed out again to the next pick.
-    ports = free_ports(3 * len(roles))
+        # A prefill replica's KV server takes a free port; its responses say which.
+        roles = [["--role", "prefill"]] * num_prefill + [["--role", "decode"]] * num_decode
     replicas, urls = [], []
     try:
         for i, extra in enumerate(roles):
-            port, events, replay = ports[3 * i:3 * i + 3]
-            # The router's numbering (its `engine` label): serving replicas, then prefill ones.
-            engine = (i - num_prefill) % len(roles)
-            replicas.append(subprocess.Popen([
-                sys.executable, "-m", "openinfer.cli", "serve", *child_argv, *extra, "--host",
-                "127.0.0.1", "--port", str(port), "--metrics-engine-index", str(engine),
-                "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
-                "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"]))
-            urls.append(f"http://127.0.0.1:{port}")
+            # No port is picked here and bound by the replica later (another process could
+            # take it in between): the replica gets the socket bound here, and its event
+            # sockets take free ports that it reports on GET /kv_events.
+            listener = bind_socket("127.0.0.1", 0, announce=False)
+            with listener:
+                # The router's numbering (its `engine` label): serving replicas, then prefill.
+                engine = (i - num_prefill) % len(roles)
+                replicas.append(subprocess.Popen([
+                    sys.executable, "-m", "openinfer.cli", "serve", *child_argv, *extra,
+                    "--listen-fd", str(listener.fileno()), "--metrics-engine-index", str(engine),
+                    "--kv-events-endpoint", "tcp://127.0.0.1:*",
+                    "--kv-events-replay-endpoint", "tcp://127.0.0.1:*"],
+                    pass_fds=[listener.fileno()]))
+                urls.append(base_url(listener))
+            # (closed here: the replica's copy is the only one, so once it exits its
+            # port refuses connections instead of leaving them in a backlog nobody reads)
         for url, proc in zip(urls, replicas):
             _wait_healthy(url, proc)
         # uvicorn re-raises the SIGTERM it drained on; as an exception (not the default

@@ -99,8 +99,12 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
     async def kv_events() -> dict:
         """Where this replica publishes its KV events (routers subscribe there)."""
         cache = llm.config.cache
-        return {"endpoint": cache.kv_events_endpoint,
-                "replay_endpoint": cache.kv_events_replay_endpoint,
+        # Where the engine core bound them (its port, for a tcp://host:* endpoint); each
+        # restarted core binds afresh, and routers ask here again when it comes back.
+        bound = llm.client.info.get("kv_events") or {}
+        return {"endpoint": bound.get("endpoint", cache.kv_events_endpoint),
+                "replay_endpoint": bound.get("replay_endpoint",
+                                             cache.kv_events_replay_endpoint),
                 "topic": cache.kv_events_topic, "block_size": cache.block_size}
 
     @app.post("/v1/cache/reset")

@@ -8,14 +8,19 @@ refused.
 from __future__ import annotations
 
 import socket
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on (host, port); ValueError naming them when that fails."""
+def bind_socket(host: str, port: int, announce: bool = True) -> socket.socket:
+    """A listening TCP socket on (host, port); ValueError naming them when that fails.
+
+    Unless ``announce`` is False, prints ``openinfer: listening on http://HOST:PORT`` to
+    stderr, whatever the log level: with ``--port 0`` the kernel picks a free port, and
+    this line is how a script (the tests among them) learns which, race-free."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -25,7 +30,26 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    if announce:
+        _announce(sock)
     return sock
+
+
+def inherited_socket(fd: int) -> socket.socket:
+    """The listening socket a parent process bound and handed over (``pass_fds``)."""
+    sock = socket.socket(fileno=fd)
+    _announce(sock)
+    return sock
+
+
+def _announce(sock: socket.socket) -> None:
+    print(f"openinfer: listening on {base_url(sock)}", file=sys.stderr, flush=True)
+
+
+def base_url(sock: socket.socket) -> str:
+    """http://host:port of a bound socket (the port the kernel picked when asked for 0)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 KEEP_ALIVE_S = 75

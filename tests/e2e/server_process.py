@@ -1,19 +1,20 @@
-"""Start `openinfer serve` as a real process on a free loopback port, for tests."""
+"""Start `openinfer serve` (or `router`) as a real process on a free loopback port, for tests."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
-
-from openinfer.router.launch import free_ports
 
 MODEL = "tiny"
 """The name test servers serve their checkpoint under."""
@@ -62,51 +63,71 @@ def _router_args(workers: list[str], checkpoint, flags) -> list[str]:
 
 def _start_all(arg_lists: list[list[str]],
                admin_key: str | None) -> list[tuple[str, subprocess.Popen]]:
-    launched = [_launch(args, port, admin_key)
-                for args, port in zip(arg_lists, free_ports(len(arg_lists)))]
+    launched = [_launch(args, None, admin_key) for args in arg_lists]
     try:
-        for args, (base, proc) in zip(arg_lists, launched):
-            _wait_healthy(base, proc, args)
+        return [_wait_healthy(proc, args) for args, proc in zip(arg_lists, launched)]
     except BaseException:
-        for _, proc in launched:
+        for proc in launched:
             if proc.poll() is None:
                 proc.kill()
         raise
-    return launched
 
 
 def _start(args: list[str], port: int | None, admin_key: str | None = ADMIN_KEY,
            host: str | None = None) -> tuple[str, subprocess.Popen]:
-    base, proc = _launch(args, port, admin_key, host)
-    _wait_healthy(base, proc, args)
-    return base, proc
+    return _wait_healthy(_launch(args, port, admin_key, host), args)
+
+
+_LOGS = tempfile.TemporaryDirectory(prefix="openinfer-test-logs-")
+"""Where every process started here writes its stdout and stderr: a file, never a pipe
+that nobody drains (a server that logs 64 KiB would block on it)."""
 
 
 def _launch(args: list[str], port: int | None, admin_key: str | None = ADMIN_KEY,
-            host: str | None = None) -> tuple[str, subprocess.Popen]:
-    port = port or free_ports(1)[0]
+            host: str | None = None) -> subprocess.Popen:
+    """``port`` None: --port 0, the kernel picks a free one and the process says which
+    (picking one here and handing it over would race with every other process)."""
     if host is not None:
         args = [*args, "--host", host]
     env = {k: v for k, v in os.environ.items() if k != "OPENINFER_ADMIN_API_KEY"}
     if admin_key is not None:
         env["OPENINFER_ADMIN_API_KEY"] = admin_key
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "openinfer.cli", *args, "--port", str(port), "--log-level",
-         "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    return f"http://{host or '127.0.0.1'}:{port}", proc
+    with tempfile.NamedTemporaryFile("wb", dir=_LOGS.name, suffix=".log", delete=False) as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "openinfer.cli", *args, "--port", str(port or 0),
+             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    _LOG_OF[proc.pid] = Path(log.name)
+    return proc
 
 
-def _wait_healthy(base: str, proc: subprocess.Popen, args: list[str]) -> None:
+_LOG_OF: dict[int, Path] = {}
+
+
+def output(proc: subprocess.Popen) -> str:
+    """What a process started here has written so far (stdout and stderr)."""
+    return _LOG_OF[proc.pid].read_text(errors="replace")
+
+
+_LISTENING = re.compile(r"^openinfer: listening on (http://\S+)$", re.MULTILINE)
+
+
+def _wait_healthy(proc: subprocess.Popen, args: list[str]) -> tuple[str, subprocess.Popen]:
+    """(base URL, proc) once the process answers /health."""
     deadline = time.monotonic() + 300  # generous: a loaded 2-core CI box starts Ray slowly
+    base = None
     while True:
         try:
-            urllib.request.urlopen(f"{base}/health", timeout=2)
-            return
+            if base is None and (bound := _LISTENING.search(output(proc))):
+                base = bound.group(1)
+            if base is not None:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                return base, proc
         except (urllib.error.URLError, ConnectionError, TimeoutError):  # bound, still loading
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"{args[0]} did not start:\n{proc.stdout.read()}")
-            time.sleep(0.3)
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"{args[0]} did not start:\n{output(proc)}")
+        time.sleep(0.2)
 
 
 def stop(proc: subprocess.Popen) -> None:

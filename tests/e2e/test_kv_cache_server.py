@@ -17,8 +17,6 @@ import zmq
 from server_process import MODEL, start_server
 from test_server import _metrics
 
-from openinfer.router.launch import free_ports
-
 PROMPT = list(range(100, 140))  # 40 token ids: two full blocks
 
 
@@ -52,11 +50,15 @@ def _replay(endpoint: str, start: int) -> list[tuple[int, dict]]:
 @pytest.mark.slow
 def test_file_store_events_reset_and_restart(qwen3_checkpoint, tmp_path):
     store = tmp_path / "store"
-    pub, replay = (f"tcp://127.0.0.1:{port}" for port in free_ports(2))  # (picked together)
-    flags = ("--kv-store-dir", str(store), "--kv-events-endpoint", pub,
-             "--kv-events-replay-endpoint", replay, "--admin-api-key", "admin-key")
+    # Port *: the engine binds free ports and says which on GET /kv_events.
+    flags = ("--kv-store-dir", str(store), "--kv-events-endpoint", "tcp://127.0.0.1:*",
+             "--kv-events-replay-endpoint", "tcp://127.0.0.1:*", "--admin-api-key", "admin-key")
     base, proc = start_server(qwen3_checkpoint, *flags)
     try:
+        where = json.loads(urllib.request.urlopen(f"{base}/kv_events", timeout=30).read())
+        pub, replay = where["endpoint"], where["replay_endpoint"]
+        assert pub.startswith("tcp://127.0.0.1:") and not pub.endswith(":*"), where
+        assert replay.startswith("tcp://127.0.0.1:") and replay != pub, where
         sub = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         connected = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import http.client
 import os
 import random
+import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,26 +41,23 @@ PARAGRAPH = ("The sun rises in the east and sets in the west. Every morning, peo
              "and spend time with their families before going to sleep.")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def smollm2_server(tmp_path_factory):
     """`openinfer serve` with no --model: the built-in default."""
-    port = _free_port()
     log = tmp_path_factory.mktemp("smollm2") / "server.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "openinfer", "serve", "--port", str(port),
+            [sys.executable, "-m", "openinfer", "serve", "--port", "0",
              "--kv-cache-memory", "512MiB"], stdout=out, stderr=subprocess.STDOUT,
             env={**os.environ, "OPENINFER_LOGGING_LEVEL": "INFO"})
     try:
         # The socket is bound before the model loads: a connection made during the load
         # is accepted and answered once the server is ready.
         deadline = time.monotonic() + 60
+        while not (bound := re.search(r"listening on http://127\.0\.0\.1:(\d+)", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        port = int(bound.group(1))  # --port 0: the kernel's pick
         while True:
             try:
                 early = http.client.HTTPConnection("127.0.0.1", port, timeout=300)

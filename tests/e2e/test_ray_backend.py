@@ -12,7 +12,7 @@ import time
 import httpx
 import psutil
 import pytest
-from server_process import MODEL, admin_workers, start_server, stop
+from server_process import MODEL, admin_workers, output, start_server, stop
 
 # Only whether it is installed: importing ray here would change this test process for the
 # tests after it (it altered how an offline tokenizer decodes a partial UTF-8 byte).
@@ -69,7 +69,7 @@ def test_serve_data_parallel_on_ray(qwen3_checkpoint):
             proc.wait(timeout=90)
         except subprocess.TimeoutExpired:
             proc.kill()
-    assert proc.returncode == 0, proc.stdout.read()
+    assert proc.returncode == 0, output(proc)
     for url in urls:  # the replicas went with it
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/health", timeout=5)

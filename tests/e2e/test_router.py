@@ -29,27 +29,20 @@ from server_process import (
     stop,
 )
 
-from openinfer.router.launch import free_ports
-
-
-def _replica_flags(events: int, replay: int) -> tuple[str, ...]:
-    return ("--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
-            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}")
+REPLICA_FLAGS = ("--kv-events-endpoint", "tcp://127.0.0.1:*",
+                 "--kv-events-replay-endpoint", "tcp://127.0.0.1:*")
+"""KV events on free ports: the router finds them on the replica's GET /kv_events."""
 
 
 def _replica(checkpoint, port: int | None = None):
-    return start_server(checkpoint, *_replica_flags(*free_ports(2)), port=port)
+    return start_server(checkpoint, *REPLICA_FLAGS, port=port)
 
 
 @pytest.fixture(scope="module")
 def replica_procs(qwen3_checkpoint):
     """[url, process] of three replicas started at once; a test that replaces a process
     (test_a_replica_killed...) puts the new one here, so it is the one stopped at the end."""
-    # Every event port picked at once (held bound while picked: a port picked and released
-    # alone can be handed out again to the next pick before its replica binds it).
-    ports = free_ports(6)
-    started = [list(r) for r in start_servers(*[
-        (qwen3_checkpoint, *_replica_flags(*ports[2 * i:2 * i + 2])) for i in range(3)])]
+    started = [list(r) for r in start_servers(*[(qwen3_checkpoint, *REPLICA_FLAGS)] * 3)]
     yield started
     for _, proc in started:
         proc.kill()

@@ -6,8 +6,9 @@ API key (another key's same prompt has other blocks). One server, one router."""
 
 from __future__ import annotations
 
-import socket
+import json
 import time
+import urllib.request
 
 import httpx
 import msgpack
@@ -30,12 +31,6 @@ TEMPLATE = (
 BLOCK_SIZE = 16
 QUESTION = [{"role": "user", "content": "Explain in detail how a paged KV cache shares the "
                                         "blocks of a common prompt prefix between requests."}]
-
-
-def _tcp() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 class StoredBlocks:
@@ -84,14 +79,15 @@ def _post(router: str, path: str, body: dict, key: str = "alice-key") -> tuple[i
 def test_router_block_hashes_are_the_engines(qwen3_checkpoint, tmp_path):
     template = tmp_path / "persona.jinja"
     template.write_text(TEMPLATE)
-    events = _tcp()
     # Prefix caches salted per API key, on the replica and (so) in the router; KV events
     # encrypted for the holders of the secret (this test and the router).
     base, server = start_server(qwen3_checkpoint, "--chat-template", str(template),
-                                "--kv-events-endpoint", events, "--api-key", "alice-key",
+                                "--kv-events-endpoint", "tcp://127.0.0.1:*",
+                                "--api-key", "alice-key",
                                 "bob-key", "--cache-salt-per-api-key",
                                 "--kv-transfer-secret", "events-secret")
-    stored = StoredBlocks(events, "events-secret")  # subscribed while the router starts
+    events = json.loads(urllib.request.urlopen(f"{base}/kv_events", timeout=30).read())
+    stored = StoredBlocks(events["endpoint"], "events-secret")  # subscribed as the router starts
     router, router_proc = start_router([base], qwen3_checkpoint, "--chat-template", str(template),
                                        "--cache-salt-per-api-key",
                                        "--kv-transfer-secret", "events-secret")
