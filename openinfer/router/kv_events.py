@@ -7,7 +7,8 @@ filled from the replica's replay socket; a batch lost for good starts the index 
 each (re)subscription the router first replays from its next sequence number: the
 replay's end says the publisher's next number and its epoch, so a restarted engine (its
 cache empty, its first batches perhaps sent before the subscription reconnected) is told
-from one the router merely lost sight of, and its index starts over.
+from one the router merely lost sight of, and its index starts over. A replica without a
+replay socket cannot be told apart so: its index starts over at each resubscription.
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ class EventFollower:
             secure_subscriber(sub, self.secret)
             sub.setsockopt(zmq.SUBSCRIBE, info.get("topic", "").encode())
             sub.connect(endpoint)
+            if replay is None:
+                # Nothing tells a restarted publisher (its cache empty, its numbering from 0
+                # again, its first batches perhaps sent before we joined) from the one we
+                # lost sight of: start over rather than keep blocks it may not hold.
+                worker.index.reset()
             try:
                 if replay is not None:  # catch up on what happened before we subscribed
                     publisher = await self._replay(worker, replay)

@@ -17,7 +17,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_process import MODEL, process_running, start_servers
+from server_process import MODEL, admin_workers, process_running, start_router, start_servers, stop
 from server_process import metrics as _metrics
 
 from openinfer import LLM, SamplingParams
@@ -29,7 +29,9 @@ SERVERS = {  # every server this module starts, by the test(s) using it: name ->
     "limits": ("--api-key", "sekrit", "--max-body-bytes", "2000", "--max-num-seqs", "1",
                "--max-waiting-requests", "0"),  # test_api_key_body_size_and_queue_limits
     # test_a_dead_engine_gives_503_then_restarts kills its engine core, twice
-    "dead_engine": ("--restart-on-engine-failure", "--max-engine-restarts", "1"),
+    "dead_engine": ("--restart-on-engine-failure", "--max-engine-restarts", "1",
+                    "--kv-events-endpoint", "tcp://127.0.0.1:*",
+                    "--kv-events-replay-endpoint", "tcp://127.0.0.1:*"),
     # test_tenants_never_share_cached_prefixes, test_a_request_past_its_timeout_is_aborted
     "tenants": ("--api-key", "alice-key", "bob-key", "--cache-salt-per-api-key",
                 "--admin-api-key", "root-key", "--request-timeout", "1"),
@@ -744,18 +746,22 @@ def _wait_health(base: str, status: int, timeout_s: float = 120) -> dict:
 
 
 @pytest.mark.slow
-def test_a_dead_engine_gives_503_then_restarts(servers, offline):
+def test_a_dead_engine_gives_503_then_restarts(servers, offline, qwen3_checkpoint):
     """--restart-on-engine-failure --max-engine-restarts 1: the engine core killed under a
     stream ends that stream with an error event (no hang), /health says 503 while a new core
     starts, then the server answers again as before; killed a second time within the window,
-    it is left dead and says so (503, engine_dead) rather than restarting forever."""
+    it is left dead and says so (503, engine_dead) rather than restarting forever. A router
+    in front follows the new core's KV events, on the new ports it took."""
     base, proc = servers["dead_engine"]
+    router, router_proc = start_router([base], qwen3_checkpoint)
     try:
+        first_events = _kv_events(base)["endpoint"]
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
                                timeout=30)
         stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=400,
                                            extra_body={"ignore_eos": True}, stream=True)
         next(iter(stream))
+        _wait_for(lambda: _indexed(router) >= 2)  # the router follows the stream's blocks
         _kill_engine_core(proc)
         # The open stream ends with an error event (the client raises it) instead of hanging.
         with pytest.raises(openai.APIError, match="engine"):
@@ -767,6 +773,10 @@ def test_a_dead_engine_gives_503_then_restarts(servers, offline):
         answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
                                            temperature=0)
         assert answer.choices[0].text == want[0].outputs[0].text
+        # The new core took new event ports (tcp://127.0.0.1:*); the router subscribed
+        # there, and its index started over: the answer's one full block, no stale one.
+        assert _kv_events(base)["endpoint"] != first_events
+        _wait_for(lambda: _indexed(router) == 1, show=lambda: admin_workers(router))
 
         _kill_engine_core(proc)
         reason = _wait_health(base, 503, 30)["reason"]
@@ -776,8 +786,25 @@ def test_a_dead_engine_gives_503_then_restarts(servers, offline):
         code, body = _post(base, "/v1/completions", {"model": MODEL, "prompt": "hi"})
         assert code == 503 and body["error"]["code"] == "engine_dead"
     finally:
+        stop(router_proc)
         proc.kill()
         proc.wait()
+
+
+def _kv_events(base: str) -> dict:
+    return json.loads(urllib.request.urlopen(f"{base}/kv_events", timeout=30).read())
+
+
+def _indexed(router: str) -> int:
+    """The blocks the router's index holds for its one replica."""
+    return admin_workers(router)[0]["indexed_blocks"]
+
+
+def _wait_for(condition, timeout_s: float = 30, show=lambda: None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out: {show()}"
+        time.sleep(0.05)
 
 
 def test_idle_connections_stay_open_longer_than_clients_keep_them(servers):
