@@ -62,7 +62,8 @@ def check_context_parallel(config: EngineConfig) -> None:
         raise ValueError(f"prefill_context_parallel_size {size}: {mc.architecture} cannot be "
                          "split by context yet (Llama-family models with full attention can)")
     _refuse_unsupported(config, f"prefill_context_parallel_size {size}",
-                        {"expert parallelism": config.enable_expert_parallel})
+                        {"expert parallelism": config.enable_expert_parallel,
+                         "the KV host tier and file store": _has_tiers(config)})
 
 
 def check_tensor_parallel(config: EngineConfig) -> None:
@@ -92,7 +93,11 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     if kv_heads % size and size % kv_heads:
         raise ValueError(f"tensor_parallel_size {size} and num_key_value_heads ({kv_heads}): "
                          "one must divide the other")
-    _refuse_unsupported(config, f"tensor_parallel_size {size}")
+    _refuse_unsupported(config, f"tensor_parallel_size {size}", {
+        # The engine core tells which blocks the store holds by testing each rank's file.
+        "the file store (--kv-store-dir) on ranks of other machines":
+            config.cache.kv_store_dir is not None
+            and (config.nodes.nnodes > 1 or config.distributed_executor_backend == "ray")})
 
 
 def check_expert_parallel(config: EngineConfig) -> None:
@@ -118,7 +123,8 @@ def check_expert_parallel(config: EngineConfig) -> None:
                          f"experts ({experts} routed + {redundant} redundant)")
     if dp.size > 1:
         _refuse_unsupported(config, "data-parallel attention with expert parallelism",
-                            {"--async-scheduling": config.scheduler.async_scheduling})
+                            {"--async-scheduling": config.scheduler.async_scheduling,
+                             "the KV host tier and file store": _has_tiers(config)})
 
 
 def _check_ranks_fit(config: EngineConfig, size: int, name: str) -> None:
@@ -142,8 +148,6 @@ def _refuse_unsupported(config: EngineConfig, what: str,
     """The features not composed with multi-rank engines yet, refused by name."""
     unsupported = {
         "speculative decoding": config.speculative is not None,
-        "the KV host tier and file store": config.cache.kv_host_memory is not None
-        or config.cache.kv_store_dir is not None,
         "disaggregation (--role / --kv-transfer-port)": config.kv_transfer.role != "both"
         or config.kv_transfer.port is not None,
         "--batch-invariant": config.model.batch_invariant,
@@ -152,6 +156,10 @@ def _refuse_unsupported(config: EngineConfig, what: str,
     for feature, on in unsupported.items():
         if on:
             raise ValueError(f"{what} does not run with {feature} yet")
+
+
+def _has_tiers(config: EngineConfig) -> bool:
+    return config.cache.kv_host_memory is not None or config.cache.kv_store_dir is not None
 
 
 class RankFailed(RuntimeError):

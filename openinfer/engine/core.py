@@ -34,6 +34,7 @@ from openinfer.cpu_features import cpu_model_name
 from openinfer.engine.executor import make_executor
 from openinfer.engine.input_processor import load_tokenizer
 from openinfer.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from openinfer.engine.rank_results import ReadsAcrossRanks, summed
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
 from openinfer.kv.events import KVEventPublisher, to_wire
@@ -43,7 +44,7 @@ from openinfer.kv.spec import BlockLayout, LayerGroup, SlidingWindowSpec, group_
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.confidence import PROFILE_ROWS, StepRateProfile
 from openinfer.structured.manager import StructuredOutputManager
-from openinfer.transfer.file_store import model_fingerprint
+from openinfer.transfer.file_store import StoreMembership, model_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class EngineCore:
                                    self._step_rates() if spec and spec.scheduler == "confidence"
                                    else None)
         self._layout: BlockLayout | None = None
+        self._reads = ReadsAcrossRanks(config.num_ranks)
         self.has_tiers = self._attach_kv_tiers(groups)
         self._lease_requests: dict[str, str] = {}  # live KV lease id -> its request
         self.num_aborted = 0
@@ -155,7 +157,8 @@ class EngineCore:
         layout = self._block_layout(groups)
         num_slots = host_memory // layout.block_bytes
         host = HostCacheIndex(num_slots)
-        store_contains = self.executor.call("attach_tiers", layout, num_slots)
+        store_dirs = self.executor.collective_rpc("attach_tiers", layout, num_slots)
+        store_contains = StoreMembership(store_dirs) if store_dirs[0] is not None else None
         self.kv.attach_tiers(host, store_contains)
         logger.info("KV tiers: L2 %d host blocks%s", num_slots,
                     f", L3 {cache.kv_store_dir}" if store_contains else "")
@@ -347,7 +350,7 @@ class EngineCore:
             if kv.can_pull:
                 stats["kv_remote_blocks_pulled"] = s.num_remote_blocks_pulled
         if self.has_tiers or self.kv_server_address is not None:
-            stats.update(self.executor.call("kv_io_stats"))
+            stats.update(summed(self.executor.collective_rpc("kv_io_stats")))  # every rank's
         if self.config.speculative is not None:
             stats.update(s.spec.stats.as_dict())
         if self.config.moe_expert_stats:
@@ -361,13 +364,14 @@ class EngineCore:
     def _finish_kv_reads(self, wait_s: float = 0.0) -> None:
         if not self.has_tiers:
             return
-        for load, num_loaded in self.executor.call("finished_kv_reads", wait_s):
+        for load, num_loaded in self._reads.finished(
+                self.executor.collective_rpc("finished_kv_reads", wait_s)):
             self.scheduler.finish_load(load, num_loaded)
 
     def drain_file_io(self, timeout_s: float = 30.0) -> None:
         """Wait until every file read and write and pull has finished (tests, shutdown)."""
         deadline = time.monotonic() + timeout_s
-        while self.has_tiers and self.executor.call("num_kv_io_in_flight"):
+        while self.has_tiers and max(self.executor.collective_rpc("num_kv_io_in_flight")):
             if time.monotonic() > deadline:
                 raise TimeoutError("KV file I/O did not finish")
             self._finish_kv_reads(wait_s=0.05)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -26,7 +27,7 @@ from openinfer.config import (
     ModelConfig,
 )
 from openinfer.cpu_features import cpu_capability
-from openinfer.distributed.parallel_state import expert_parallel, init_data_parallel_group
+from openinfer.distributed.parallel_state import expert_parallel, get_tp, init_data_parallel_group
 from openinfer.engine.kv_cache import allocate_caches
 from openinfer.engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from openinfer.engine.runner import ModelRunner
@@ -50,7 +51,7 @@ from openinfer.spec.drafters import make_token_proposer
 from openinfer.spec.mtp import MTPDrafter, mtp_layers
 from openinfer.transfer.block_mover import BlockMover
 from openinfer.transfer.connector import make_connector
-from openinfer.transfer.file_store import FileStore
+from openinfer.transfer.file_store import FileStore, rank_fingerprint
 from openinfer.transfer.kv_server import KVServer
 
 logger = logging.getLogger(__name__)
@@ -240,15 +241,19 @@ class Worker:
         """Seconds of one model step at each number of rows (confidence scheduling's SPS)."""
         return self.runner.profile_step_seconds(rows, query_len)
 
-    def attach_tiers(self, layout: BlockLayout, num_host_slots: int) -> Callable | None:
+    def attach_tiers(self, layout: BlockLayout, num_host_slots: int) -> Path | None:
         """The host pool (L2) and, when configured, the file store (L3); returns the
-        store's membership test for the KV manager (None without a store)."""
+        directory this worker's block files go to (None without a store). A tensor-parallel
+        rank keeps its share of each block (its KV heads) in its own host pool and files."""
         cache = self.config.cache
         store = None
         if cache.kv_store_dir is not None:
-            store = FileStore(cache.kv_store_dir, layout, cache.kv_store_bytes)
+            tp = get_tp()
+            shard = replace(layout, model_fingerprint=rank_fingerprint(
+                layout.model_fingerprint, tp.rank, tp.size))
+            store = FileStore(cache.kv_store_dir, shard, cache.kv_store_bytes)
         self.mover = BlockMover(layout, self._layout_caches(layout), num_host_slots, store)
-        return store.contains if store is not None else None
+        return store.dir if store is not None else None
 
     def attach_kv_transfer(self, layout: BlockLayout, pulls: bool, serves: bool) -> None:
         """Disaggregation: a connector that pulls prefill instances' blocks into the host

@@ -4,6 +4,10 @@ One file per block, named by its content hash (never by anything from a request)
 
     DIR/<model fingerprint, 16 hex>/<hash[:2]>/<hash hex>.kvblock
 
+Under tensor parallelism each rank stores its own share of a block (its KV heads) under a
+fingerprint of its own (``rank_fingerprint``), and a block is in the store when every
+rank's file is (``StoreMembership``, asked by the engine core).
+
 A file is ``MAGIC | u32 header length | JSON header | payload``. The header names the
 format version, the block layout (``BlockLayout.describe()``: model fingerprint, block
 size, and every cacheable layer group's kind, layers, page shape and dtype), the block
@@ -62,6 +66,30 @@ def model_fingerprint(model_dir: str | Path) -> str:
     return digest.hexdigest()
 
 
+def rank_fingerprint(fingerprint: str, rank: int, num_ranks: int) -> str:
+    """The fingerprint of one tensor-parallel rank's share of a model's KV (the model's
+    own with one rank): a rank reads only files its own rank of the same split wrote."""
+    if num_ranks == 1:
+        return fingerprint
+    return hashlib.sha256(f"{fingerprint}:tp{num_ranks}:rank{rank}".encode()).hexdigest()
+
+
+def _block_path(directory: Path, block_hash: BlockHash) -> Path:
+    name = block_hash.hex()
+    return directory / name[:2] / f"{name}{SUFFIX}"
+
+
+class StoreMembership:
+    """Whether a block is in the store: every rank's file of it is there. The engine core
+    asks this (a file test per rank) from its own process; the ranks read and write."""
+
+    def __init__(self, directories: list[Path]) -> None:
+        self.directories = directories
+
+    def __call__(self, block_hash: BlockHash) -> bool:
+        return all(_block_path(d, block_hash).is_file() for d in self.directories)
+
+
 class FileStore:
     def __init__(self, root: str | Path, layout: BlockLayout, capacity_bytes: int) -> None:
         if not layout.model_fingerprint:
@@ -77,8 +105,7 @@ class FileStore:
         self._lock = threading.Lock()
 
     def path_of(self, block_hash: BlockHash) -> Path:
-        name = block_hash.hex()
-        return self.dir / name[:2] / f"{name}{SUFFIX}"
+        return _block_path(self.dir, block_hash)
 
     def contains(self, block_hash: BlockHash) -> bool:
         return self.path_of(block_hash).is_file()

@@ -67,6 +67,8 @@ def test_what_context_parallelism_cannot_run_is_refused(parallel_checkpoints, ma
         (llama, dict(prefill_context_parallel_size=2, speculative_config={
             "method": "ngram", "num_speculative_tokens": 2}),
          "does not run with speculative decoding yet"),
+        (llama, dict(prefill_context_parallel_size=2, kv_host_memory=2**20),
+         "does not run with the KV host tier and file store yet"),
         (str(make_checkpoint("Gemma2ForCausalLM")), dict(prefill_context_parallel_size=2),
          "Gemma2ForCausalLM cannot be split by context yet"),
     ]

@@ -17,6 +17,7 @@ from openinfer import LLM, SamplingParams
 from openinfer.config import EngineConfig
 from openinfer.distributed.executor import RankFailed
 from openinfer.engine.core import EngineCore
+from openinfer.transfer.file_store import model_fingerprint
 
 
 def _child_processes() -> list[psutil.Process]:
@@ -89,6 +90,8 @@ def test_impossible_splits_are_refused_at_start_up(make_checkpoint):
                                                                 "num_speculative_tokens": 2}),
          "does not run with speculative decoding"),
         (fine, dict(tensor_parallel_size=2, nnodes=3), "2 ranks do not split evenly over nnodes 3"),
+        (fine, dict(tensor_parallel_size=2, nnodes=2, kv_store_dir="/nonexistent"),
+         "does not run with the file store (--kv-store-dir) on ranks of other machines"),
         (fine, dict(tensor_parallel_size=2, nnodes=2, distributed_executor_backend="ray"),
          "the ray backend places ranks on its cluster's nodes itself"),
     ]
@@ -114,3 +117,47 @@ def test_a_dead_rank_fails_the_engine_at_once_and_leaves_no_process(parallel_che
     assert time.monotonic() - start < 30
     assert not any(p.is_alive() for p in ranks)
     assert not _child_processes()
+
+
+def test_two_ranks_keep_their_kv_shares_in_host_memory_and_files(parallel_checkpoints, tmp_path):
+    """--kv-host-memory and --kv-store-dir under tensor parallelism: each rank keeps its
+    KV heads' share of a block in its own host pool and its own files; a block counts as
+    stored when both ranks' files are there, and comes back from them with the plain path's
+    tokens. Neither a single-rank engine nor the other rank reads a rank's files."""
+    path, store = str(parallel_checkpoints["qwen3_moe"]), tmp_path / "store"
+    prompts = _prompts()[1:] + [[9, 8, 7] * 12]  # 37, 12, 60 and 36 tokens
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = LLM(path, progress=False, enable_prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+    full_blocks = sum(len(p) // 16 for p in prompts)  # of the prompts: 2 + 0 + 3 + 2
+    written = sum((len(p) + 5) // 16 for p in prompts)  # with the generated tokens' KV: 9
+    two = LLM(path, progress=False, tensor_parallel_size=2, kv_host_memory=2 * 2**20,
+              kv_store_dir=str(store))
+    core = two.engine.core
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, greedy)] == expected
+        core.drain_file_io()
+        shards = sorted(d for d in store.iterdir() if d.is_dir())
+        # One directory per rank, each with every block; neither is the one a single-rank
+        # engine reads (a share is not a whole block).
+        assert len(shards) == 2 and model_fingerprint(path)[:16] not in {d.name for d in shards}
+        assert [len(list(d.rglob("*.kvblock"))) for d in shards] == [written] * 2
+        # Forget L1 and L2: the blocks come back from both ranks' files.
+        core.reset_prefix_cache()
+        again = two.generate(prompts, greedy)
+        assert [o.outputs[0].token_ids for o in again] == expected
+        assert [o.num_cached_tokens for o in again] == [16 * (len(p) // 16) for p in prompts]
+        assert core.kv.hit_tokens_by_tier["L3"] == 16 * full_blocks
+        io = core.stats()
+        assert io["kv_transfer_bytes"]["store_to_host"] > 0  # (both ranks' bytes)
+        # One rank's file gone: that block is not in the store any more (nor are the ones
+        # after it in its prompt), so it is computed again, with the same tokens.
+        first = next(iter(sorted(shards[1].rglob("*.kvblock"))))
+        first.unlink()
+        core.reset_prefix_cache()
+        third = two.generate(prompts, greedy)
+        assert [o.outputs[0].token_ids for o in third] == expected
+        assert sum(o.num_cached_tokens for o in third) < 16 * full_blocks
+        core.check_integrity()
+    finally:
+        core.shutdown()

@@ -19,7 +19,7 @@ import openai
 import psutil
 import pytest
 from conftest import build_checkpoint
-from server_process import MODEL, metrics, start_server, stop
+from server_process import ADMIN, MODEL, metrics, start_server, stop
 
 from openinfer import LLM, SamplingParams
 
@@ -37,18 +37,34 @@ def _engine_processes(server_pid: int) -> list[psutil.Process]:
     return live
 
 
-def test_tensor_parallel_server_answers_and_a_dead_rank_makes_it_unhealthy(qwen3_checkpoint):
-    prompts = [[7, 300, 41, 9, 12] * 3, [500, 3, 77]]
+def test_tensor_parallel_server_answers_and_a_dead_rank_makes_it_unhealthy(qwen3_checkpoint,
+                                                                           tmp_path):
+    """Two ranks answer as one, with the KV tiers on (each rank's share of a block in its
+    own host pool and files); one rank killed turns the server unhealthy."""
+    prompts = [[7, 300, 41, 9, 12] * 8, [500, 3, 77]]
     offline = LLM(str(qwen3_checkpoint), progress=False)
     want = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=10,
                                                     ignore_eos=True))
-    base, proc = start_server(qwen3_checkpoint, "--tensor-parallel-size", "2")
+    base, proc = start_server(qwen3_checkpoint, "--tensor-parallel-size", "2",
+                              "--kv-host-memory", "4MiB", "--kv-store-dir", str(tmp_path))
     try:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
         for prompt, expected in zip(prompts, want):
             answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10,
                                                temperature=0, extra_body={"ignore_eos": True})
             assert answer.choices[0].text == expected.outputs[0].text
+        # The 40-token prompt's first two blocks, read back from both ranks' files once
+        # the device and host tiers forget them.
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.rglob("*.kvblock"))) < 2 * 3:  # written behind the answers:
+            assert time.monotonic() < deadline, list(tmp_path.rglob("*"))  # 49 tokens' 3
+            time.sleep(0.05)                                            # blocks, per rank
+        _reset_cache(base)
+        again = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=10,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        assert again.choices[0].text == want[0].outputs[0].text
+        assert again.usage.prompt_tokens_details.cached_tokens == 32
+        assert metrics(base)["openinfer:prefix_cache_hits_by_tier_total[L3]"] == 32
         streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
             model=MODEL, prompt=prompts[0], max_tokens=10, temperature=0, stream=True,
             extra_body={"ignore_eos": True}))
@@ -73,6 +89,11 @@ def test_tensor_parallel_server_answers_and_a_dead_rank_makes_it_unhealthy(qwen3
         assert proc.poll() is None  # the API process still answers (503s) until stopped
     finally:
         stop(proc)
+
+
+def _reset_cache(base: str) -> None:
+    urllib.request.urlopen(urllib.request.Request(f"{base}/v1/cache/reset", method="POST",
+                                                  headers=ADMIN), timeout=30)
 
 
 def test_expert_parallel_server_with_eplb_answers_as_one_rank(tmp_path, tokenizer):
