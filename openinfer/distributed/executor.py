@@ -63,6 +63,7 @@ def check_context_parallel(config: EngineConfig) -> None:
                          "split by context yet (Llama-family models with full attention can)")
     _refuse_unsupported(config, f"prefill_context_parallel_size {size}",
                         {"expert parallelism": config.enable_expert_parallel,
+                         "speculative decoding": config.speculative is not None,
                          "the KV host tier and file store": _has_tiers(config)})
 
 
@@ -93,7 +94,11 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     if kv_heads % size and size % kv_heads:
         raise ValueError(f"tensor_parallel_size {size} and num_key_value_heads ({kv_heads}): "
                          "one must divide the other")
+    spec = config.speculative
     _refuse_unsupported(config, f"tensor_parallel_size {size}", {
+        # Token drafters (n-gram, suffix) run whole on every rank, drafting alike from the
+        # same tokens; a draft network would need splitting too.
+        "speculative decoding with a draft network": spec is not None and spec.uses_model,
         # The engine core tells which blocks the store holds by testing each rank's file.
         "the file store (--kv-store-dir) on ranks of other machines":
             config.cache.kv_store_dir is not None
@@ -124,6 +129,7 @@ def check_expert_parallel(config: EngineConfig) -> None:
     if dp.size > 1:
         _refuse_unsupported(config, "data-parallel attention with expert parallelism",
                             {"--async-scheduling": config.scheduler.async_scheduling,
+                             "speculative decoding": config.speculative is not None,
                              "the KV host tier and file store": _has_tiers(config)})
 
 
@@ -147,7 +153,6 @@ def _refuse_unsupported(config: EngineConfig, what: str,
                         more: dict[str, bool] | None = None) -> None:
     """The features not composed with multi-rank engines yet, refused by name."""
     unsupported = {
-        "speculative decoding": config.speculative is not None,
         "disaggregation (--role / --kv-transfer-port)": config.kv_transfer.role != "both"
         or config.kv_transfer.port is not None,
         "--batch-invariant": config.model.batch_invariant,

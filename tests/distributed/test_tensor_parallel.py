@@ -86,9 +86,9 @@ def test_impossible_splits_are_refused_at_start_up(make_checkpoint):
          "tensor_parallel_size 2 does not divide num_attention_heads (3)"),
         (fine, dict(tensor_parallel_size=(psutil.cpu_count() or 1) * 4),
          "more than CPU cores"),
-        (fine, dict(tensor_parallel_size=2, speculative_config={"method": "ngram",
-                                                                "num_speculative_tokens": 2}),
-         "does not run with speculative decoding"),
+        (fine, dict(tensor_parallel_size=2, speculative_config={"method": "mtp",
+                                                                "num_speculative_tokens": 1}),
+         "does not run with speculative decoding with a draft network"),
         (fine, dict(tensor_parallel_size=2, nnodes=3), "2 ranks do not split evenly over nnodes 3"),
         (fine, dict(tensor_parallel_size=2, nnodes=2, kv_store_dir="/nonexistent"),
          "does not run with the file store (--kv-store-dir) on ranks of other machines"),
@@ -161,3 +161,22 @@ def test_two_ranks_keep_their_kv_shares_in_host_memory_and_files(parallel_checkp
         core.check_integrity()
     finally:
         core.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_two_ranks_verify_token_drafts_as_one(parallel_checkpoints, method):
+    """N-gram and suffix drafting under tensor parallelism: every rank drafts alike from the
+    same tokens, verifies alike, and the greedy tokens are the plain single-rank ones."""
+    path = str(parallel_checkpoints["qwen3_moe"])
+    prompts = [[5, 6, 7, 8] * 6, [40, 41, 42] * 7 + [43]]  # repeats to draft from
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(path, progress=False)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+    two = LLM(path, progress=False, tensor_parallel_size=2,
+              speculative_config={"method": method, "num_speculative_tokens": 3})
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, greedy)] == expected
+        stats = two.engine.core.stats()
+        assert stats["spec_num_draft_tokens"] > 0
+    finally:
+        two.engine.core.shutdown()
