@@ -81,12 +81,13 @@ def cpu_isa_tag() -> str:
     except OSError:
         pass
     capability = torch.backends.cpu.get_cpu_capability()
-    # The sources' hash too: checkouts of different versions sharing the extension cache
-    # (a CI clone beside a working tree) each keep their own build instead of rebuilding
-    # over one another.
+    # The sources' hash and place too: checkouts sharing the extension cache (a CI clone
+    # beside a working tree) each keep their own build. torch's build file names the
+    # sources by path, so two checkouts of the same code under one name would rebuild over
+    # one another at every load (a minute of both cores each time).
     sources = hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()
     key = "|".join((flags, capability, platform.machine(), torch.__version__, " ".join(CFLAGS),
-                    sources))
+                    sources, str(SOURCES[0].parent.resolve())))
     return f"{capability.lower()}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
