@@ -9,10 +9,16 @@
    collectives per decode step, decode throughput against TP=1 (same prompts, alternating
    order, greedy tokens checked equal), and what EPLB's rearrangements cost.
 
+3. The hierarchical placement against the global one for ranks on several nodes, on
+   traces routed as DeepSeek-V3 routes (8 expert groups, a token's 8 experts within its 4
+   best groups): max/mean rank load, and how many nodes a token's experts are spread over
+   (the traffic between machines).
+
 On a CPU the ranks share its cores (one torch thread per rank at TP=2, one per core at
 TP=1); on GPUs (``--device cuda``, one per rank) the same script times the usual case.
 
     .venv/bin/python benchmarks/bench_expert_parallel.py [--device cpu] [--reps 3]
+    .venv/bin/python benchmarks/bench_expert_parallel.py --hierarchical-only   # part 3
 """
 
 from __future__ import annotations
@@ -28,7 +34,13 @@ from doc_sections import write_section
 
 from openinfer import LLM, SamplingParams
 from openinfer.demo import build_demo_tokenizer
-from openinfer.distributed.eplb import STICKINESS, initial_placement, rebalance
+from openinfer.distributed.eplb import (
+    STICKINESS,
+    Placement,
+    initial_placement,
+    rebalance,
+    rebalance_hierarchical,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 EXPERTS, TOP_K = 16, 2
@@ -80,6 +92,84 @@ def placement_rows() -> list[dict]:
                              shifted={k: statistics.mean(v) for k, v in shifted.items()}))
             print(rows[-1], flush=True)
     return rows
+
+
+def group_limited_traces(tokens: int, exponent: float, layers: int, seed: int
+                         ) -> list[list[list[int]]]:
+    """Each token's experts in each layer, routed as DeepSeek-V3 routes (256 experts in 8
+    groups of 32; a token keeps its 4 best groups, then takes its 8 experts from them),
+    with Zipf(``exponent``) expert popularity shuffled per layer."""
+    g = torch.Generator().manual_seed(seed)
+    zipf = 1 / torch.arange(1, 257, dtype=torch.float64) ** exponent
+    traces = []
+    for _ in range(layers):
+        weights = zipf[torch.randperm(256, generator=g)].view(8, 32)
+        groups = torch.multinomial(weights.sum(1).expand(tokens, -1), 4, generator=g)
+        allowed = torch.zeros(tokens, 8, 32, dtype=torch.float64)
+        allowed.scatter_(1, groups[:, :, None].expand(-1, -1, 32), 1.0)
+        picks = torch.multinomial((allowed * weights).view(tokens, 256), 8, generator=g)
+        traces.append(picks.tolist())
+    return traces
+
+
+def _nodes_per_token(trace: list[list[int]], placement: Placement, num_nodes: int,
+                     seed: int) -> float:
+    """Mean distinct nodes a token's experts are on, each expert's tokens spread evenly
+    (at random) over its replicas, as the rank loads assume."""
+    import random
+
+    rng = random.Random(seed)
+    slots_per_node = len(placement.physical_to_logical) // num_nodes
+    nodes_of = [[slot // slots_per_node for slot in r] for r in placement.replicas()]
+    return statistics.mean(len({rng.choice(nodes_of[e]) for e in experts})
+                           for experts in trace)
+
+
+def hierarchical_rows() -> list[dict]:
+    rows = []
+    traces = group_limited_traces(8192, 1.0, layers=4, seed=0)
+    loads = [torch.bincount(torch.tensor(t).flatten(), minlength=256).tolist() for t in traces]
+    for nodes, ranks, redundant in ((2, 16, 32), (4, 32, 32), (8, 64, 64)):
+        row = dict(nodes=nodes, ranks=ranks, redundant=redundant)
+        for policy in ("global", "hierarchical"):
+            imbalance, spread = [], []
+            for layer, (trace, load) in enumerate(zip(traces, loads)):
+                start = initial_placement(256, ranks, redundant)
+                placed = (rebalance(load, ranks, 256 + redundant, start) if policy == "global"
+                          else rebalance_hierarchical(load, ranks, 256 + redundant, 8, nodes,
+                                                      start))
+                imbalance.append(placed.imbalance(load))
+                spread.append(_nodes_per_token(trace, placed, nodes, layer))
+            row[policy] = (statistics.mean(imbalance), statistics.mean(spread))
+        start = initial_placement(256, ranks, redundant)
+        row["before"] = statistics.mean(start.imbalance(load) for load in loads)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def hierarchical_section(rows: list[dict]) -> str:
+    lines = [
+        "## EPLB across nodes: the hierarchical placement (benchmarks/bench_expert_parallel.py)",
+        "",
+        "Traces routed as DeepSeek-V3 routes (256 experts in 8 groups; each of 8192 tokens "
+        "keeps its 4 best groups and takes its 8 experts from them; Zipf(1.0) popularity "
+        "shuffled per layer; mean of 4 layers). The global policy packs every replica onto "
+        "any rank; the hierarchical one (`place` picks it when the nodes divide the groups) "
+        "first packs whole groups onto nodes, then places each node's experts on its own "
+        "ranks. Nodes per token: the distinct machines a token's 8 experts are on (each "
+        "expert's tokens spread evenly over its replicas), the dispatch traffic that leaves "
+        "the node.",
+        "",
+        "| nodes | ranks | redundant slots | max/mean in checkpoint order | max/mean global "
+        "| max/mean hierarchical | nodes per token, global | nodes per token, hierarchical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['nodes']} | {r['ranks']} | {r['redundant']} | {r['before']:.2f} "
+                     f"| {r['global'][0]:.2f} | {r['hierarchical'][0]:.2f} "
+                     f"| {r['global'][1]:.2f} | **{r['hierarchical'][1]:.2f}** |")
+    return "\n".join(lines)
 
 
 def _moved(first, second) -> int:
@@ -175,7 +265,16 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--hierarchical-only", action="store_true",
+                        help="only part 3 (pure Python, seconds)")
     args = parser.parse_args()
+    hierarchical = hierarchical_section(hierarchical_rows())
+    print(hierarchical)
+    if not args.no_write:
+        write_section(REPO / "docs" / "benchmarks.md", "bench_expert_parallel_hierarchical",
+                      hierarchical)
+    if args.hierarchical_only:
+        return
     placements = placement_rows()
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_moe_checkpoint(Path(tmp) / "moe"))

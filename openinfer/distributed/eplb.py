@@ -2,8 +2,7 @@
 
 Routed experts are not used evenly (a few are hot on any real traffic), and under expert
 parallelism a step waits for the rank with the most tokens. DeepSeek's remedy, followed
-here over plain lists (their "global" policy; the per-node hierarchy comes with
-multi-node serving):
+here over plain lists (their "global" policy):
 
 1. replicate: with ``num_physical`` slots for ``num_experts`` experts, every expert gets
    one replica and each further slot goes to the expert with the highest load per replica
@@ -15,6 +14,14 @@ multi-node serving):
    greedy order alone would reshuffle most experts for nothing);
 3. keep in place: a replica whose rank already held that expert keeps its slot, so only
    the experts new to a rank have to be sent there.
+
+Their "hierarchical" policy, for ranks on several machines and a model whose routing
+picks expert groups first (DeepSeek-V3's ``n_group`` / ``topk_group``): the groups are
+packed onto the nodes first (by group load, a node's groups staying unless that costs more
+than ``STICKINESS``), and then each node's experts are replicated and packed onto its own
+ranks as above. Every replica of an expert then lives on its group's node, so a token's
+few groups are few nodes: less traffic between machines, at some cost in balance.
+``place`` picks it when the nodes divide the groups and the ranks, else the global policy.
 
 Pure Python over integers and floats, like the scheduler: deterministic, so every rank
 computes the same placement from the same loads.
@@ -116,7 +123,8 @@ def rebalance(load: Sequence[float], num_ranks: int, num_physical: int,
     holders = [set() for _ in range(num_experts)]  # the ranks holding each expert now
     for rank in range(num_ranks if current else 0):
         for expert in current.rank_experts(rank):
-            holders[expert].add(rank)
+            if expert >= 0:  # (-1: an expert not among these, see rebalance_hierarchical)
+                holders[expert].add(rank)
     rank_load = [0.0] * num_ranks
     assigned: list[list[int]] = [[] for _ in range(num_ranks)]
     for weight, expert in items:
@@ -133,6 +141,72 @@ def rebalance(load: Sequence[float], num_ranks: int, num_physical: int,
     for rank, experts in enumerate(assigned):
         slots.extend(_keep_in_place(experts, current.rank_experts(rank) if current else ()))
     return Placement(tuple(slots), num_ranks)
+
+
+def place(load: Sequence[float], num_ranks: int, num_physical: int,
+          current: Placement | None = None, num_groups: int = 1,
+          num_nodes: int = 1) -> Placement:
+    """The hierarchical placement where it applies (the ranks span ``num_nodes`` machines
+    that divide the ranks and the model's ``num_groups`` expert groups), else the global."""
+    fits = (num_nodes > 1 and num_groups % num_nodes == 0 and num_ranks % num_nodes == 0
+            and len(load) % num_groups == 0  # and a node's slots hold one replica per rank:
+            and num_physical // num_nodes <= len(load) // num_nodes * (num_ranks // num_nodes))
+    if fits:
+        return rebalance_hierarchical(load, num_ranks, num_physical, num_groups, num_nodes,
+                                      current)
+    return rebalance(load, num_ranks, num_physical, current)
+
+
+def rebalance_hierarchical(load: Sequence[float], num_ranks: int, num_physical: int,
+                           num_groups: int, num_nodes: int, current: Placement | None = None,
+                           stickiness: float = STICKINESS) -> Placement:
+    """Expert groups (``num_groups`` runs of consecutive experts) packed onto the nodes
+    (``num_nodes``, each ``num_ranks / num_nodes`` consecutive ranks), then each node's
+    experts placed on its ranks by ``rebalance``."""
+    num_experts = len(load)
+    if num_experts % num_groups or num_groups % num_nodes or num_ranks % num_nodes \
+            or num_physical % num_ranks:
+        raise ValueError(f"{num_nodes} nodes do not divide {num_groups} expert groups of "
+                         f"{num_experts} experts, {num_ranks} ranks and {num_physical} slots")
+    per_group = num_experts // num_groups
+    ranks_per_node, slots_per_node = num_ranks // num_nodes, num_physical // num_nodes
+    group_load = [sum(load[g * per_group:(g + 1) * per_group]) for g in range(num_groups)]
+    held_by = [-1] * num_groups  # the node holding each group now (its first expert's)
+    if current is not None:
+        for slot, expert in enumerate(current.physical_to_logical):
+            node = slot // slots_per_node
+            if held_by[expert // per_group] < 0:
+                held_by[expert // per_group] = node
+    node_groups = _pack_groups(group_load, num_nodes, num_groups // num_nodes, held_by,
+                               stickiness * sum(load) / num_nodes)
+    slots: list[int] = []
+    for node, groups in enumerate(node_groups):
+        experts = [g * per_group + i for g in sorted(groups) for i in range(per_group)]
+        local = {expert: i for i, expert in enumerate(experts)}
+        before = None
+        if current is not None:  # this node's slots now, in its own numbering
+            mine = current.physical_to_logical[node * slots_per_node:(node + 1) * slots_per_node]
+            before = Placement(tuple(local.get(e, -1) for e in mine), ranks_per_node)
+        placed = rebalance([load[e] for e in experts], ranks_per_node, slots_per_node, before,
+                           stickiness)
+        slots.extend(experts[i] for i in placed.physical_to_logical)
+    return Placement(tuple(slots), num_ranks)
+
+
+def _pack_groups(weights: Sequence[float], num_bins: int, per_bin: int,
+                 held_by: Sequence[int], slack: float) -> list[list[int]]:
+    """Items (heaviest first) onto bins of ``per_bin`` items each, each to the least loaded
+    bin with room, or to the bin that holds it now if that is within ``slack`` of it."""
+    load, assigned = [0.0] * num_bins, [[] for _ in range(num_bins)]
+    for item in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        open_bins = [b for b in range(num_bins) if len(assigned[b]) < per_bin]
+        best = min(open_bins, key=lambda b: (load[b], b))
+        held = held_by[item]
+        if held in open_bins and load[held] <= load[best] + slack:
+            best = held
+        assigned[best].append(item)
+        load[best] += weights[item]
+    return assigned
 
 
 def _keep_in_place(experts: list[int], before: Sequence[int]) -> list[int]:

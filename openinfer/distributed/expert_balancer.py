@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from openinfer.config import EPLBConfig
-from openinfer.distributed.eplb import Placement, rebalance
+from openinfer.distributed.eplb import Placement, place
 from openinfer.distributed.parallel_state import ExpertParallel
 from openinfer.layers.moe import FusedExperts
 
@@ -54,12 +54,15 @@ class BalancerStats:
 
 class ExpertBalancer:
     def __init__(self, layers: list[FusedExperts], config: EPLBConfig,
-                 ep: ExpertParallel) -> None:
+                 ep: ExpertParallel, num_groups: int = 1, num_nodes: int = 1) -> None:
+        """``num_groups``: the model's expert groups (group-limited routing), and
+        ``num_nodes``: the machines the ranks span, for the hierarchical placement."""
         if not layers:
             raise ValueError("enable_eplb: the model has no MoE layers")
         self.layers = layers
         self.config = config
         self.ep = ep
+        self.num_groups, self.num_nodes = num_groups, num_nodes
         for layer in layers:
             if layer.token_counts is None:
                 layer.count_tokens()
@@ -86,8 +89,8 @@ class ExpertBalancer:
         for layer, load in zip(self.layers, loads.tolist()):
             if not any(load):
                 continue
-            placement = rebalance(load, self.ep.size, len(layer.placement.physical_to_logical),
-                                  layer.placement)
+            placement = place(load, self.ep.size, len(layer.placement.physical_to_logical),
+                              layer.placement, self.num_groups, self.num_nodes)
             before, after = layer.placement.imbalance(load), placement.imbalance(load)
             if before - after < MIN_GAIN:
                 after = before  # kept as it is

@@ -89,8 +89,13 @@ class Worker:
         if config.eplb is not None:
             from openinfer.distributed.expert_balancer import ExpertBalancer
 
-            self.balancer = ExpertBalancer(list(self._model_experts().values()), config.eplb,
-                                           ep)
+            # Groups of experts the routing picks first (DeepSeek-V3's n_group) and the
+            # machines the ranks span (--nnodes; a data-parallel group's are not known)
+            # decide whether the placement can keep each group on one node.
+            self.balancer = ExpertBalancer(
+                list(self._model_experts().values()), config.eplb, ep,
+                num_groups=config.model.hf_config.get("n_group") or 1,
+                num_nodes=1 if ep.across_data_parallel else config.nodes.nnodes)
         self.compute_info = {"dtype": self.dtype_name, "gemm": gemm.label,
                              "cpu_capability": cpu_capability(), "attention": self.attention.name,
                              "attention_bf16_dot": attention_dot, "huge_pages": huge_pages}

@@ -9,7 +9,14 @@ import random
 import pytest
 
 from openinfer.config import EngineConfig, EPLBConfig
-from openinfer.distributed.eplb import Placement, initial_placement, rebalance, replicate
+from openinfer.distributed.eplb import (
+    Placement,
+    initial_placement,
+    place,
+    rebalance,
+    rebalance_hierarchical,
+    replicate,
+)
 
 
 def _skewed_load(num_experts: int, seed: int = 0) -> list[int]:
@@ -86,6 +93,31 @@ def test_a_near_even_change_of_load_moves_few_experts():
     (greedy_moves, greedy_balance), (sticky_moves, sticky_balance) = moved(0.0), moved(0.02)
     assert sticky_moves * 2 <= greedy_moves
     assert sticky_balance <= greedy_balance + 0.02
+
+
+def test_hierarchical_placement_keeps_each_group_on_one_node_and_balances():
+    """DeepSeek's hierarchical policy: 64 experts in 8 groups on 2 nodes of 4 ranks, 16
+    redundant slots. Every replica of an expert lies on its group's node, each node holds 4
+    whole groups, and the skewed load is still balanced (less well than the global policy,
+    which may spread a group over both nodes)."""
+    load = _skewed_load(64, seed=5)
+    start = initial_placement(64, 8, 16)
+    placed = rebalance_hierarchical(load, 8, 80, num_groups=8, num_nodes=2, current=start)
+    _check_valid(placed, 64, 8, 10)
+    node_of = [{slot // 40 for slot in replicas} for replicas in placed.replicas()]
+    assert all(len(nodes) == 1 for nodes in node_of)  # an expert's replicas: one node
+    for group in range(8):  # a group's experts: one node
+        assert len({next(iter(node_of[e])) for e in range(group * 8, group * 8 + 8)}) == 1
+    assert [sum(1 for g in range(8) if node_of[g * 8] == {n}) for n in (0, 1)] == [4, 4]
+    overall = place(load, 8, 80, start)  # one node: the global policy
+    assert overall == rebalance(load, 8, 80, start)
+    assert start.imbalance(load) > placed.imbalance(load) >= overall.imbalance(load)
+    assert placed.imbalance(load) < 1.15
+    # The same load again moves nothing; place() takes this policy where the nodes fit.
+    assert rebalance_hierarchical(load, 8, 80, 8, 2, placed) == placed
+    assert place(load, 8, 80, placed, num_groups=8, num_nodes=2) == placed
+    # Where they do not (3 nodes for 8 groups), the global policy.
+    assert place(load, 6, 78, None, num_groups=8, num_nodes=3) == rebalance(load, 6, 78)
 
 
 def test_impossible_placements_and_bad_settings_are_refused(make_checkpoint):
