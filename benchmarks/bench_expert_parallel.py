@@ -169,6 +169,14 @@ def hierarchical_section(rows: list[dict]) -> str:
         lines.append(f"| {r['nodes']} | {r['ranks']} | {r['redundant']} | {r['before']:.2f} "
                      f"| {r['global'][0]:.2f} | {r['hierarchical'][0]:.2f} "
                      f"| {r['global'][1]:.2f} | **{r['hierarchical'][1]:.2f}** |")
+    lines += [
+        "",
+        "Keeping groups whole trades balance for traffic: with fewer groups per node a node's "
+        "load is its few groups' load, which no placement on its ranks can even out (one "
+        "group per node is the extreme). `eplb_config.policy` chooses: `auto` (hierarchical "
+        "wherever the nodes divide the groups, as DeepSeek's and vLLM's EPLB do), `global` "
+        "or `hierarchical`.",
+    ]
     return "\n".join(lines)
 
 

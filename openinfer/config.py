@@ -221,8 +221,15 @@ class EPLBConfig:
     step_interval: int = 3000
     num_redundant_experts: int = 0
     """Physical expert slots beyond one per routed expert: replicas of hot experts."""
+    policy: str = "auto"
+    """global: any replica on any rank; hierarchical: each expert group kept on one node
+    (ranks on several machines, a model with expert groups); auto: hierarchical where the
+    nodes divide the groups, else global."""
 
     def __post_init__(self) -> None:
+        if self.policy not in ("auto", "global", "hierarchical"):
+            raise ValueError(f"eplb_config.policy must be auto, global or hierarchical, got "
+                             f"{self.policy!r}")
         for name in ("window_size", "step_interval", "num_redundant_experts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -144,14 +144,17 @@ def rebalance(load: Sequence[float], num_ranks: int, num_physical: int,
 
 
 def place(load: Sequence[float], num_ranks: int, num_physical: int,
-          current: Placement | None = None, num_groups: int = 1,
-          num_nodes: int = 1) -> Placement:
+          current: Placement | None = None, num_groups: int = 1, num_nodes: int = 1,
+          policy: str = "auto") -> Placement:
     """The hierarchical placement where it applies (the ranks span ``num_nodes`` machines
-    that divide the ranks and the model's ``num_groups`` expert groups), else the global."""
+    that divide the ranks and the model's ``num_groups`` expert groups) and ``policy`` is
+    not "global", else the global one."""
+    if policy == "global":
+        return rebalance(load, num_ranks, num_physical, current)
     fits = (num_nodes > 1 and num_groups % num_nodes == 0 and num_ranks % num_nodes == 0
             and len(load) % num_groups == 0  # and a node's slots hold one replica per rank:
             and num_physical // num_nodes <= len(load) // num_nodes * (num_ranks // num_nodes))
-    if fits:
+    if fits or policy == "hierarchical":  # (forced: checked at start-up)
         return rebalance_hierarchical(load, num_ranks, num_physical, num_groups, num_nodes,
                                       current)
     return rebalance(load, num_ranks, num_physical, current)

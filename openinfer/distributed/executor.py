@@ -126,6 +126,16 @@ def check_expert_parallel(config: EngineConfig) -> None:
     if (experts + redundant) % size:
         raise ValueError(f"expert parallel size {size} ({ranks}) does not divide the physical "
                          f"experts ({experts} routed + {redundant} redundant)")
+    if config.eplb is not None and config.eplb.policy == "hierarchical":
+        groups = config.model.hf_config.get("n_group") or 1
+        nodes = config.nodes.nnodes if dp.size == 1 else 1  # (a DP group's are not known)
+        per_node = (experts + redundant) // nodes
+        if nodes == 1 or groups % nodes or size % nodes or experts % groups \
+                or per_node > experts // nodes * (size // nodes):
+            raise ValueError(f"eplb_config.policy hierarchical needs ranks on several nodes "
+                             f"(--nnodes; here {nodes}) that divide the model's expert groups "
+                             f"(n_group {groups}) and the {size} ranks, with at most one "
+                             f"replica of an expert per rank of its node")
     if dp.size > 1:
         _refuse_unsupported(config, "data-parallel attention with expert parallelism",
                             {"--async-scheduling": config.scheduler.async_scheduling,

@@ -90,7 +90,8 @@ class ExpertBalancer:
             if not any(load):
                 continue
             placement = place(load, self.ep.size, len(layer.placement.physical_to_logical),
-                              layer.placement, self.num_groups, self.num_nodes)
+                              layer.placement, self.num_groups, self.num_nodes,
+                              self.config.policy)
             before, after = layer.placement.imbalance(load), placement.imbalance(load)
             if before - after < MIN_GAIN:
                 after = before  # kept as it is

@@ -118,6 +118,20 @@ def test_hierarchical_placement_keeps_each_group_on_one_node_and_balances():
     assert place(load, 8, 80, placed, num_groups=8, num_nodes=2) == placed
     # Where they do not (3 nodes for 8 groups), the global policy.
     assert place(load, 6, 78, None, num_groups=8, num_nodes=3) == rebalance(load, 6, 78)
+    # eplb_config.policy "global" keeps the global policy where the nodes would fit.
+    assert place(load, 8, 80, start, 8, 2, policy="global") == overall
+
+
+def test_a_hierarchical_policy_that_cannot_apply_is_refused(parallel_checkpoints):
+    from openinfer.engine.core import EngineCore
+
+    with pytest.raises(ValueError, match="policy must be auto, global or hierarchical"):
+        EPLBConfig.parse({"policy": "nodes"})
+    moe = str(parallel_checkpoints["qwen3_moe"])  # one node, no expert groups
+    with pytest.raises(ValueError, match=r"policy hierarchical needs ranks on several nodes "
+                                         r"\(--nnodes; here 1\)"):
+        EngineCore(EngineConfig.create(moe, tensor_parallel_size=2, enable_expert_parallel=True,
+                                       enable_eplb=True, eplb_config={"policy": "hierarchical"}))
 
 
 def test_impossible_placements_and_bad_settings_are_refused(make_checkpoint):
