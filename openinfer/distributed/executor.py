@@ -64,6 +64,7 @@ def check_context_parallel(config: EngineConfig) -> None:
     _refuse_unsupported(config, f"prefill_context_parallel_size {size}",
                         {"expert parallelism": config.enable_expert_parallel,
                          "speculative decoding": config.speculative is not None,
+                         "--batch-invariant": config.model.batch_invariant,
                          "the KV host tier and file store": _has_tiers(config)})
 
 
@@ -99,6 +100,9 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         # Token drafters (n-gram, suffix) run whole on every rank, drafting alike from the
         # same tokens; a draft network would need splitting too.
         "speculative decoding with a draft network": spec is not None and spec.uses_model,
+        # Two ranks' all-reduce adds two partial sums per element (exact whichever first);
+        # over more ranks the order of the sums follows the tensor's size, so the batch.
+        "--batch-invariant on more than 2 ranks": config.model.batch_invariant and size > 2,
         # The engine core tells which blocks the store holds by testing each rank's file.
         "the file store (--kv-store-dir) on ranks of other machines":
             config.cache.kv_store_dir is not None
@@ -140,6 +144,7 @@ def check_expert_parallel(config: EngineConfig) -> None:
         _refuse_unsupported(config, "data-parallel attention with expert parallelism",
                             {"--async-scheduling": config.scheduler.async_scheduling,
                              "speculative decoding": config.speculative is not None,
+                             "--batch-invariant": config.model.batch_invariant,
                              "the KV host tier and file store": _has_tiers(config)})
 
 
@@ -165,7 +170,6 @@ def _refuse_unsupported(config: EngineConfig, what: str,
     unsupported = {
         "disaggregation (--role / --kv-transfer-port)": config.kv_transfer.role != "both"
         or config.kv_transfer.port is not None,
-        "--batch-invariant": config.model.batch_invariant,
         **(more or {}),
     }
     for feature, on in unsupported.items():

@@ -16,6 +16,7 @@ from openinfer import LLM, SamplingParams
 from openinfer.attention import build_attention_metadata
 from openinfer.cli import build_parser, engine_kwargs
 from openinfer.config import EngineConfig
+from openinfer.distributed.executor import check_tensor_parallel
 from openinfer.kernels.cpu_attention import paged_attention_reference
 from openinfer.layers import batch_invariant, gemm
 from openinfer.layers.batch_invariant import (
@@ -111,6 +112,28 @@ def test_logits_do_not_depend_on_the_batch(checkpoint, backend, chunked, dtype):
         for what, got, want in (("greedy", g, greedy), ("seeded", s, seeded)):
             for part, a, b in zip(("tokens", "logprobs", "prompt logprobs"), got, want):
                 assert a == b, f"{what} target, {part}, with {name}"
+
+
+def test_two_tensor_parallel_ranks_stay_batch_invariant(checkpoint):
+    """Under TP=2 each rank's GEMMs are invariant and the all-reduce adds two partial sums
+    per element (the same whichever comes first), the logits' all-gather only concatenates:
+    a request's logits are still bitwise the same in any batch. (More ranks are refused.)"""
+    llm = LLM(str(checkpoint), batch_invariant=True, tensor_parallel_size=2,
+              kv_cache_memory=KV_BYTES, max_model_len=160, max_num_batched_tokens=40,
+              progress=False)
+    try:
+        assert llm.engine.core.compute_info["gemm"].startswith("invariant:")
+        alone = [_signature(llm.generate([TARGET], p)[0]) for p in (GREEDY, SEEDED)]
+        prompts, params = _others(8)  # (the chunked prefill cuts the target's prompt apart)
+        outs = llm.generate(prompts[:5] + [TARGET, TARGET] + prompts[5:],
+                            params[:5] + [GREEDY, SEEDED] + params[5:])
+    finally:
+        llm.engine.core.shutdown()
+    assert [_signature(outs[5]), _signature(outs[6])] == alone
+    four = EngineConfig.create(str(checkpoint), batch_invariant=True, tensor_parallel_size=4,
+                               nnodes=2)  # (2 ranks on this machine: they fit its cores)
+    with pytest.raises(ValueError, match="--batch-invariant on more than 2 ranks"):
+        check_tensor_parallel(four)
 
 
 def test_without_the_flag_logits_depend_on_the_batch(checkpoint):
