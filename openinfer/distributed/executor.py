@@ -103,10 +103,12 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         # Two ranks' all-reduce adds two partial sums per element (exact whichever first);
         # over more ranks the order of the sums follows the tensor's size, so the batch.
         "--batch-invariant on more than 2 ranks": config.model.batch_invariant and size > 2,
-        # The engine core tells which blocks the store holds by testing each rank's file.
+        # The engine core tells which blocks the store holds by testing each rank's file,
+        # and a prefill instance's ranks lend their shares from its one host.
         "the file store (--kv-store-dir) on ranks of other machines":
-            config.cache.kv_store_dir is not None
-            and (config.nodes.nnodes > 1 or config.distributed_executor_backend == "ray")})
+            config.cache.kv_store_dir is not None and _ranks_elsewhere(config),
+        "disaggregation (--role / --kv-transfer-port)":
+            _disaggregated(config) and _ranks_elsewhere(config)})
 
 
 def check_expert_parallel(config: EngineConfig) -> None:
@@ -168,13 +170,21 @@ def _refuse_unsupported(config: EngineConfig, what: str,
                         more: dict[str, bool] | None = None) -> None:
     """The features not composed with multi-rank engines yet, refused by name."""
     unsupported = {
-        "disaggregation (--role / --kv-transfer-port)": config.kv_transfer.role != "both"
-        or config.kv_transfer.port is not None,
+        "disaggregation (--role / --kv-transfer-port)": _disaggregated(config),
         **(more or {}),
     }
     for feature, on in unsupported.items():
         if on:
             raise ValueError(f"{what} does not run with {feature} yet")
+
+
+def _disaggregated(config: EngineConfig) -> bool:
+    return config.kv_transfer.role != "both" or config.kv_transfer.port is not None
+
+
+def _ranks_elsewhere(config: EngineConfig) -> bool:
+    """Whether ranks may run on other machines than the engine core's."""
+    return config.nodes.nnodes > 1 or config.distributed_executor_backend == "ray"
 
 
 def _has_tiers(config: EngineConfig) -> bool:

@@ -34,7 +34,12 @@ from openinfer.cpu_features import cpu_model_name
 from openinfer.engine.executor import make_executor
 from openinfer.engine.input_processor import load_tokenizer
 from openinfer.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from openinfer.engine.rank_results import ReadsAcrossRanks, summed
+from openinfer.engine.rank_results import (
+    EveryRank,
+    ReadsAcrossRanks,
+    ended_on_every_rank,
+    summed,
+)
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
 from openinfer.kv.events import KVEventPublisher, to_wire
@@ -87,6 +92,8 @@ class EngineCore:
                                    else None)
         self._layout: BlockLayout | None = None
         self._reads = ReadsAcrossRanks(config.num_ranks)
+        self._leases_ended = EveryRank(config.num_ranks)
+        self._kv_server_ports: list[int] = []
         self.has_tiers = self._attach_kv_tiers(groups)
         self._lease_requests: dict[str, str] = {}  # live KV lease id -> its request
         self.num_aborted = 0
@@ -176,6 +183,9 @@ class EngineCore:
         self.executor.collective_rpc("attach_kv_transfer", self._block_layout(groups), pulls,
                                      kt.serves_kv)
         self.kv.can_pull = pulls
+        # Every rank's KV server lends its share of the blocks, on a port of its own.
+        self._kv_server_ports = [address[1] for address in
+                                 self.executor.collective_rpc("kv_server_address") if address]
         return self.executor.call("kv_server_address")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -299,6 +309,8 @@ class EngineCore:
             host, port = self.kv_server_address
             out.kv_transfer_params.update(remote_lease_id=lease_id, remote_host=host,
                                           remote_port=port)
+            if len(self._kv_server_ports) > 1:
+                out.kv_transfer_params["remote_rank_ports"] = self._kv_server_ports
         self.collect_leases()
         failed, self.scheduler.failed = self.scheduler.failed, []
         return [EngineCoreOutput(req.request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value,
@@ -309,7 +321,8 @@ class EngineCore:
         returns how many ended."""
         if self.kv_server_address is None:
             return 0
-        ended = self.executor.call("collect_leases")
+        ended = ended_on_every_rank(self._leases_ended,
+                                    self.executor.collective_rpc("collect_leases"))
         for lease_id in ended:
             self.kv.release(self._lease_requests.pop(lease_id))
         return len(ended)

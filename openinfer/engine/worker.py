@@ -253,25 +253,35 @@ class Worker:
         cache = self.config.cache
         store = None
         if cache.kv_store_dir is not None:
-            tp = get_tp()
-            shard = replace(layout, model_fingerprint=rank_fingerprint(
-                layout.model_fingerprint, tp.rank, tp.size))
-            store = FileStore(cache.kv_store_dir, shard, cache.kv_store_bytes)
+            store = FileStore(cache.kv_store_dir, self._share_of(layout), cache.kv_store_bytes)
         self.mover = BlockMover(layout, self._layout_caches(layout), num_host_slots, store)
         return store.dir if store is not None else None
+
+    @staticmethod
+    def _share_of(layout: BlockLayout) -> BlockLayout:
+        """``layout`` as this tensor-parallel rank holds it: its KV heads' share of every
+        block, under a fingerprint of the split and rank (the model's own with one rank),
+        so that files and transfers never mix shares."""
+        tp = get_tp()
+        return replace(layout, model_fingerprint=rank_fingerprint(layout.model_fingerprint,
+                                                                  tp.rank, tp.size))
 
     def attach_kv_transfer(self, layout: BlockLayout, pulls: bool, serves: bool) -> None:
         """Disaggregation: a connector that pulls prefill instances' blocks into the host
         tier (decode side), a KV server that lends finished prompts' blocks (prefill side).
-        Both move whole cached blocks by hash, in ``layout``."""
+        Both move whole cached blocks by hash, in ``layout``; a tensor-parallel rank moves
+        its share, to and from the same rank of the other instance."""
         kt = self.config.kv_transfer
+        layout = self._share_of(layout)
         if pulls:
             self.mover.attach_connector(make_connector(
                 kt.connector, layout.describe(), layout.block_bytes, kt.timeout_s,
                 self.mover.store, kt.secret))
         if serves:
-            self.kv_server = KVServer(layout, self._layout_caches(layout), kt.host,
-                                      kt.port or 0, kt.lease_s, kt.secret)
+            # (--kv-transfer-port P: tensor-parallel rank r listens on P + r)
+            port = kt.port + get_tp().rank if kt.port else 0
+            self.kv_server = KVServer(layout, self._layout_caches(layout), kt.host, port,
+                                      kt.lease_s, kt.secret)
             logger.info("KV server on %s:%d (leases of %.0f s)", self.kv_server.host,
                         self.kv_server.port, kt.lease_s)
 
@@ -290,10 +300,12 @@ class Worker:
                 for copy in plan.stores:
                     self.mover.submit_write(copy.block_hash, copy.slot)
             self.mover.copy_to_device(plan.loads)
-            for load in plan.reads:
-                self.mover.submit_load(load)
+            tp = get_tp()
+            for load in plan.reads:  # (a pull: this rank's share, from the same rank)
+                self.mover.submit_load(load if load.source is None or tp.size == 1 else
+                                       replace(load, source=load.source.for_rank(tp.rank)))
             for source in plan.releases:
-                self.mover.submit_release(source)
+                self.mover.submit_release(source if tp.size == 1 else source.for_rank(tp.rank))
         self.runner.execute(sched)
         if self.lockstep and sched.is_empty:
             self._run_experts_for_others()

@@ -27,6 +27,7 @@ import torch
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.kv_manager import BlockCopy, BlockLoad
 from openinfer.kv.spec import BlockLayout
+from openinfer.transfer.connector import release_lease
 from openinfer.transfer.file_store import FileStore, StoreFileError
 from openinfer.transfer.params import KVTransferParams
 from openinfer.transfer.protocol import KVTransferError
@@ -169,6 +170,14 @@ class BlockMover:
         except Exception as e:  # its lease expires instead
             logger.info("KV release of %s failed: %s", source.remote_lease_id, e)
 
+    def _end_lease(self, source: KVTransferParams) -> None:
+        """Release a lease on every port it names (each rank's share, when this instance
+        does not pull them rank by rank), whatever the layouts."""
+        try:
+            release_lease(source, self.connector.secret, self.connector.timeout_s)
+        except Exception as e:  # a dead or stalled prefill instance: its lease expires
+            logger.info("KV release of %s failed: %s", source.remote_lease_id, e)
+
     def _pull(self, load: BlockLoad) -> None:
         start, loaded = time.perf_counter(), 0
 
@@ -183,6 +192,10 @@ class BlockMover:
             kind = "" if isinstance(e, KVTransferError) else f"{type(e).__name__}: "
             logger.warning("KV pull for %s failed after %d of %d blocks: %s%s", load.request_id,
                            loaded, len(load.blocks), kind, e)
+            # The rest is recomputed: the lease is of no more use (a refused pull, such as
+            # one whose layout differs, did not end it). Told on another thread: a stalled
+            # prefill instance must not hold up this load's end.
+            self._pulls.submit(self._end_lease, load.source)
         finally:
             if loaded < len(load.blocks):
                 self.stats.remote_pull_failures += 1

@@ -45,17 +45,18 @@ it never writes into a segment a puller names otherwise."""
 
 def release_lease(params: KVTransferParams, secret: str | None, timeout_s: float) -> None:
     """End a lease now: its blocks will not be pulled (or were read elsewhere), so the
-    prefill instance frees them instead of holding them to the lease timeout. Raises
-    OSError or KVTransferError when the prefill instance cannot be told."""
+    prefill instance frees them instead of holding them to the lease timeout (on every
+    rank's KV server of a tensor-parallel one). Raises OSError or KVTransferError when the
+    prefill instance cannot be told."""
     frame = {"op": "release", "lease": params.remote_lease_id}
     if secret:
         frame["secret"] = secret
-    with socket.create_connection((params.remote_host, params.remote_port),
-                                  timeout=timeout_s) as sock:
-        send_frame(sock, frame)
-        reply, _ = recv_frame(sock, 0)
-    if reply.get("op") != "ok":
-        raise KVTransferError(f"release refused: {reply.get('error')}")
+    for port in params.all_ports:
+        with socket.create_connection((params.remote_host, port), timeout=timeout_s) as sock:
+            send_frame(sock, frame)
+            reply, _ = recv_frame(sock, 0)
+        if reply.get("op") != "ok":
+            raise KVTransferError(f"release refused: {reply.get('error')}")
 
 
 class KVConnector:

@@ -4,17 +4,19 @@
     to a prefill instance:   {"do_remote_decode": true}
     its answer, to a decode: {"remote_host", "remote_port", "remote_lease_id",
                               "remote_block_hashes": [hex, ...]}
+                             (+ "remote_rank_ports": [port, ...] from a tensor-parallel
+                              prefill instance: rank r's share of the blocks is on port r)
 
 Block hashes are hex strings in JSON and bytes inside openinfer (msgpack carries bytes).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 FIELDS = ("do_remote_decode", "remote_host", "remote_port", "remote_lease_id",
-          "remote_block_hashes")
+          "remote_block_hashes", "remote_rank_ports")
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,23 @@ class KVTransferParams:
     remote_lease_id: str | None = None
     remote_block_hashes: tuple[bytes, ...] = ()
     """The prompt's full blocks the prefill instance holds, in order."""
+    remote_rank_ports: tuple[int, ...] = ()
+    """A tensor-parallel prefill instance's KV server port of each rank (rank 0's is
+    ``remote_port``): each rank of the decode instance pulls its share from its own."""
+
+    def for_rank(self, rank: int) -> KVTransferParams:
+        """What tensor-parallel rank ``rank`` of the decode instance pulls from: the same
+        lease on its own rank's port (port 0, refused, when the prefill side has no such
+        rank, so that share and the block fail and are recomputed)."""
+        if not self.remote_rank_ports:
+            return self
+        port = self.remote_rank_ports[rank] if rank < len(self.remote_rank_ports) else 0
+        return replace(self, remote_port=port, remote_rank_ports=())
+
+    @property
+    def all_ports(self) -> tuple[int, ...]:
+        """Every port holding the lease: each rank's, or the one."""
+        return self.remote_rank_ports or (self.remote_port,)
 
     @property
     def pulls(self) -> bool:
@@ -65,7 +84,13 @@ class KVTransferParams:
         if hashes and (host is None or port is None):
             raise ValueError("kv_transfer_params: remote_block_hashes need remote_host and "
                              "remote_port")
-        return KVTransferParams(do_remote_decode, host, port, lease, hashes)
+        rank_ports = value.get("remote_rank_ports") or ()
+        if not (isinstance(rank_ports, list | tuple) and all(
+                isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536
+                for p in rank_ports)) or (rank_ports and rank_ports[0] != port):
+            raise ValueError("kv_transfer_params.remote_rank_ports must be a list of port "
+                             "numbers, remote_port first")
+        return KVTransferParams(do_remote_decode, host, port, lease, hashes, tuple(rank_ports))
 
     def to_dict(self, hex_hashes: bool = False) -> dict[str, Any]:
         """The fields that are set (hashes as hex for JSON, bytes for msgpack)."""
@@ -78,4 +103,6 @@ class KVTransferParams:
         if self.remote_block_hashes:
             out["remote_block_hashes"] = [h.hex() if hex_hashes else h
                                           for h in self.remote_block_hashes]
+        if self.remote_rank_ports:
+            out["remote_rank_ports"] = list(self.remote_rank_ports)
         return out

@@ -180,3 +180,61 @@ def test_two_ranks_verify_token_drafts_as_one(parallel_checkpoints, method):
         assert stats["spec_num_draft_tokens"] > 0
     finally:
         two.engine.core.shutdown()
+
+
+def test_two_rank_instances_disaggregate_rank_to_rank(parallel_checkpoints):
+    """A TP=2 prefill instance and a TP=2 decode instance: each prefill rank lends its
+    share of the blocks on its own port (remote_rank_ports), each decode rank pulls its
+    share from the same rank, and the tokens are colocated serving's; the leases end on
+    both prefill ranks. A single-rank decode instance cannot take the shares for whole
+    blocks: its pull is refused by the layout check and it recomputes, with the same tokens."""
+    path = str(parallel_checkpoints["qwen3_moe"])
+    prompts = [[(7 * i + j) % 900 + 3 for j in range(40)] for i in range(3)]  # 2 full blocks
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = LLM(path, progress=False, enable_prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+    prefill = LLM(path, progress=False, tensor_parallel_size=2, kv_role="prefill")
+    decode = LLM(path, progress=False, tensor_parallel_size=2, kv_role="decode")
+    single = LLM(path, progress=False, kv_role="decode")
+    try:
+        lent = prefill.generate(prompts, SamplingParams(
+            temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+        params = [o.kv_transfer_params for o in lent]
+        assert all(len(p["remote_rank_ports"]) == 2 and p["remote_rank_ports"][0] ==
+                   p["remote_port"] and len(p["remote_block_hashes"]) == 2 for p in params)
+        outs = decode.generate(prompts, [SamplingParams(**vars_of(greedy),
+                                                        kv_transfer_params=p) for p in params])
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        core = decode.engine.core
+        assert core.scheduler.num_remote_blocks_pulled == 3 * 2
+        assert core.scheduler.num_prompt_tokens_computed == 3 * 8  # only the tails
+        assert core.stats()["kv_remote_pull_failures"] == 0
+        _wait_leases_ended(prefill)
+
+        # The shares are not whole blocks: a single-rank decode instance is refused them.
+        lent = prefill.generate(prompts[:1], SamplingParams(
+            temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+        out = single.generate(prompts[:1], SamplingParams(
+            **vars_of(greedy), kv_transfer_params=lent[0].kv_transfer_params))[0]
+        assert out.outputs[0].token_ids == expected[0]
+        assert single.engine.core.scheduler.num_remote_blocks_pulled == 0
+        assert single.engine.core.stats()["kv_remote_pull_failures"] == 1
+        _wait_leases_ended(prefill)  # (released by the refused puller)
+    finally:
+        for llm in (prefill, decode, single):
+            llm.engine.core.shutdown()
+
+
+def vars_of(params: SamplingParams) -> dict:
+    return dict(temperature=params.temperature, max_tokens=params.max_tokens,
+                ignore_eos=params.ignore_eos)
+
+
+def _wait_leases_ended(prefill: LLM, timeout_s: float = 10.0) -> None:
+    """Until the prefill instance holds no leased block (its ranks' leases all ended)."""
+    core = prefill.engine.core
+    deadline = time.monotonic() + timeout_s
+    while core.kv.num_held or core.stats()["kv_leases"]:
+        assert time.monotonic() < deadline, (core.kv.num_held, core.stats()["kv_leases"])
+        time.sleep(0.05)
+        core.collect_leases()
