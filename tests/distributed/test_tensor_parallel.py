@@ -92,6 +92,8 @@ def test_impossible_splits_are_refused_at_start_up(make_checkpoint):
         (fine, dict(tensor_parallel_size=2, nnodes=3), "2 ranks do not split evenly over nnodes 3"),
         (fine, dict(tensor_parallel_size=2, nnodes=2, kv_store_dir="/nonexistent"),
          "does not run with the file store (--kv-store-dir) on ranks of other machines"),
+        (fine, dict(tensor_parallel_size=2, nnodes=2, kv_role="prefill"),
+         "does not run with disaggregation (--role / --kv-transfer-port)"),
         (fine, dict(tensor_parallel_size=2, nnodes=2, distributed_executor_backend="ray"),
          "the ray backend places ranks on its cluster's nodes itself"),
     ]
