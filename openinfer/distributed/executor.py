@@ -70,36 +70,24 @@ def check_context_parallel(config: EngineConfig) -> None:
 
 def check_tensor_parallel(config: EngineConfig) -> None:
     """Refuse at start-up, naming the constraint, what the ranks could not run."""
-    from openinfer.models.registry import get_model_class
-
     size, mc = config.tensor_parallel_size, config.model
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
     _check_ranks_fit(config, size, "tensor_parallel_size")
-    if not getattr(get_model_class(mc.architecture), "supports_tensor_parallel", False):
-        raise ValueError(f"tensor_parallel_size {size}: {mc.architecture} cannot be split yet "
-                         "(Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V2/V3/V4 "
-                         "models can)")
-    hf = mc.hf_config
-    heads = hf["num_attention_heads"]
-    kv_heads = hf.get("num_key_value_heads") or heads
-    sizes = [(heads, "num_attention_heads"), (hf.get("intermediate_size", 0), "intermediate_size"),
-             (hf.get("o_groups", 0), "o_groups")]
-    if hf.get("moe_intermediate_size") and not config.enable_expert_parallel:
-        sizes.append((hf["moe_intermediate_size"], "moe_intermediate_size"))
-    for n, what in sizes:
-        if n % size:
-            raise ValueError(f"tensor_parallel_size {size} does not divide {what} ({n})")
-    if kv_heads % size and size % kv_heads:
-        raise ValueError(f"tensor_parallel_size {size} and num_key_value_heads ({kv_heads}): "
-                         "one must divide the other")
+    _check_split(mc.architecture, mc.hf_config, size, config.enable_expert_parallel)
     spec = config.speculative
+    if spec is not None and spec.method == "draft_model":  # split like the target
+        from openinfer.config import ModelConfig
+
+        draft = ModelConfig.from_pretrained(spec.model)
+        _check_split(draft.architecture, draft.hf_config, size, False, "the draft model's ")
     _refuse_unsupported(config, f"tensor_parallel_size {size}", {
         # Token drafters (n-gram, suffix) run whole on every rank, drafting alike from the
-        # same tokens; a draft network would need splitting too.
-        "speculative decoding with a draft network": spec is not None and spec.uses_model,
+        # same tokens; a draft model is split over the ranks like the target (its layers
+        # read the same parallel state). MTP's layers have not been run split.
+        "MTP speculative decoding": spec is not None and spec.method == "mtp",
         # Two ranks' all-reduce adds two partial sums per element (exact whichever first);
         # over more ranks the order of the sums follows the tensor's size, so the batch.
         "--batch-invariant on more than 2 ranks": config.model.batch_invariant and size > 2,
@@ -109,6 +97,29 @@ def check_tensor_parallel(config: EngineConfig) -> None:
             config.cache.kv_store_dir is not None and _ranks_elsewhere(config),
         "disaggregation (--role / --kv-transfer-port)":
             _disaggregated(config) and _ranks_elsewhere(config)})
+
+
+def _check_split(architecture: str, hf: dict, size: int, expert_parallel: bool,
+                 whose: str = "") -> None:
+    """Refuse a model that ``size`` tensor-parallel ranks cannot split, naming why."""
+    from openinfer.models.registry import get_model_class
+
+    if not getattr(get_model_class(architecture), "supports_tensor_parallel", False):
+        raise ValueError(f"tensor_parallel_size {size}: {whose}{architecture} cannot be split "
+                         "yet (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and "
+                         "DeepSeek-V2/V3/V4 models can)")
+    heads = hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    sizes = [(heads, "num_attention_heads"), (hf.get("intermediate_size", 0), "intermediate_size"),
+             (hf.get("o_groups", 0), "o_groups")]
+    if hf.get("moe_intermediate_size") and not expert_parallel:
+        sizes.append((hf["moe_intermediate_size"], "moe_intermediate_size"))
+    for n, what in sizes:
+        if n % size:
+            raise ValueError(f"tensor_parallel_size {size} does not divide {whose}{what} ({n})")
+    if kv_heads % size and size % kv_heads:
+        raise ValueError(f"tensor_parallel_size {size} and {whose}num_key_value_heads "
+                         f"({kv_heads}): one must divide the other")
 
 
 def check_expert_parallel(config: EngineConfig) -> None:

@@ -88,12 +88,15 @@ def test_impossible_splits_are_refused_at_start_up(make_checkpoint):
          "more than CPU cores"),
         (fine, dict(tensor_parallel_size=2, speculative_config={"method": "mtp",
                                                                 "num_speculative_tokens": 1}),
-         "does not run with speculative decoding with a draft network"),
+         "does not run with MTP speculative decoding"),
         (fine, dict(tensor_parallel_size=2, nnodes=3), "2 ranks do not split evenly over nnodes 3"),
         (fine, dict(tensor_parallel_size=2, nnodes=2, kv_store_dir="/nonexistent"),
          "does not run with the file store (--kv-store-dir) on ranks of other machines"),
         (fine, dict(tensor_parallel_size=2, nnodes=2, kv_role="prefill"),
          "does not run with disaggregation (--role / --kv-transfer-port)"),
+        (fine, dict(tensor_parallel_size=2, speculative_config={
+            "method": "draft_model", "model": str(odd_heads), "num_speculative_tokens": 2}),
+         "tensor_parallel_size 2 does not divide the draft model's num_attention_heads (3)"),
         (fine, dict(tensor_parallel_size=2, nnodes=2, distributed_executor_backend="ray"),
          "the ray backend places ranks on its cluster's nodes itself"),
     ]
@@ -240,3 +243,23 @@ def _wait_leases_ended(prefill: LLM, timeout_s: float = 10.0) -> None:
         assert time.monotonic() < deadline, (core.kv.num_held, core.stats()["kv_leases"])
         time.sleep(0.05)
         core.collect_leases()
+
+
+def test_two_ranks_run_a_draft_model_split_like_the_target(parallel_checkpoints):
+    """method draft_model under TP=2: the draft is split over the ranks like the target
+    (its own share of heads, its own KV share). The target as its own draft: every draft is
+    accepted, so the split draft computes what the whole one would; the tokens are plain."""
+    path = str(parallel_checkpoints["qwen3_moe"])
+    prompts = [[5, 6, 7, 8] * 6, [40, 41, 42] * 7 + [43]]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [o.outputs[0].token_ids
+                for o in LLM(path, progress=False).generate(prompts, greedy)]
+    two = LLM(path, progress=False, tensor_parallel_size=2, speculative_config={
+        "method": "draft_model", "model": path, "num_speculative_tokens": 3})
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, greedy)] == expected
+        stats = two.engine.core.stats()
+        assert stats["spec_num_draft_tokens"] > 0
+        assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
+    finally:
+        two.engine.core.shutdown()
