@@ -83,11 +83,9 @@ def check_tensor_parallel(config: EngineConfig) -> None:
 
         draft = ModelConfig.from_pretrained(spec.model)
         _check_split(draft.architecture, draft.hf_config, size, False, "the draft model's ")
+    # (Every speculative method runs split: token drafters alike on every rank, a draft
+    # model or MTP module split like the target, its layers reading the same parallel state.)
     _refuse_unsupported(config, f"tensor_parallel_size {size}", {
-        # Token drafters (n-gram, suffix) run whole on every rank, drafting alike from the
-        # same tokens; a draft model is split over the ranks like the target (its layers
-        # read the same parallel state). MTP's layers have not been run split.
-        "MTP speculative decoding": spec is not None and spec.method == "mtp",
         # Two ranks' all-reduce adds two partial sums per element (exact whichever first);
         # over more ranks the order of the sums follows the tensor's size, so the batch.
         "--batch-invariant on more than 2 ranks": config.model.batch_invariant and size > 2,

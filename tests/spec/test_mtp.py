@@ -114,3 +114,25 @@ def test_mtp_needs_a_model_with_mtp_weights(qwen3_checkpoint):
     with pytest.raises(ValueError, match="no MTP module"):
         LLM(str(qwen3_checkpoint), progress=False,
             speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_mtp_split_over_two_ranks_drafts_as_one(v3_with_mtp):
+    """Under TP=2 the MTP module is split over the ranks like the model (its MLA by heads,
+    its experts' features, its head by vocabulary): the drafts, so the accepted counts, are
+    one rank's, and the greedy tokens plain decoding's."""
+    path, _, _ = v3_with_mtp
+    prompts = [[5 + (7 * i + 3 * j) % 900 for j in range(9 + 5 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    expected = [o.outputs[0].token_ids
+                for o in LLM(str(path), progress=False).generate(prompts, params)]
+    runs = {}
+    for size in (1, 2):
+        llm = LLM(str(path), progress=False, tensor_parallel_size=size, speculative_config=spec)
+        try:
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+            stats = llm.engine.core.stats()
+            runs[size] = (stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"])
+        finally:
+            llm.engine.core.shutdown()
+    assert runs[2] == runs[1] and runs[1][0] > 0
