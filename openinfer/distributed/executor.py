@@ -155,8 +155,7 @@ def check_expert_parallel(config: EngineConfig) -> None:
         _refuse_unsupported(config, "data-parallel attention with expert parallelism",
                             {"--async-scheduling": config.scheduler.async_scheduling,
                              "speculative decoding": config.speculative is not None,
-                             "--batch-invariant": config.model.batch_invariant,
-                             "the KV host tier and file store": _has_tiers(config)})
+                             "--batch-invariant": config.model.batch_invariant})
 
 
 def _check_ranks_fit(config: EngineConfig, size: int, name: str) -> None:

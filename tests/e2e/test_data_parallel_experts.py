@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -16,9 +17,11 @@ import openai
 import psutil
 import pytest
 from conftest import build_checkpoint
-from server_process import MODEL, admin_workers, metrics, start_server, stop
+from server_process import ADMIN, MODEL, admin_workers, metrics, start_server, stop
 
 from openinfer import LLM, SamplingParams
+from openinfer.kv.block_hash import extend_block_hashes
+from openinfer.transfer.file_store import SUFFIX, model_fingerprint
 
 EPLB = json.dumps({"window_size": 3, "step_interval": 4, "num_redundant_experts": 2})
 
@@ -40,8 +43,10 @@ def test_two_data_parallel_ranks_share_the_experts_and_answer_as_one(tmp_path, t
     want = [o.outputs[0].text for o in offline.generate(
         prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
 
+    store = tmp_path / "store"
     router, proc = start_server(checkpoint, "--data-parallel-size", "2",
-                                "--enable-expert-parallel", "--enable-eplb", "--eplb-config", EPLB)
+                                "--enable-expert-parallel", "--enable-eplb", "--eplb-config", EPLB,
+                                "--kv-host-memory", "4MiB", "--kv-store-dir", str(store))
     try:
         ranks = [w["url"] for w in admin_workers(router)]
         assert len(ranks) == 2
@@ -57,6 +62,24 @@ def test_two_data_parallel_ranks_share_the_experts_and_answer_as_one(tmp_path, t
             assert values["openinfer:request_success_total[length]"] > before  # each took some
             assert values["openinfer:eplb_rearrangements_total"] >= 2
         assert sum(metrics(rank)["openinfer:eplb_experts_moved_total"] for rank in ranks) > 0
+
+        # The KV tiers under the group: rank 0 forgets its device and host caches and reads
+        # its 20-token prompt's first block back from the file store (written behind the
+        # answers, by whichever rank served it), while rank 1 idles through the collectives.
+        _complete(ranks[0], prompts[2])  # (rank 0 holds it now, whoever served it first)
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, prompts[2], 16, None)
+        name = hashes[0].hex()
+        block = store / model_fingerprint(checkpoint)[:16] / name[:2] / f"{name}{SUFFIX}"
+        deadline = time.monotonic() + 30
+        while not block.is_file():
+            assert time.monotonic() < deadline, "the block never reached the file store"
+            time.sleep(0.05)
+        urllib.request.urlopen(urllib.request.Request(f"{ranks[0]}/v1/cache/reset",
+                                                      method="POST", headers=ADMIN), timeout=30)
+        l3 = metrics(ranks[0]).get("openinfer:prefix_cache_hits_by_tier_total[L3]", 0)
+        assert _complete(ranks[0], prompts[2]) == want[2]
+        assert metrics(ranks[0])["openinfer:prefix_cache_hits_by_tier_total[L3]"] == l3 + 16
 
         # Rank 1's engine dies: rank 0's next lockstep collective fails (it polls even when
         # idle), so both ranks turn unhealthy at once, and the router stops sending them
