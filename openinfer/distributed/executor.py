@@ -154,7 +154,10 @@ def check_expert_parallel(config: EngineConfig) -> None:
     if dp.size > 1:
         _refuse_unsupported(config, "data-parallel attention with expert parallelism",
                             {"--async-scheduling": config.scheduler.async_scheduling,
-                             "speculative decoding": config.speculative is not None,
+                             # A draft network's passes run MoE layers too: a rank drafting
+                             # while another does not would break the lockstep.
+                             "speculative decoding with a draft network":
+                                 config.speculative is not None and config.speculative.uses_model,
                              "--batch-invariant": config.model.batch_invariant})
 
 

@@ -75,9 +75,10 @@ def test_impossible_expert_splits_are_refused_at_start_up(parallel_checkpoints, 
          "at most 0 with 1 rank(s)"),
         (str(make_checkpoint()), dict(enable_expert_parallel=True), "has no routed experts"),
         (moe, dict(enable_expert_parallel=True, data_parallel_size=2, data_parallel_rpc_port=1,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+                   speculative_config={"method": "draft_model", "model": moe,
+                                       "num_speculative_tokens": 2}),
          "data-parallel attention with expert parallelism does not run with speculative "
-         "decoding yet"),
+         "decoding with a draft network yet"),
         (moe, dict(enable_expert_parallel=True, data_parallel_size=3, data_parallel_rpc_port=1),
          "expert parallel size 3 (the data-parallel ranks) does not divide the physical "
          "experts (8 routed + 0 redundant)"),

@@ -24,6 +24,7 @@ from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.transfer.file_store import SUFFIX, model_fingerprint
 
 EPLB = json.dumps({"window_size": 3, "step_interval": 4, "num_redundant_experts": 2})
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
 
 
 def _complete(base: str, prompt: list[int]) -> str:
@@ -46,7 +47,8 @@ def test_two_data_parallel_ranks_share_the_experts_and_answer_as_one(tmp_path, t
     store = tmp_path / "store"
     router, proc = start_server(checkpoint, "--data-parallel-size", "2",
                                 "--enable-expert-parallel", "--enable-eplb", "--eplb-config", EPLB,
-                                "--kv-host-memory", "4MiB", "--kv-store-dir", str(store))
+                                "--kv-host-memory", "4MiB", "--kv-store-dir", str(store),
+                                "--speculative-config", NGRAM)
     try:
         ranks = [w["url"] for w in admin_workers(router)]
         assert len(ranks) == 2
@@ -62,6 +64,9 @@ def test_two_data_parallel_ranks_share_the_experts_and_answer_as_one(tmp_path, t
             assert values["openinfer:request_success_total[length]"] > before  # each took some
             assert values["openinfer:eplb_rearrangements_total"] >= 2
         assert sum(metrics(rank)["openinfer:eplb_experts_moved_total"] for rank in ranks) > 0
+        # n-gram drafts were verified (one forward pass a step: the ranks stay in lockstep)
+        assert sum(metrics(rank).get("openinfer:spec_decode_num_draft_tokens_total", 0)
+                   for rank in ranks) > 0
 
         # The KV tiers under the group: rank 0 forgets its device and host caches and reads
         # its 20-token prompt's first block back from the file store (written behind the
