@@ -41,9 +41,9 @@ def start_servers(*servers: tuple, admin_key: str | None = ADMIN_KEY,
 
 
 TEST_KV_CACHE_MEMORY = "256MiB"
-"""The KV pool of a test server that sets none: the default sizes it by the machine's
-memory (2 GiB of touched pages per engine here), and six servers at once beside the
-suite's own engines ran a 24 GiB machine out of memory."""
+"""The KV pool of a test server that sets none: the CPU default (2 GiB, like vLLM's 4 GiB
+VLLM_CPU_KVCACHE_SPACE) is touched at start, and six servers at once beside the suite's
+own engines ran a 24 GiB machine out of memory."""
 
 
 def _serve_args(checkpoint, flags) -> list[str]:
