@@ -64,8 +64,7 @@ def check_context_parallel(config: EngineConfig) -> None:
     _refuse_unsupported(config, f"prefill_context_parallel_size {size}",
                         {"expert parallelism": config.enable_expert_parallel,
                          "speculative decoding": config.speculative is not None,
-                         "--batch-invariant": config.model.batch_invariant,
-                         "the KV host tier and file store": _has_tiers(config)})
+                         "--batch-invariant": config.model.batch_invariant})
 
 
 def check_tensor_parallel(config: EngineConfig) -> None:
@@ -196,10 +195,6 @@ def _disaggregated(config: EngineConfig) -> bool:
 def _ranks_elsewhere(config: EngineConfig) -> bool:
     """Whether ranks may run on other machines than the engine core's."""
     return config.nodes.nnodes > 1 or config.distributed_executor_backend == "ray"
-
-
-def _has_tiers(config: EngineConfig) -> bool:
-    return config.cache.kv_host_memory is not None or config.cache.kv_store_dir is not None
 
 
 class RankFailed(RuntimeError):

@@ -27,6 +27,7 @@ from openinfer.config import (
     ModelConfig,
 )
 from openinfer.cpu_features import cpu_capability
+from openinfer.distributed.context_parallel import get_cp
 from openinfer.distributed.parallel_state import expert_parallel, get_tp, init_data_parallel_group
 from openinfer.engine.kv_cache import allocate_caches
 from openinfer.engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
@@ -296,7 +297,9 @@ class Worker:
         plan = sched.kv
         if self.mover is not None:
             self.mover.copy_to_host(plan.stores)
-            if self.mover.store is not None:  # the bytes are taken now: the slot is free again
+            # The bytes are taken now: the slot is free again. Context-parallel ranks hold
+            # the same whole blocks: the first one writes them.
+            if self.mover.store is not None and get_cp().rank == 0:
                 for copy in plan.stores:
                     self.mover.submit_write(copy.block_hash, copy.slot)
             self.mover.copy_to_device(plan.loads)

@@ -67,8 +67,6 @@ def test_what_context_parallelism_cannot_run_is_refused(parallel_checkpoints, ma
         (llama, dict(prefill_context_parallel_size=2, speculative_config={
             "method": "ngram", "num_speculative_tokens": 2}),
          "does not run with speculative decoding yet"),
-        (llama, dict(prefill_context_parallel_size=2, kv_host_memory=2**20),
-         "does not run with the KV host tier and file store yet"),
         (str(make_checkpoint("Gemma2ForCausalLM")), dict(prefill_context_parallel_size=2),
          "Gemma2ForCausalLM cannot be split by context yet"),
     ]
@@ -76,3 +74,30 @@ def test_what_context_parallelism_cannot_run_is_refused(parallel_checkpoints, ma
         with pytest.raises(ValueError, match=re.escape(message)):
             EngineCore(EngineConfig.create(path, **options))
     assert not _child_processes()
+
+
+def test_two_ranks_keep_the_kv_tiers_of_one(parallel_checkpoints, tmp_path):
+    """--kv-host-memory and --kv-store-dir under context parallelism: every rank holds the
+    whole blocks (in its host pool), the first rank writes them to the store once, and after
+    the device and host tiers forget them both ranks read them back from those files, with
+    one rank's tokens."""
+    path, store = str(parallel_checkpoints["llama"]), tmp_path / "store"
+    prompts = [[(5 * i + j) % 900 + 3 for j in range(70)] for i in range(2)]  # chunks split
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(
+        path, progress=False, enable_prefix_caching=False).generate(prompts, greedy)]
+    two = LLM(path, progress=False, max_num_batched_tokens=48, prefill_context_parallel_size=2,
+              kv_host_memory=2 * 2**20, kv_store_dir=str(store))
+    core = two.engine.core
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, greedy)] == expected
+        core.drain_file_io()
+        assert len(list(store.rglob("*.kvblock"))) == 2 * 4  # once, not once per rank
+        core.reset_prefix_cache()
+        again = two.generate(prompts, greedy)
+        assert [o.outputs[0].token_ids for o in again] == expected
+        assert [o.num_cached_tokens for o in again] == [64, 64]
+        assert core.kv.hit_tokens_by_tier["L3"] == 2 * 64
+        core.check_integrity()
+    finally:
+        core.shutdown()
