@@ -63,7 +63,11 @@ def check_context_parallel(config: EngineConfig) -> None:
                          "split by context yet (Llama-family models with full attention can)")
     _refuse_unsupported(config, f"prefill_context_parallel_size {size}",
                         {"expert parallelism": config.enable_expert_parallel,
-                         "speculative decoding": config.speculative is not None,
+                         # Verification steps are short: they run whole on every rank,
+                         # and token drafts are made alike there. A draft network's own
+                         # prefill would be split, and is not taught to be.
+                         "speculative decoding with a draft network":
+                             config.speculative is not None and config.speculative.uses_model,
                          "--batch-invariant": config.model.batch_invariant})
 
 

@@ -65,8 +65,8 @@ def test_what_context_parallelism_cannot_run_is_refused(parallel_checkpoints, ma
         (llama, dict(prefill_context_parallel_size=2, tensor_parallel_size=2),
          "with tensor_parallel_size > 1 is not supported yet"),
         (llama, dict(prefill_context_parallel_size=2, speculative_config={
-            "method": "ngram", "num_speculative_tokens": 2}),
-         "does not run with speculative decoding yet"),
+            "method": "draft_model", "model": llama, "num_speculative_tokens": 2}),
+         "does not run with speculative decoding with a draft network yet"),
         (str(make_checkpoint("Gemma2ForCausalLM")), dict(prefill_context_parallel_size=2),
          "Gemma2ForCausalLM cannot be split by context yet"),
     ]
@@ -101,3 +101,22 @@ def test_two_ranks_keep_the_kv_tiers_of_one(parallel_checkpoints, tmp_path):
         core.check_integrity()
     finally:
         core.shutdown()
+
+
+def test_two_ranks_verify_ngram_drafts_as_one(parallel_checkpoints):
+    """N-gram drafts under context parallelism: long prompt chunks are split, the short
+    verification steps run whole on every rank, and the greedy tokens are one rank's."""
+    path = str(parallel_checkpoints["llama"])
+    prompts = [[5, 6, 7, 8] * 15, [40, 41, 42] * 17]  # long enough to split, repeating
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [o.outputs[0].token_ids
+                for o in LLM(path, progress=False).generate(prompts, greedy)]
+    two = LLM(path, progress=False, max_num_batched_tokens=48, prefill_context_parallel_size=2,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, greedy)] == expected
+        assert two.engine.core.stats()["spec_num_draft_tokens"] > 0
+        stats = two.engine.core.executor.collective_rpc("collective_stats")
+        assert all(s["all_gather"][0] > 0 for s in stats), "no chunk was split"
+    finally:
+        two.engine.core.shutdown()
