@@ -184,9 +184,9 @@ class EngineCore:
                                      kt.serves_kv)
         self.kv.can_pull = pulls
         # Every rank's KV server lends its share of the blocks, on a port of its own.
-        self._kv_server_ports = [address[1] for address in
-                                 self.executor.collective_rpc("kv_server_address") if address]
-        return self.executor.call("kv_server_address")
+        addresses = self.executor.collective_rpc("kv_server_address")
+        self._kv_server_ports = [address[1] for address in addresses if address]
+        return addresses[0]
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
