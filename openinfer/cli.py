@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 import openinfer
+from openinfer import units
 from openinfer.attention.selector import ATTENTION_BACKENDS
 from openinfer.logger import configure_logging
 from openinfer.server.listener import KEEP_ALIVE_S
@@ -21,19 +21,12 @@ logger = logging.getLogger(__name__)
 HelpFormatter = argparse.ArgumentDefaultsHelpFormatter
 DEFAULT_MODEL = "smollm2"
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
 def parse_bytes(text: str) -> int:
-    """'2147483648', '2GiB', '512MB', '1.5G' -> bytes."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 2GiB, 512MB, 1000000)")
-    number, unit = match.groups()
-    unit = (unit or "").lower().removesuffix("b")
-    return int(float(number) * _UNITS[unit])
+    """'2147483648', '2GiB', '512MB', '1.5G' -> bytes (argparse's type)."""
+    try:
+        return units.parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -48,11 +48,16 @@ cached for the process, so a model's 30 identical layers are timed once:
      elements are not timed: ``torch`` everywhere);
   4. memory: a layer holds one copy of its weight, plain or packed (for oneDNN or for amx),
      whichever format's paths are faster over the buckets (``choose_paths``). A packed weight
-     replaces the plain one: the
-     layer's ``weight`` becomes a meta tensor of the same shape (``parameters()`` still counts
-     it; reading it fails). A weight another module shares (a tied embedding) stays plain, and
-     gets a packed copy (its only extra memory) only if that is ``EXTRA_COPY_MARGIN`` faster in
-     some bucket.
+     replaces the plain one: the layer's ``weight`` becomes a meta tensor of the same shape
+     (``parameters()`` still counts it; reading it fails). A weight another module shares (a
+     tied embedding) stays plain. A layer gets a second copy, in another format, only if that
+     makes some bucket ``EXTRA_COPY_MARGIN`` faster, and only while the process's budget for
+     such copies lasts (``OPENINFER_CPU_GEMM_EXTRA_MEMORY``: a byte size such as ``2GiB``, 0 for
+     none; by default a quarter of the memory available at load). The case it is for: on
+     Intel cores with AMX, the amx path reads its weight 1.4-2.5x faster than oneDNN for the
+     few rows of decode, and oneDNN's packed kernel multiplies prefill's hundreds of rows
+     1.2-1.5x faster than the amx path (``bench_gemm_paths``; docs/benchmarks.md): each bucket
+     then takes its own copy, for one more weight's worth of memory.
 
 ``OPENINFER_CPU_GEMM``: ``auto`` (the default: the above), ``default`` (no plans; ``linear()``
 as before), or a path name (that path for every M; an error if it cannot run here). No plans
@@ -77,6 +82,7 @@ from torch import nn
 from openinfer.cpu_features import cpu_capability, cpu_flags, has_native_gemm, last_level_cache_bytes
 from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.layers.linear import GemmLayer
+from openinfer.units import parse_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +93,13 @@ PACK_ROWS = 128
 """The row count oneDNN picks the packed layout for (vLLM packs for 128 too)."""
 MARGIN = 1.05
 """A path other than ``torch`` is chosen only if at least this much faster."""
-EXTRA_COPY_MARGIN = 1.5
-"""A packed copy of a weight that stays plain anyway (tied embedding) must make some bucket
-at least this much faster."""
+EXTRA_COPY_MARGIN = 1.1
+"""A second copy of a weight, in another format, must make some bucket at least this much
+faster."""
+EXTRA_MEMORY_ENV = "OPENINFER_CPU_GEMM_EXTRA_MEMORY"
+EXTRA_MEMORY_SHARE = 0.25
+"""Without ``OPENINFER_CPU_GEMM_EXTRA_MEMORY``, second copies may take this share of the memory
+available when the model is planned (the KV cache is sized in bytes, not from what is left)."""
 MIN_TIMED_WEIGHT = 1 << 17
 """Weights with fewer elements (256 x 512) run F.linear in every bucket, untimed: their calls
 are mostly overhead, which timing cannot tell from noise, and so the tiny models of tests
@@ -105,6 +115,10 @@ decided between paths (a 512-row call took 4x its time once in a handful of plan
 COLD_MAX_ROWS = 128
 """Buckets timed at more rows than this are compute-bound: timed hot (copies cost load time
 and change nothing there)."""
+LARGE_BUCKET_SECONDS = 0.05
+"""Those buckets' calls take milliseconds: BUCKET_SECONDS would give each path two samples,
+and the choice between copies (1.1-1.4x apart at 512 rows on 2 Intel cores with AMX) would
+follow other processes' bursts."""
 DEFAULT_CACHE_BYTES = 32 << 20
 """The last-level cache assumed where sysfs does not tell."""
 COLD_CACHE_MULTIPLE = 4
@@ -285,9 +299,37 @@ def plan_gemms(model: nn.Module, mode: str | None = None) -> None:
             owners[id(p)] = owners.get(id(p), 0) + 1
     cache = last_level_cache_bytes() or DEFAULT_CACHE_BYTES
     cold = sum(m.weight.numel() * m.weight.element_size() for m in layers) > cache
+    budget = extra_copy_budget()
     with torch.no_grad():
         for layer in layers:
-            layer.plan = _plan_layer(layer, mode, shared=owners[id(layer.weight)] > 1, cold=cold)
+            weight_bytes = layer.weight.numel() * layer.weight.element_size()
+            layer.plan = _plan_layer(layer, mode, shared=owners[id(layer.weight)] > 1, cold=cold,
+                                     may_copy=weight_bytes <= budget)
+            budget -= layer.plan.extra_bytes
+
+
+def extra_copy_budget() -> int:
+    """Bytes the process's second weight copies may take (see the module docstring); raises
+    ValueError for a malformed ``OPENINFER_CPU_GEMM_EXTRA_MEMORY``."""
+    value = os.environ.get(EXTRA_MEMORY_ENV, "").strip()
+    if value:
+        try:
+            return parse_bytes(value)
+        except ValueError as e:
+            raise ValueError(f"{EXTRA_MEMORY_ENV}: {e}") from None
+    return int(EXTRA_MEMORY_SHARE * (_available_memory() or 0))
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes; None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def why_no_plans(layers: Sequence[GemmLayer], mode: str) -> str | None:
@@ -321,7 +363,8 @@ def weight_formats(weight: torch.Tensor) -> Callable[[str], torch.Tensor]:
     return weight_in
 
 
-def _plan_layer(layer: GemmLayer, mode: str, shared: bool, cold: bool = False) -> GemmPlan:
+def _plan_layer(layer: GemmLayer, mode: str, shared: bool, cold: bool = False,
+                may_copy: bool = False) -> GemmPlan:
     start = time.perf_counter()
     weight, bias = layer.weight.data, None if layer.bias is None else layer.bias.data
     buckets = BUCKETS[:layer.timed_buckets]
@@ -343,7 +386,8 @@ def _plan_layer(layer: GemmLayer, mode: str, shared: bool, cold: bool = False) -
         times = [_timed(weight, bias, b, weight_in, n if b.timed_rows <= COLD_MAX_ROWS else 1,
                         copies) for b in buckets]
         made.clear()
-        chosen = choose_paths(times, kept=frozenset({PLAIN}) if shared else frozenset())
+        chosen = choose_paths(times, kept=frozenset({PLAIN}) if shared else frozenset(),
+                              may_copy=may_copy)
     else:
         path = PATHS[mode]
         problem = _check(path, weight_in, weight, bias, BUCKETS[0].timed_rows)
@@ -387,8 +431,10 @@ def _timed(weight: torch.Tensor, bias: torch.Tensor | None, bucket: Bucket,
            torch.get_num_threads(), rotation)
     if key not in _timings:
         others = copies()[:rotation - 1] if rotation > 1 else []
+        budget = BUCKET_SECONDS if bucket.timed_rows <= COLD_MAX_ROWS else LARGE_BUCKET_SECONDS
         _timings[key] = time_paths([p for p in PATHS.values() if p.timed_in(bucket)], weight,
-                                   bias, bucket.timed_rows, weight_in, copies=others)
+                                   bias, bucket.timed_rows, weight_in, budget_s=budget,
+                                   copies=others)
     return _timings[key]
 
 
@@ -494,16 +540,17 @@ def _fastest(times: Mapping[str, float], formats: frozenset[str]) -> str | None:
     return min(usable, key=lambda p: _handicapped(times, p)) if usable else None
 
 
-def choose_paths(times: Sequence[Mapping[str, float]],
-                 kept: frozenset[str] = frozenset()) -> list[str]:
+def choose_paths(times: Sequence[Mapping[str, float]], kept: frozenset[str] = frozenset(),
+                 may_copy: bool = False) -> list[str]:
     """Per bucket, the path to run, from seconds per call (``times[i][path]``, bucket i; each
     must include ``torch``).
 
-    A layer holds one copy of its weight, plain or packed (PACKED or AMX). Each format is
-    scored by its paths' times summed over buckets, each relative to the bucket's best (MARGIN
-    counted against paths other than torch); plain wins unless the best packed format scores
-    MARGIN lower. A weight held plain anyway (``kept``: another module shares it) gets a packed
-    copy only if that makes some bucket EXTRA_COPY_MARGIN faster (the format gaining most).
+    The layer's first copy of its weight: plain if ``kept`` says so (another module shares
+    it), else the format, plain or packed (PACKED or AMX), whose paths' times summed over
+    buckets, each relative to the bucket's best (MARGIN counted against paths other than
+    torch), score lowest; plain wins unless the best packed format scores MARGIN lower.
+    With ``may_copy``, a second copy in another format, the one gaining most, if it makes some
+    bucket EXTRA_COPY_MARGIN faster; each bucket then takes the faster of the two.
     """
     best = [min(t.values()) for t in times]
 
@@ -516,18 +563,27 @@ def choose_paths(times: Sequence[Mapping[str, float]],
     plain = option(frozenset({PLAIN}))
     if plain is None:
         raise ValueError("choose_paths needs the torch path's time in every bucket")
-    packed = [o for o in (option(frozenset({fmt}) | kept) for fmt in FORMATS if fmt != PLAIN)
-              if o is not None]
-    if not packed:
-        return plain[1]
-    if kept:
-        def gain(o: tuple[float, list[str]]) -> float:
-            return max(t[a] / t[b] for t, a, b in zip(times, plain[1], o[1]))
+    first = frozenset({PLAIN})
+    chosen = plain
+    if not kept:
+        packed = [(fmt, o) for fmt in FORMATS if fmt != PLAIN
+                  if (o := option(frozenset({fmt}))) is not None]
+        if packed:
+            fmt, best_packed = min(packed, key=lambda fo: fo[1][0])
+            if best_packed[0] * MARGIN < plain[0]:
+                first, chosen = frozenset({fmt}), best_packed
+    if not may_copy:
+        return chosen[1]
 
-        best_gain = max(packed, key=gain)
-        return best_gain[1] if gain(best_gain) >= EXTRA_COPY_MARGIN else plain[1]
-    best = min(packed, key=lambda o: o[0])
-    return best[1] if best[0] * MARGIN < plain[0] else plain[1]
+    def gain(o: tuple[float, list[str]]) -> float:
+        return max(t[a] / t[b] for t, a, b in zip(times, chosen[1], o[1]))
+
+    copies = [o for fmt in FORMATS if fmt not in first
+              if (o := option(first | {fmt})) is not None]
+    if not copies:
+        return chosen[1]
+    best_copy = max(copies, key=gain)
+    return best_copy[1] if gain(best_copy) >= EXTRA_COPY_MARGIN else chosen[1]
 
 
 @dataclass(frozen=True)

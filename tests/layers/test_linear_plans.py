@@ -408,12 +408,55 @@ def test_one_copy_per_layer_plain_or_packed():
 def test_a_shared_weight_gets_a_packed_copy_only_when_it_pays():
     kept = frozenset({gemm.PLAIN})  # a tied embedding holds the plain weight anyway
     times = _times({"torch": 1.0, "onednn_packed": 0.9}, {"torch": 1.0, "onednn_packed": 0.8})
-    assert choose_paths(times, kept=kept) == ["torch", "torch"]
     assert choose_paths(times) == ["onednn_packed"] * 2  # not shared: packed replaces plain
+    assert choose_paths(times, kept=kept) == ["torch", "torch"]  # no budget for a copy
+    assert choose_paths(times, kept=kept, may_copy=True) == ["onednn_packed"] * 2
+    times = _times({"torch": 1.0, "onednn_packed": 0.95}, {"torch": 1.0, "onednn_packed": 0.95})
+    assert choose_paths(times, kept=kept, may_copy=True) == ["torch", "torch"]  # not worth it
     times[1]["onednn_packed"] = 1.0 / EXTRA_COPY_MARGIN
-    assert choose_paths(times, kept=kept) == ["onednn_packed"] * 2
     times[0]["onednn_packed"] = 2.0  # the copy serves only the buckets where it is faster
-    assert choose_paths(times, kept=kept) == ["torch", "onednn_packed"]
+    assert choose_paths(times, kept=kept, may_copy=True) == ["torch", "onednn_packed"]
+
+
+def test_a_second_format_when_the_budget_allows():
+    # amx-like: packed 2x faster for few rows, 1.3x slower for many; plain the reverse.
+    times = _times({"torch": 1.0, "onednn_packed": 0.5}, {"torch": 1.0, "onednn_packed": 0.5},
+                   {"torch": 1.0, "onednn_packed": 1.3})
+    assert choose_paths(times) == ["onednn_packed", "onednn_packed", "onednn_packed"]
+    assert choose_paths(times, may_copy=True) == ["onednn_packed", "onednn_packed", "torch"]
+    times[2]["onednn_packed"] = 1.05  # under EXTRA_COPY_MARGIN: not worth a copy
+    assert choose_paths(times, may_copy=True) == ["onednn_packed"] * 3
+
+
+def test_second_copies_stop_at_the_memory_budget(monkeypatch):
+    """plan_gemms gives second copies while OPENINFER_CPU_GEMM_EXTRA_MEMORY lasts, each layer
+    then routes prefill-sized calls to its second copy, and every route computes F.linear."""
+    def fake_times(paths, weight, bias, rows, weight_in, **kwargs):
+        fast_packed = rows <= 128  # packed 2x faster for decode-sized calls, 2x slower above
+        return {"torch": 1.0, "onednn_packed": 0.5 if fast_packed else 2.0}
+
+    monkeypatch.setattr(gemm, "time_paths", fake_times)
+    model = nn.Sequential(*(_linear(64, 96, False, torch.float32, seed=i)[0] for i in range(3)))
+    weights = [m.weight.detach().clone() for m in model]
+    weight_bytes = 64 * 96 * 4
+    monkeypatch.setenv(gemm.EXTRA_MEMORY_ENV, str(2 * weight_bytes))
+    try:
+        plan_gemms(model, "auto")
+    except RuntimeError as e:  # oneDNN cannot pack here
+        pytest.skip(str(e))
+    assert [m.plan.paths for m in model] == [["onednn_packed"] * 3 + ["torch"]] * 2 + [
+        ["onednn_packed"] * 4]
+    assert [m.plan.extra_bytes for m in model] == [weight_bytes, weight_bytes, 0]
+    assert describe_gemms(model).extra_bytes == 2 * weight_bytes
+    for layer, w in zip(model, weights):
+        for rows in ROWS:
+            x = torch.randn(rows, 64)
+            _check(layer(x), x, w, None)
+    monkeypatch.setenv(gemm.EXTRA_MEMORY_ENV, "lots")
+    with pytest.raises(ValueError, match=gemm.EXTRA_MEMORY_ENV):
+        gemm.extra_copy_budget()
+    monkeypatch.setenv(gemm.EXTRA_MEMORY_ENV, "1MiB")
+    assert gemm.extra_copy_budget() == 2**20
 
 
 def test_only_paths_that_ran_are_chosen():
