@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from openinfer.config import ModelConfig
-from openinfer.layers.sampler import Sampler, SamplingRow
+from openinfer.layers.sampler import Sampler, SamplingRow, argmax
 from openinfer.spec.proposer import Draft
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ def pick_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[RunnerReq
     rows = [SamplingRow(r.params, r.token_ids[:r.num_prompt_tokens],
                         r.token_ids[r.num_prompt_tokens:] + d.token_ids, r.stop_token_ids)
             for r, d in zip(requests, drafts)]
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax(logits)
     confidences = logits.softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
     randoms = [n for n, row in enumerate(rows) if not row.params.greedy]
     if randoms:

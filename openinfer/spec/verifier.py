@@ -30,6 +30,7 @@ from openinfer.layers.sampler import (
     _requested_logprobs,
     apply_penalties,
     apply_token_constraints,
+    argmax,
 )
 from openinfer.outputs import PositionLogprobs
 
@@ -77,11 +78,11 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[VerifyRequest]
     greedy = [i for i, req in enumerate(requests) if req.rows[0].params.greedy]
     if greedy:
         index = [starts[i] + j for i in greedy for j in range(len(requests[i].rows))]
-        argmax = processed[torch.tensor(index, device=raw.device)].argmax(dim=-1).tolist()
+        top = argmax(processed[torch.tensor(index, device=raw.device)]).tolist()
         at = 0
         for i in greedy:
             drafts = requests[i].draft_token_ids
-            best = argmax[at:at + len(drafts) + 1]
+            best = top[at:at + len(drafts) + 1]
             a = 0
             while a < len(drafts) and drafts[a] == best[a]:
                 a += 1
