@@ -185,6 +185,7 @@ inline void scores_amx16(const uint32_t* q, int D, const uint32_t* kt, int bsp, 
     }
     _tile_stored(2, s + k0, s_stride * 4);
   }
+  if (scale == 1.f) return;  // the caller scales in the softmax
   const __m512 sc = _mm512_set1_ps(scale);
   for (int r = 0; r < 16; ++r)
     for (int k = 0; k < bsp; k += 16) {

@@ -35,8 +35,9 @@ constexpr int TILE_ROWS = 64;
 // larger ones transpose each K block once and share it.
 constexpr int ROWDOT_ROWS = 8;
 // Keys per online-softmax step (whole blocks): the running max, the rescaling of O and the
-// horizontal reductions are paid once per chunk rather than once per block.
-constexpr int CHUNK_KEYS = 64;
+// horizontal reductions are paid once per chunk rather than once per block. 128 rather than
+// 64: a 512-token AMX prefill 1.06x faster, decode and fp32 prefills unchanged (2 Intel cores).
+constexpr int CHUNK_KEYS = 128;
 constexpr int MAX_CHUNK_BLOCKS = 16;
 // K (V) rows of the block this many ahead are prefetched while a block's scores (P.V) are made.
 constexpr int PREFETCH_BLOCKS = 2;

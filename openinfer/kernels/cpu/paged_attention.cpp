@@ -19,7 +19,7 @@
 //   (split, cascade) store partial results (unnormalised O, running max m, running sum l); the
 //   item that delivers the last part of a row merges it.
 //
-// Per chunk of keys (whole blocks, ~64 keys) of one item
+// Per chunk of keys (whole blocks, ~128 keys) of one item
 //   Scores: items with many rows convert each K block to fp32 and transpose it into Kt[D][BSP]
 //   (BSP = block_size rounded up to 16), so S[r][k] = sum_d Q[r][d] * Kt[d][k] is FMAs
 //   vectorised over keys with no horizontal sums, and the transposition is shared by all rows;
@@ -188,6 +188,11 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
 #else
   const bool amx = false;
 #endif
+  // The bf16 product paths leave their scores unscaled when nothing reads them scaled before
+  // the softmax (no soft cap): the scale then rides in the exponent's FMA, one pass over the
+  // scores fewer (5% of a 512-token AMX prefill).
+  const float score_scale = dpbf16 && P.softcap <= 0.f ? 1.f : P.scale;
+  const float exp_scale = P.scale / score_scale;
 
   const size_t TR = size_t(P.tile_rows), mD = TR * D;
   float* qf = tls_scratch.get(2 * mD + TR * (SW + 2) + size_t(D) * BSP + size_t(BS) * D +
@@ -280,10 +285,10 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
 #ifdef OI_AMX_ATTENTION
           if (amx)
             for (; r + 16 <= rows_h; r += 16)
-              scores_amx16(qh2 + size_t(r) * (D / 2), D, kpairs, BSP, P.scale, sr + size_t(r) * SW, SW);
+              scores_amx16(qh2 + size_t(r) * (D / 2), D, kpairs, BSP, score_scale, sr + size_t(r) * SW, SW);
 #endif
-          scores_bf16(rows_h - r, qh2 + size_t(r) * (D / 2), D / 2, kpairs, BSP, P.scale, sr + size_t(r) * SW,
-                      SW);
+          scores_bf16(rows_h - r, qh2 + size_t(r) * (D / 2), D / 2, kpairs, BSP, score_scale,
+                      sr + size_t(r) * SW, SW);
 #endif
         } else {
           transpose_keys(kb, P.kv_row, n, D, kt, BSP);
@@ -295,13 +300,18 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
     // Online softmax over the chunk. Invisible keys (causal, past the block's valid rows, the
     // padding of a block) get -inf, i.e. p = 0, whatever the score buffer held there.
     const int width = nb * BSP;
+    // Rows that see every key of a chunk of whole blocks (no padding, window or soft cap) need
+    // no mask pass: 20% of a 512-token AMX prefill went to finding nothing to mask.
+    bool whole_chunk = BSP == BS && P.window <= 0 && P.softcap <= 0.f;
+    for (int c = 0; c < nb; ++c) whole_chunk = whole_chunk && nvalid[c] == BS;
+    const int last_key = c0 + nb * BS - 1;
     for (int hi = 0; hi < NH; ++hi) {
       for (int r = r0; r < MH; ++r) {
         const int row = hi * MH + r;
         const int pos = pos0 + r / G;
         float* srow = s + size_t(row) * SW;
         const int lo = P.window > 0 ? pos - P.window + 1 : std::numeric_limits<int>::min() / 2;
-        for (int c = 0; c < nb; ++c) {
+        for (int c = 0; c < (whole_chunk && pos >= last_key ? 0 : nb); ++c) {
           const int key0 = c0 + c * BS;
           const int lim = std::max(0, std::min(nvalid[c], pos - key0 + 1));
           const int first = std::clamp(lo - key0, 0, lim);
@@ -314,15 +324,15 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
         vf mx = loadu(srow);
         for (int k = W; k < width; k += W) mx = vmax(mx, loadu(srow + k));
         const float m_old = m[row];
-        const float m_new = std::max(m_old, hmax(mx));
+        const float m_new = std::max(m_old, hmax(mx) * exp_scale);  // scaled scores (scale > 0)
         if (m_new == NEG_INF) {  // no key of the chunk (or before it) in this row's window
           std::fill(srow, srow + width, 0.f);
           continue;
         }
-        const vf mv = splat(m_new);
+        const vf mv = splat(m_new), ev = splat(exp_scale);
         vf sum = splat(0.f);
         for (int k = 0; k < width; k += W) {
-          vf p = vexp(loadu(srow + k) - mv);
+          vf p = vexp(loadu(srow + k) * ev - mv);
           storeu(srow + k, p);
           sum += p;
         }
