@@ -40,7 +40,8 @@ from openinfer.engine.runner import ModelRunner
 from openinfer.engine.scheduler import Scheduler
 
 REPO = Path(__file__).resolve().parent.parent
-PEERS_MODEL = Path("/root/.cache/openinfer-peers/models/qwen3-0.4b-random-fp32")
+PEERS_MODELS = [Path("/root/.cache/openinfer-peers/models/qwen3-0.4b-random-fp32"),
+                Path("/root/.cache/openinfer-peers/models/qwen3-0.4b-random")]  # float32, bfloat16
 
 
 class StepClock:
@@ -109,29 +110,14 @@ def measure(model: str, batch: int, prompt_len: int, steps: int) -> dict[str, fl
     return parts
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(PEERS_MODEL) if PEERS_MODEL.exists() else None)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args()
-    if args.model is None:
-        sys.exit("--model: no checkpoint given and the peers checkpoint is absent")
-    parts = measure(args.model, args.batch, args.prompt_len, args.steps)
+def table(model: str, batch: int, prompt_len: int, steps: int) -> str:
+    parts = measure(model, batch, prompt_len, steps)
     step = parts["step"]
     python = step - parts["forward"] - parts["sample"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()
     rows = [f"| {name} | {parts[name] * 1e3:.2f} | {parts[name] / step:.1%} |"
             for name in ("schedule", "prepare", "forward", "sample", "update", "output", "other")]
-    body = "\n".join([
-        "## Decode step: Python overhead (benchmarks/bench_step_overhead.py)",
-        "",
-        f"Batch {args.batch} decode after {args.prompt_len}-token prompts, {args.steps} steps, "
-        f"model `{Path(args.model).name}`, {torch.get_num_threads()} threads. "
-        f"CPU: {cpu_model()} ({cpu_capability()}); commit {commit}.",
+    return "\n".join([
+        f"Model `{Path(model).name}` (dtype auto):",
         "",
         "| part | ms per step | share |",
         "|---|---|---|",
@@ -140,6 +126,33 @@ def main() -> None:
         "",
         f"Python overhead (everything but the forward pass and sampling): "
         f"**{python / step:.1%}** of a step.",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", action="append",
+                        help="a checkpoint (repeatable; default: the peers' float32 and bfloat16 "
+                             "checkpoints that exist)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    models = args.model or [str(p) for p in PEERS_MODELS if p.exists()]
+    if not models:
+        sys.exit("--model: no checkpoint given and the peers checkpoints are absent")
+    tables = [table(model, args.batch, args.prompt_len, args.steps) for model in models]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()
+    body = "\n".join([
+        "## Decode step: Python overhead (benchmarks/bench_step_overhead.py)",
+        "",
+        f"Batch {args.batch} decode after {args.prompt_len}-token prompts, {args.steps} steps, "
+        f"{torch.get_num_threads()} threads. CPU: {cpu_model()} ({cpu_capability()}); "
+        f"commit {commit}.",
+        "",
+        "\n\n".join(tables),
     ])
     print(body)
     if not args.no_write:

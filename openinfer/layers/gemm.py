@@ -56,7 +56,7 @@ cached for the process, so a model's 30 identical layers are timed once:
      none; by default a quarter of the memory available at load). The case it is for: on
      Intel cores with AMX, the amx path reads its weight 1.4-2.5x faster than oneDNN for the
      few rows of decode, and oneDNN's packed kernel multiplies prefill's hundreds of rows
-     1.2-1.5x faster than the amx path (``bench_gemm_paths``; docs/benchmarks.md): each bucket
+     1.1-1.4x faster than the amx path (``bench_gemm_paths``; docs/benchmarks.md): each bucket
      then takes its own copy, for one more weight's worth of memory.
 
 ``OPENINFER_CPU_GEMM``: ``auto`` (the default: the above), ``default`` (no plans; ``linear()``
