@@ -69,7 +69,7 @@ def engine_stats(base: str) -> dict:
 
 
 def serve(model: str, *flags: str):
-    return start_server(model, *flags)
+    return start_server(model, "--dtype", "float32", *flags)
 
 
 def stop(proc) -> None:

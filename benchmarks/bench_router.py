@@ -129,7 +129,9 @@ def main() -> None:
             try:
                 time.sleep(1.0)  # event subscriptions
                 summary = bench(router, model, tmp / f"{policy}.json")
-                workers = json.loads(urllib.request.urlopen(f"{router}/admin/workers").read())
+                request = urllib.request.Request(f"{router}/admin/workers",
+                                                 headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+                workers = json.loads(urllib.request.urlopen(request).read())
                 results[policy] = (summary, [w["routed"] for w in workers["workers"]])
             finally:
                 proc.terminate()

@@ -134,7 +134,7 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     log("starting the server")
-    base, proc = start_server(model)
+    base, proc = start_server(model, "--dtype", "float32")
     try:
         asyncio.run(measure(base, tokenizer, make_prompts(2, 16, vocab, seed=999), 4, 2))  # warm-up
         log(f"HTTP: {wl.num_prompts} x {wl.prompt_len} -> {wl.output_len}, all in flight")

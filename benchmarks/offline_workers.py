@@ -78,7 +78,9 @@ def _warmup_prompts(model_dir: str, num: int, length: int) -> list[list[int]]:
 def _load_openinfer(model_dir: str, warmup_len: int = 16):
     from openinfer.llm import LLM
 
-    llm = LLM(model_dir, seed=0, progress=False)
+    # float32, as transformers runs beside it and as the limits are measured: dtype auto
+    # would take bf16 on CPUs with AVX512_BF16 or AMX (the peers benchmark compares bf16).
+    llm = LLM(model_dir, dtype="float32", seed=0, progress=False)
     llm.generate(_warmup_prompts(model_dir, 2, warmup_len), _openinfer_params(4))
     return llm
 
