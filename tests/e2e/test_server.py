@@ -576,7 +576,9 @@ def test_priority_scheduling_orders_the_waiting_requests(servers):
         running = client.completions.create(model=MODEL, prompt="first", max_tokens=500,
                                             stream=True, extra_body={"ignore_eos": True})
         next(iter(running))  # it holds the one sequence slot
-        early = pool.submit(run, "earlier, lax", 5, 4)
+        # The lax request is the longer one: when the urgent one runs first, as it should,
+        # it ends 64 steps before the lax one, more than a client thread's delay can reorder.
+        early = pool.submit(run, "earlier, lax", 5, 64)
         deadline = time.monotonic() + 30
         while _metrics(base)["openinfer:num_requests_waiting"] < 1:
             assert time.monotonic() < deadline
