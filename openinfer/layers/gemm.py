@@ -3,7 +3,7 @@
     load_model ── load_weights ── plan_gemms(model) ──> every GemmLayer (Linear, MergedLinear,
                                                          LMHead) gets a GemmPlan
 
-Paths compute the same product from the weight in one of three formats:
+Paths compute the same product from the weight in one of four formats:
 
     path           weight           call
     torch          plain [N, K]     F.linear(x, W, b): the reference every path is checked against
@@ -20,6 +20,10 @@ Paths compute the same product from the weight in one of three formats:
                                     once into 1 KiB tile blocks in the order they are read; bf16
                                     on CPUs with AMX. 1.4-1.7x oneDNN's packed linear at 1-4
                                     rows, 1.8-2.5x at 17-32, parity at 512 (2 Intel cores)
+    mkl_packed     mkl              MKL's sgemm on W packed once, at load, by cblas_sgemm_pack
+                                    (kernels/cpu/mkl_gemm.cpp); float32. F.linear's sgemm repacks
+                                    W on every call: packed once, 1.1x F.linear at 512 rows and
+                                    up to 2x at a few rows (2 Intel cores)
 
 A plan sends each call, by its row count M (tokens in the step), to one path:
 
@@ -46,7 +50,7 @@ cached for the process, so a model's 30 identical layers are timed once:
   3. per bucket the fastest wins; a path other than ``torch`` must be ``MARGIN`` faster, so
      that noise does not flip choices between equals (weights under ``MIN_TIMED_WEIGHT``
      elements are not timed: ``torch`` everywhere);
-  4. memory: a layer holds one copy of its weight, plain or packed (for oneDNN or for amx),
+  4. memory: a layer holds one copy of its weight, plain or packed (for oneDNN, amx or MKL),
      whichever format's paths are faster over the buckets (``choose_paths``). A packed weight
      replaces the plain one: the layer's ``weight`` becomes a meta tensor of the same shape
      (``parameters()`` still counts it; reading it fails). A weight another module shares (a
@@ -87,10 +91,13 @@ from openinfer.units import parse_bytes
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "OPENINFER_CPU_GEMM"
-PLAIN, PACKED, AMX = "plain", "packed", "amx"
-FORMATS = (PLAIN, PACKED, AMX)
+PLAIN, PACKED, AMX, MKL = "plain", "packed", "amx", "mkl"
+FORMATS = (PLAIN, PACKED, AMX, MKL)
 PACK_ROWS = 128
 """The row count oneDNN picks the packed layout for (vLLM packs for 128 too)."""
+MKL_PACK_ROWS = 512
+"""The row count MKL picks its packed layout for: packed for 512, a 6144x1024 weight ran 1..512
+rows at the speed of packed-for-that-count (packed for 16, 512 rows ran 1.4x slower)."""
 MARGIN = 1.05
 """A path other than ``torch`` is chosen only if at least this much faster."""
 EXTRA_COPY_MARGIN = 1.1
@@ -178,6 +185,34 @@ def _amx(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tens
     return out
 
 
+def _mkl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    _mkl_kernels().mkl_gemm(out, x.contiguous(), w, b)
+    return out
+
+
+def _mkl_kernels():
+    kernels = load_cpu_attention()
+    if kernels is None or not kernels.mkl_gemm_available():
+        raise RuntimeError("no MKL packed GEMM here (torch built without MKL, or no kernel build)")
+    return kernels
+
+
+def mkl_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """float32 ``weight`` [N, K] packed by MKL (cblas_sgemm_pack), in a uint8 tensor of N rows
+    (so that its ``shape[0]`` is still the output size). MKL asks for more bytes than it writes
+    (a 1024x1024 weight: 13.3 MiB asked, 5.3 written); the tail is never touched, so it takes
+    no memory. Raises RuntimeError without MKL or for other dtypes."""
+    if weight.dtype != torch.float32:
+        raise RuntimeError("the MKL packed GEMM is float32 only")
+    kernels = _mkl_kernels()
+    n, k = weight.shape
+    size = kernels.mkl_packed_bytes(n, k, MKL_PACK_ROWS)
+    packed = torch.empty(n, -(-size // n), dtype=torch.uint8)
+    kernels.mkl_pack_weight(packed, weight.contiguous(), MKL_PACK_ROWS)
+    return packed
+
+
 def _amx_kernels():
     kernels = load_cpu_attention()
     if kernels is None or not kernels.amx_gemm_available():
@@ -195,7 +230,8 @@ def amx_pack_weight(weight: torch.Tensor) -> torch.Tensor:
 class GemmPath:
     name: str
     weight_format: str
-    """PLAIN (the loaded [N, K] tensor), PACKED (see ``pack_weight``) or AMX (``amx_pack_weight``)."""
+    """PLAIN (the loaded [N, K] tensor), PACKED (see ``pack_weight``), AMX (``amx_pack_weight``)
+    or MKL (``mkl_pack_weight``)."""
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     """(x [M, K], weight in ``weight_format``, bias or None) -> [M, N]."""
     rows: tuple[int, int | None] = (1, None)
@@ -214,6 +250,7 @@ PATHS: dict[str, GemmPath] = {p.name: p for p in (
     GemmPath("onednn_packed", PACKED, _onednn),
     GemmPath("small_gemm", PLAIN, _small_gemm, rows=(1, 16)),
     GemmPath("amx", AMX, _amx),
+    GemmPath("mkl_packed", MKL, _mkl),
 )}
 
 
@@ -351,7 +388,7 @@ def why_no_plans(layers: Sequence[GemmLayer], mode: str) -> str | None:
 def weight_formats(weight: torch.Tensor) -> Callable[[str], torch.Tensor]:
     """``weight`` in a format (one of FORMATS); each packed copy is made when first asked."""
     packed: dict[str, torch.Tensor] = {}
-    packers = {PACKED: pack_weight, AMX: amx_pack_weight}
+    packers = {PACKED: pack_weight, AMX: amx_pack_weight, MKL: mkl_pack_weight}
 
     def weight_in(fmt: str) -> torch.Tensor:
         if fmt == PLAIN:
@@ -546,7 +583,7 @@ def choose_paths(times: Sequence[Mapping[str, float]], kept: frozenset[str] = fr
     must include ``torch``).
 
     The layer's first copy of its weight: plain if ``kept`` says so (another module shares
-    it), else the format, plain or packed (PACKED or AMX), whose paths' times summed over
+    it), else the format, plain or packed (PACKED, AMX or MKL), whose paths' times summed over
     buckets, each relative to the bucket's best (MARGIN counted against paths other than
     torch), score lowest; plain wins unless the best packed format scores MARGIN lower.
     With ``may_copy``, a second copy in another format, the one gaining most, if it makes some

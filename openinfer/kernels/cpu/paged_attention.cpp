@@ -794,6 +794,7 @@ void register_activation(pybind11::module& m);  // activation.cpp
 void register_rotary(pybind11::module& m);      // rotary.cpp
 void register_write_kv(pybind11::module& m);    // write_kv.cpp
 void register_amx_gemm(pybind11::module& m);    // amx_gemm.cpp
+void register_mkl_gemm(pybind11::module& m);    // mkl_gemm.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_rms_norm(m);
@@ -803,6 +804,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_rotary(m);
   register_write_kv(m);
   register_amx_gemm(m);
+  register_mkl_gemm(m);
   m.def("paged_attention", &paged_attention, "Paged varlen attention (see openinfer/kernels/cpu_attention.py)",
         py::arg("out"), py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("max_query_len"),
