@@ -5,9 +5,7 @@ intermediate 3072, 16/8 heads of 64, vocab 32000; /work/shared/peers/make_model.
 M = 1, 32 and 512 rows, in float32 and (where the CPU has AVX512_BF16 or AMX) bfloat16.
 Every round runs every path once per cell, in rotating order (interleaved, so that other
 processes' load hits all paths alike); a cell reports the median over rounds of the
-per-round speedup over F.linear, with its range. Also listed, never used by the engine:
-``mkl_packed`` (MKL's packed sgemm, fp32, packed for exactly that M; any other M falls back to
-F.linear on the original weight, so the engine would have to keep both copies).
+per-round speedup over F.linear, with its range.
 
     .venv/bin/python benchmarks/bench_gemm_paths.py [--rounds 7] [--cold] [--plan-model smollm2]
 
@@ -57,14 +55,6 @@ def candidates(ws: list[torch.Tensor], rows: int) -> dict[str, Callable[[torch.T
             continue
         rotation = itertools.cycle(weights)
         fns[name] = lambda x, run=path.run, it=rotation: run(x, next(it), None)
-    if ws[0].dtype == torch.float32 and torch.backends.mkl.is_available():
-        mkl = itertools.cycle([(torch.ops.mkl._mkl_reorder_linear_weight(w, rows), w) for w in ws])
-
-        def mkl_packed(x: torch.Tensor) -> torch.Tensor:
-            packed, w = next(mkl)
-            return torch.ops.mkl._mkl_linear(x, packed, w, None, rows)
-
-        fns["mkl_packed"] = mkl_packed
     return fns
 
 
@@ -102,7 +92,7 @@ def measure(n: int, k: int, rows: int, dtype: torch.dtype, rounds: int,
 
 
 def table(dtype: torch.dtype, rounds: int, cold: bool = False) -> list[str]:
-    paths = [p for p in PATHS if p != "torch"] + ["mkl_packed"]
+    paths = [p for p in PATHS if p != "torch"]
     lines = ["| shape (N x K) | M | " + " | ".join(paths) + " |", "|---" * (len(paths) + 2) + "|"]
     print("\n".join(lines), flush=True)
     for name, (n, k) in SHAPES.items():
@@ -160,8 +150,7 @@ def main() -> None:
         + ("cold: each call reads its weight from memory (calls rotate over copies of it that "
            "outgrow the last-level cache). " if args.cold else
            "hot: the same weight every call (it stays in cache where it fits). ") +
-        "Paths: openinfer/layers/gemm.py; mkl_packed: MKL packed sgemm for exactly that M "
-        "(not used by the engine).",
+        "Paths: openinfer/layers/gemm.py.",
         "",
     ]
     print("\n".join(header), flush=True)
