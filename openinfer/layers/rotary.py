@@ -13,6 +13,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from openinfer.layers.norm import RMSNorm
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -126,21 +128,37 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin() * attention_factor, persistent=False)
 
     def forward(
-        self, positions: torch.LongTensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.LongTensor, q: torch.Tensor, k: torch.Tensor,
+        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q ``[T, num_heads, head_dim]`` and k ``[T, num_kv_heads, head_dim]``.
+        """Rotate q ``[T, num_heads, head_dim]`` and k ``[T, num_kv_heads, head_dim]``, after
+        normalising each head row with ``q_norm`` / ``k_norm`` where given (Qwen3's q/k norm;
+        the C++ kernel then does both in one pass, bitwise as the two steps).
 
         ``positions [T]`` gives each token's position. Returns new tensors with the shapes and
         dtypes of q and k.
         """
+        if q_norm is not None and not (self.cpu_kernels is not None
+                                       and self._in_kernel(positions, q, k)
+                                       and self._fuses(q_norm, k_norm, q, k)):
+            q, k, q_norm = q_norm(q), k if k_norm is None else k_norm(k), None  # norms, then RoPE
         if self.cpu_kernels is not None and self._in_kernel(positions, q, k):
             q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+            norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
             self.cpu_kernels.rotary_neox(q_out, k_out, q, k, positions, self.cos_cache,
-                                         self.sin_cache)
+                                         self.sin_cache, *norms)
             return q_out, k_out
         cos = self.cos_cache[positions].unsqueeze(-2)  # [T, 1, rotary_dim / 2]: same for every head
         sin = self.sin_cache[positions].unsqueeze(-2)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    @staticmethod
+    def _fuses(q_norm: RMSNorm, k_norm: RMSNorm | None, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether the kernel can apply these q/k norms itself: both given, one eps, weights
+        of the rows' dtype over the whole head."""
+        return (k_norm is not None and q_norm.eps == k_norm.eps
+                and q_norm._in_kernel(q) and k_norm._in_kernel(k)
+                and q_norm.weight.numel() == q.shape[-1] == k_norm.weight.numel())
 
     def _in_kernel(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether the C++ kernel computes this call: NeoX pairs over the whole head, float32

@@ -148,6 +148,60 @@ def test_rotary_is_bitwise_torchs(kernels, dtype, tokens):
             assert got.is_contiguous() and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_qk_norm_and_rotary_in_one_pass_give_the_bits_of_the_two_steps(kernels, dtype, tokens):
+    """Qwen3's q/k norms passed to the rotary: the kernel normalises and rotates each head row
+    in one pass, bitwise what the C++ norms and then the rotation give, and what torch's
+    path gives for the rotation of torch-normalised rows (bf16 norms: within a rare step)."""
+    torch.manual_seed(8)
+    qkv = (torch.randn(tokens, 16 * 64 + 2 * 4 * 64) * 5).to(dtype)
+    q, k = qkv[:, :1024].view(tokens, 16, 64), qkv[:, 1024:1280].view(tokens, 4, 64)
+    positions = torch.randint(0, 4096, (tokens,))
+    q_plain, q_norm = _norms(kernels, 64, dtype)
+    k_plain, k_norm = _norms(kernels, 64, dtype)
+    plain, fast = _rope(), _rope()
+    use_cpu_kernels(fast, kernels)
+    calls = []
+    real = kernels.rms_norm
+    q_norm.cpu_kernels = k_norm.cpu_kernels = _Recording(kernels, calls)
+    fused = fast(positions, q, k, q_norm, k_norm)
+    assert calls == []  # the norms ran inside the rotary kernel
+    two_steps = fast(positions, _kernel_norm(real, q, q_norm), _kernel_norm(real, k, k_norm))
+    for got, want in zip(fused, two_steps):
+        assert torch.equal(got, want)
+    for got, want in zip(fused, plain(positions, q_plain(q), k_plain(k))):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert (got != want).float().mean() < 0.01
+    # Norms the kernel cannot take (a float32 weight on bf16 rows, different eps) run first.
+    k_norm.eps = 1e-3
+    for got, want in zip(fast(positions, q, k, q_norm, k_norm),
+                         fast(positions, q_norm(q), k_norm(k))):
+        assert torch.equal(got, want)
+
+
+class _Recording:
+    """The extension, recording calls of its standalone norm."""
+
+    def __init__(self, kernels, calls: list) -> None:
+        self._kernels, self._calls = kernels, calls
+
+    def rms_norm(self, *args) -> None:
+        self._calls.append(args[1].shape)
+        self._kernels.rms_norm(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._kernels, name)
+
+
+def _kernel_norm(rms_norm, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype)
+    rms_norm(out, x, norm.weight, norm.eps)
+    return out
+
+
 def test_rotary_variants_the_kernel_does_not_cover_stay_on_torch(kernels):
     torch.manual_seed(7)
     q, k = torch.randn(3, 2, 64), torch.randn(3, 1, 64)
