@@ -327,14 +327,26 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
         const float m_new = std::max(m_old, hmax(mx) * exp_scale);  // scaled scores (scale > 0)
         if (m_new == NEG_INF) {  // no key of the chunk (or before it) in this row's window
           std::fill(srow, srow + width, 0.f);
+#ifdef OI_DPBF16
+          if (dpbf16) std::fill(pb + size_t(row) * SW, pb + size_t(row) * SW + width, c10::BFloat16(0.f));
+#endif
           continue;
         }
-        const vf mv = splat(m_new), ev = splat(exp_scale);
-        vf sum = splat(0.f);
-        for (int k = 0; k < width; k += W) {
-          vf p = vexp(loadu(srow + k) * ev - mv);
-          storeu(srow + k, p);
-          sum += p;
+        float row_sum;
+#ifdef OI_DPBF16
+        if (dpbf16) {
+          row_sum = probabilities_bf16(srow, width, exp_scale, m_new, pb + size_t(row) * SW);
+        } else
+#endif
+        {
+          const vf mv = splat(m_new), ev = splat(exp_scale);
+          vf sum = splat(0.f);
+          for (int k = 0; k < width; k += W) {
+            vf p = vexp(loadu(srow + k) * ev - mv);
+            storeu(srow + k, p);
+            sum += p;
+          }
+          row_sum = hsum(sum);
         }
         if (m_old != m_new) {
           const float alpha = std::exp(m_old - m_new);  // 0 on the first chunk seen
@@ -342,7 +354,7 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
           for (int d = 0; d < D; d += W) storeu(orr + d, loadu(orr + d) * alpha);
           l[row] *= alpha;
         }
-        l[row] += hsum(sum);
+        l[row] += row_sum;
         m[row] = m_new;
       }
     }
@@ -355,7 +367,6 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
       const int widthp = amx ? (width + 31) / 32 * 32 : width;
       for (int hi = 0; hi < NH; ++hi) {
         const size_t row0 = size_t(hi * MH + r0);
-        round_probabilities(rows_h, s + row0 * SW, SW, width, pb + row0 * SW);
         for (int r = 0; r < rows_h && widthp > width; ++r)
           std::fill(pb + (row0 + r) * SW + width, pb + (row0 + r) * SW + widthp, c10::BFloat16(0.f));
       }
