@@ -55,7 +55,7 @@ cached for the process, so a model's 30 identical layers are timed once:
      replaces the plain one: the layer's ``weight`` becomes a meta tensor of the same shape
      (``parameters()`` still counts it; reading it fails). A weight another module shares (a
      tied embedding) stays plain. A layer gets a second copy, in another format, only if that
-     makes some bucket ``EXTRA_COPY_MARGIN`` faster, and only while the process's budget for
+     makes some bucket ``EXTRA_COPY_MARGIN`` (1.05x) faster, and only while the process's budget for
      such copies lasts (``OPENINFER_CPU_GEMM_EXTRA_MEMORY``: a byte size such as ``2GiB``, 0 for
      none; by default a quarter of the memory available at load). The case it is for: on
      Intel cores with AMX, the amx path reads its weight 1.4-2.5x faster than oneDNN for the
@@ -100,9 +100,11 @@ MKL_PACK_ROWS = 512
 rows at the speed of packed-for-that-count (packed for 16, 512 rows ran 1.4x slower)."""
 MARGIN = 1.05
 """A path other than ``torch`` is chosen only if at least this much faster."""
-EXTRA_COPY_MARGIN = 1.1
+EXTRA_COPY_MARGIN = 1.05
 """A second copy of a weight, in another format, must make some bucket at least this much
-faster."""
+faster (the memory budget bounds what copies take). At 1.1, the bf16 512-row bucket's oneDNN
+copy (1.1-1.3x the amx path there, by shape) was refused for one to three of the peers
+model's four shapes in some plans and not in others, and TTFT moved by 9% between runs."""
 EXTRA_MEMORY_ENV = "OPENINFER_CPU_GEMM_EXTRA_MEMORY"
 EXTRA_MEMORY_SHARE = 0.25
 """Without ``OPENINFER_CPU_GEMM_EXTRA_MEMORY``, second copies may take this share of the memory
