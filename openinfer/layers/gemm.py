@@ -193,11 +193,17 @@ def _mkl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tens
     return out
 
 
-def _mkl_kernels():
+def _kernels_with(available: str, missing: str):
+    """The CPU extension, if its ``available()`` check passes; else RuntimeError(missing)."""
     kernels = load_cpu_attention()
-    if kernels is None or not kernels.mkl_gemm_available():
-        raise RuntimeError("no MKL packed GEMM here (torch built without MKL, or no kernel build)")
+    if kernels is None or not getattr(kernels, available)():
+        raise RuntimeError(missing)
     return kernels
+
+
+def _mkl_kernels():
+    return _kernels_with("mkl_gemm_available",
+                         "no MKL packed GEMM here (torch built without MKL, or no kernel build)")
 
 
 def mkl_pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -216,10 +222,8 @@ def mkl_pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _amx_kernels():
-    kernels = load_cpu_attention()
-    if kernels is None or not kernels.amx_gemm_available():
-        raise RuntimeError("no AMX GEMM here (a CPU or build without AMX-BF16, or tile state refused)")
-    return kernels
+    return _kernels_with("amx_gemm_available",
+                         "no AMX GEMM here (a CPU or build without AMX-BF16, or tile state refused)")
 
 
 def amx_pack_weight(weight: torch.Tensor) -> torch.Tensor:
