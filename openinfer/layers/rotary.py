@@ -155,10 +155,10 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def _fuses(q_norm: RMSNorm, k_norm: RMSNorm | None, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether the kernel can apply these q/k norms itself: both given, one eps, weights
-        of the rows' dtype over the whole head."""
+        of the rows' dtype over the whole head (of at most 512 values: the kernel's buffer)."""
         return (k_norm is not None and q_norm.eps == k_norm.eps
                 and q_norm._in_kernel(q) and k_norm._in_kernel(k)
-                and q_norm.weight.numel() == q.shape[-1] == k_norm.weight.numel())
+                and q_norm.weight.numel() == q.shape[-1] == k_norm.weight.numel() <= 512)
 
     def _in_kernel(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether the C++ kernel computes this call: NeoX pairs over the whole head, float32
