@@ -3,6 +3,7 @@ timings are measured once per shape, the choice rules, the switch, and dtype 'au
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -104,6 +105,25 @@ def test_auto_plan_equals_f_linear_in_every_bucket(dtype, monkeypatch):
     for rows in ROWS:
         x = torch.randn(rows, 96, dtype=dtype)
         _check(layer(x), x, w, b)
+
+
+def test_prefill_rows_are_padded_for_paths_that_build_per_row_count(monkeypatch):
+    """oneDNN builds a primitive per row count: calls of over PAD_FROM_ROWS rows run on a
+    multiple of PAD_ROWS (zero rows appended, their outputs dropped), other paths as given."""
+    seen: list[int] = []
+    for name in ("onednn_packed", "torch_t"):
+        path = PATHS[name]
+        monkeypatch.setitem(PATHS, name, dataclasses.replace(
+            path, run=lambda x, w, b, run=path.run: (seen.append(x.shape[0]), run(x, w, b))[1]))
+    for name, rows, expected in (("onednn_packed", 600, 608), ("onednn_packed", 608, 608),
+                                 ("onednn_packed", 100, 100), ("torch_t", 200, 200)):
+        layer, w, b = _linear(64, 96, True, torch.float32)
+        _plan_or_skip(layer, name)
+        seen.clear()
+        x = torch.randn(rows, 64)
+        out = layer(x)
+        assert seen == [expected] and out.shape == (rows, 96) and out.is_contiguous()
+        _check(out, x, w, b)
 
 
 @pytest.mark.parametrize("path", ["auto", *PATHS])
