@@ -260,7 +260,8 @@ class GemmPath:
 
 
 _ONEDNN_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
-"""What oneDNN runs (F.linear too, for bf16 and fp16: MKL's sgemm takes float32 there)."""
+"""What oneDNN runs. F.linear goes to oneDNN for bf16 and fp16; its float32 calls go to MKL's
+sgemm, which builds nothing per row count."""
 
 PATHS: dict[str, GemmPath] = {p.name: p for p in (
     GemmPath("torch", PLAIN, _torch, builds_per_rows=frozenset({torch.bfloat16, torch.float16})),
@@ -326,8 +327,9 @@ class GemmPlan:
         for max_rows, run, weight, pads in self._table:
             if rows <= max_rows:
                 if pads and rows > PAD_FROM_ROWS and rows % PAD_ROWS:
-                    padded = flat.new_zeros(rows + PAD_ROWS - rows % PAD_ROWS, flat.shape[1])
+                    padded = flat.new_empty(rows + PAD_ROWS - rows % PAD_ROWS, flat.shape[1])
                     padded[:rows] = flat
+                    padded[rows:].zero_()
                     out = run(padded, weight, self.bias)[:rows]  # leading rows: contiguous
                 else:
                     out = run(flat, weight, self.bias)
