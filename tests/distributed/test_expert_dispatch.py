@@ -55,6 +55,10 @@ def _rank(rank: int, port: int, min_tokens: int, results) -> None:
         x, weights, ids = _tokens(i, rank, counts[rank])
         outs.append(layer(x, weights, ids).tolist())  # (tensors would go as shared memory)
     results.put((rank, outs))
+    # Both ranks past their last collective before either tears gloo down: a rank leaving
+    # while its peer's gloo thread still held the pair aborted the peer once (exit code -6,
+    # "terminate called without an active exception") after the results were in.
+    dist.barrier()
     dist.destroy_process_group()
 
 
