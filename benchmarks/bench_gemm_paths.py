@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from openinfer.cpu_features import cpu_capability, cpu_flags, cpu_model_name, has_native_bf16
-from openinfer.layers.gemm import PATHS, cold_copies, weight_formats
+from openinfer.layers.gemm import cold_copies
+from openinfer.layers.gemm_paths import PATHS, weight_formats
 
 SHAPES = {"qkv": (2048, 1024), "o": (1024, 1024), "gate_up": (6144, 1024), "down": (1024, 3072),
           "lm_head": (32000, 1024)}  # name: (N, K)
@@ -150,7 +151,7 @@ def main() -> None:
         + ("cold: each call reads its weight from memory (calls rotate over copies of it that "
            "outgrow the last-level cache). " if args.cold else
            "hot: the same weight every call (it stays in cache where it fits). ") +
-        "Paths: openinfer/layers/gemm.py.",
+        "Paths: openinfer/layers/gemm_paths.py.",
         "",
     ]
     print("\n".join(header), flush=True)

@@ -52,16 +52,8 @@ from torch import nn
 
 from openinfer.cpu_features import cpu_capability
 from openinfer.kernels.paged_attention import INVARIANT_GRAIN
-from openinfer.layers.gemm import (
-    BUCKETS,
-    PACKED,
-    PATHS,
-    GemmPath,
-    GemmPlan,
-    Route,
-    _mismatch,
-    weight_formats,
-)
+from openinfer.layers.gemm import BUCKETS, GemmPlan, Route, _mismatch
+from openinfer.layers.gemm_paths import PACKED, PATHS, GemmPath, weight_formats
 from openinfer.layers.linear import GemmLayer
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from openinfer.layers.batch_invariant import (
     invariant_silu_and_mul,
     plan_invariant_gemm,
 )
-from openinfer.layers.gemm import PLAIN, GemmPath
+from openinfer.layers.gemm_paths import PLAIN, GemmPath
 from openinfer.layers.linear import Linear
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=5,

@@ -17,16 +17,16 @@ from openinfer.config import _resolve_dtype
 from openinfer.cpu_features import auto_cpu_dtype, cpu_capability, has_native_bf16
 from openinfer.huge_pages import huge_pages_in_use
 from openinfer.kernels.cpu_attention import bf16_dot, bf16_dot_paths, load_cpu_attention
-from openinfer.layers import gemm
+from openinfer.layers import gemm, gemm_paths
 from openinfer.layers.embedding import LMHead, VocabEmbedding
 from openinfer.layers.gemm import (
     BUCKETS,
     EXTRA_COPY_MARGIN,
-    PATHS,
     choose_paths,
     describe_gemms,
     plan_gemms,
 )
+from openinfer.layers.gemm_paths import PATHS
 from openinfer.layers.linear import Linear, MergedLinear
 
 ROWS = (1, 7, 33, 600)  # one row per bucket
@@ -184,7 +184,7 @@ def test_a_model_larger_than_the_cache_is_timed_cold(monkeypatch):
             read.append((x.shape[0], path.name, w.data_ptr()))
             return path.run(x, w, b)
 
-        monkeypatch.setitem(PATHS, name, gemm.GemmPath(name, path.weight_format, run, path.rows))
+        monkeypatch.setitem(PATHS, name, gemm_paths.GemmPath(name, path.weight_format, run, path.rows))
     monkeypatch.setattr(gemm, "PATHS", {n: PATHS[n] for n in ("torch", "onednn")})
     layer = _filled(Linear(64, 64))[0]  # 16 KiB: 4 x 4 KiB "cache" is one copy
     plan_gemms(nn.Sequential(layer), "auto")
@@ -295,7 +295,7 @@ def test_a_path_that_fails_is_left_out_or_refused(monkeypatch):
     def no_kernel(weight):
         raise RuntimeError("no oneDNN kernel for this dtype here")
 
-    monkeypatch.setattr(gemm, "pack_weight", no_kernel)
+    monkeypatch.setattr(gemm_paths, "pack_weight", no_kernel)
     layer, w, _ = _linear(32, 16, False, torch.float32)
     plan_gemms(layer, "auto")
     assert "onednn_packed" not in layer.plan.paths
@@ -304,7 +304,7 @@ def test_a_path_that_fails_is_left_out_or_refused(monkeypatch):
 
 
 def test_a_path_that_disagrees_with_f_linear_is_left_out(monkeypatch):
-    wrong = gemm.GemmPath("torch_t", gemm.PLAIN, lambda x, w, b: F.linear(x, w, b) * 1.01,
+    wrong = gemm_paths.GemmPath("torch_t", gemm_paths.PLAIN, lambda x, w, b: F.linear(x, w, b) * 1.01,
                           rows=(2, 256))
     monkeypatch.setitem(gemm.PATHS, "torch_t", wrong)
     layer, _, _ = _linear(32, 16, False, torch.float32)
@@ -426,7 +426,7 @@ def test_one_copy_per_layer_plain_or_packed():
 
 
 def test_a_shared_weight_gets_a_packed_copy_only_when_it_pays():
-    kept = frozenset({gemm.PLAIN})  # a tied embedding holds the plain weight anyway
+    kept = frozenset({gemm_paths.PLAIN})  # a tied embedding holds the plain weight anyway
     times = _times({"torch": 1.0, "onednn_packed": 0.9}, {"torch": 1.0, "onednn_packed": 0.8})
     assert choose_paths(times) == ["onednn_packed"] * 2  # not shared: packed replaces plain
     assert choose_paths(times, kept=kept) == ["torch", "torch"]  # no budget for a copy
