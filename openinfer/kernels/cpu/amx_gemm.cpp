@@ -96,6 +96,12 @@ inline void block_column(const c10::BFloat16* x, int64_t K, const c10::BFloat16*
 // block columns from 32 to 2048 rows before the prefetch below, which adds 1.15-1.3x; then
 // 1.2-1.6x oneDNN's packed linear at 64-128 rows, and 0.7-1.2x at 512-2048 depending on the
 // run (benchmarks/bench_gemm_paths.py: still behind oneDNN's at 512 rows on a quiet host).
+// Row blocks (of 32) from which a pass prefetches the next output pair's weights: at 512 rows
+// 1.0-1.17x hot and 1.03-1.09x with weights read from memory (6144x1024 and 1024x3072, 2
+// Intel cores); with one row block (a decode step's 32 rows) it doubled the stream in flight
+// and ran 0.74x. Measured at 512 only: calls from 256 rows take it.
+constexpr int64_t PANEL_BLOCKS = 8;
+
 oi_amx::TileConfig config_2x2() {
   oi_amx::TileConfig c;
   for (int t = 0; t < 8; ++t) c.set(t, 16, 64);
@@ -103,7 +109,8 @@ oi_amx::TileConfig config_2x2() {
 }
 
 inline void block_2x2(const c10::BFloat16* xp, int64_t K, const c10::BFloat16* wcol, int64_t column,
-                      int64_t m0, c10::BFloat16* out, int64_t N, int64_t n0, const float* bias) {
+                      int64_t m0, c10::BFloat16* out, int64_t N, int64_t n0, const float* bias,
+                      const char* ahead = nullptr, int64_t ahead_step = 0) {
   const int64_t kblocks = K / KB;
   // xp: x packed as [M/16][K/32] blocks of 16 rows x 32 inputs (1 KiB, contiguous)
   const c10::BFloat16* xa = xp + (m0 / 16) * kblocks * BLOCK;
@@ -123,6 +130,8 @@ inline void block_2x2(const c10::BFloat16* xp, int64_t K, const c10::BFloat16* w
       for (int o = 0; o < BLOCK * 2; o += 64)
         for (const char* p : next) _mm_prefetch(p + o, _MM_HINT_T0);
     }
+    if (ahead != nullptr)  // (a prefetch past the weight's end is harmless: it never faults)
+      for (int64_t o = 0; o < ahead_step; o += 64) _mm_prefetch(ahead + kb * ahead_step + o, _MM_HINT_T0);
     _tile_loadd(4, xa + kb * BLOCK, 64);
     _tile_loadd(6, w0, NB * 4);
     _tile_dpbf16ps(0, 4, 6);
@@ -214,9 +223,17 @@ void amx_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
     at::parallel_for(0, N / (2 * NB), std::max<int64_t>(1, grain / 2), [&](int64_t p0, int64_t p1) {
       config_2x2().load();
       for (int64_t mb = 0; mb < M2; mb += SUPER)
-        for (int64_t p = p0; p < p1; ++p)
-          for (int64_t m0 = mb; m0 < std::min(M2, mb + SUPER); m0 += 32)
-            block_2x2(xp, K, pw + 2 * p * column, column, m0, po, N, 2 * p * NB, pb);
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t m1 = std::min(M2, mb + SUPER), blocks = (m1 - mb) / 32;
+          // While the passes of PANEL_BLOCKS or more row blocks run over this pair's weights,
+          // the next pair's come in, a slice of them per k-step.
+          const char* next = p + 1 < p1 && blocks >= PANEL_BLOCKS
+                                 ? reinterpret_cast<const char*>(pw + 2 * (p + 1) * column) : nullptr;
+          const int64_t step = (2 * column * 2 / (blocks * kblocks) + 63) / 64 * 64;
+          for (int64_t m0 = mb, i = 0; m0 < m1; m0 += 32, ++i)
+            block_2x2(xp, K, pw + 2 * p * column, column, m0, po, N, 2 * p * NB, pb,
+                      next ? next + i * kblocks * step : nullptr, step);
+        }
     });
   }
   if (M2 == M) return;
