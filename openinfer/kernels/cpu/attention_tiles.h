@@ -34,8 +34,8 @@ constexpr int TILE_ROWS = 64;
 // The same for items whose products run on AMX tiles (a bf16 cache on the amx_bf16 path): their
 // per-block work (K transposed into pairs, V packed in pairs) is shared by twice the rows. 512-
 // token prefill 1.04x, 31 x 64 tokens over a 1024-token cached prefix 1.12x, 16 x 256 tokens
-// 1.09x (2 Intel cores); the FMA paths ran the same or up to 1.08x slower with 128, 256 rows
-// were slower for both.
+// 1.09x (2 Intel cores). The FMA paths gained only on the shared prefix (float32 1.06-1.08x)
+// and lost 1.0-1.08x on the other two; 256 rows were slower for both.
 constexpr int AMX_TILE_ROWS = 128;
 // Items with at most this many rows (decode: the group's heads) score straight from K rows;
 // larger ones transpose each K block once and share it.
