@@ -65,13 +65,20 @@ _schema = st.recursive(_leaf, lambda inner: st.one_of(
 ), max_leaves=6)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=_schema, seed=st.integers(0, 1000))
 def test_hypothesis_schemas_outputs_validate(llm, schema, seed):
     params = _json(schema, temperature=1.0, seed=seed, n=2)
-    for text, finish in _texts(llm.generate([PROMPTS[seed % 3]], params)):
-        assert finish == "stop", (schema, text)  # bounded schemas end well within max_tokens
-        jsonschema.validate(json.loads(text), schema)
+    for completion in (c for o in llm.generate([PROMPTS[seed % 3]], params) for c in o.outputs):
+        if completion.finish_reason == "length":
+            # A nested schema can outgrow max_tokens (a CI run drew an array of two objects of
+            # objects): what was written must still be a prefix the grammar accepts.
+            so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+            assert _valid_prefix(llm, so, list(completion.token_ids)), (schema, completion.text)
+            continue
+        assert completion.finish_reason == "stop", (schema, completion.text)
+        jsonschema.validate(json.loads(completion.text), schema)
 
 
 def test_without_the_constraint_the_model_writes_no_json(llm):
