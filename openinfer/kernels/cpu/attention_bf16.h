@@ -94,22 +94,20 @@ inline void pack_value_pairs(const c10::BFloat16* v, int64_t stride, int n, int 
 }
 
 // 2^t for the softmax of the bf16 products, whose probabilities are rounded to bf16 (8 bits):
-// t = n + f (n an integer, |f| <= 1/2), a degree-5 polynomial for 2^f (relative error < 3e-6),
-// scaled by 2^n in one VSCALEFPS. Half the operations of vexp. Exactly 0 for t below -125
-// (a masked score's -inf among them), by a mask rather than by underflow: results in the
-// denormal range cost a microcode assist each (a masked diagonal chunk made the whole
-// kernel 1.2x slower).
+// t = n + f (n an integer, |f| <= 1/2), a degree-3 polynomial for 2^f (minimax for the relative
+// error, < 7.6e-5: 50 times below bf16's rounding; degree 5 cost 1.04x on a 512-token prefill),
+// scaled by 2^n in one VSCALEFPS. Exactly 0 for t below -125 (a masked score's -inf among them),
+// by a mask rather than by underflow: results in the denormal range cost a microcode assist
+// each (a masked diagonal chunk made the whole kernel 1.2x slower).
 inline __m512 exp2_for_bf16(__m512 t) {
   const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
   t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.3333558e-3f);  // ln2^5 / 120, then down to ln2^0 / 0!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(5.51710948e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.42609993e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93260968e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.99928117e-1f));
   return _mm512_maskz_scalef_ps(normal, p, n);
 }
 
@@ -231,6 +229,138 @@ inline void pv_amx16(const c10::BFloat16* p, int p_stride, const uint32_t* vp, i
       _tile_dpbf16ps(2, 0, 1);
     }
     _tile_stored(2, o + d0, D * 4);
+  }
+}
+
+// The two-pass items (run_item_amx in paged_attention.cpp) take a 16-row group's scores over all
+// its keys at once, then its whole P.V, so that O stays in tiles from the first key to the last.
+
+// S[16][0 .. nkeys) = Q . K^T for one group of 16 rows, unscaled: Q as [16][D/2] pairs (row
+// stride D/2 words), Kt as [D/2][ld] pairs (ld words per row of D pairs), S with a row stride of
+// ld floats. nkeys a multiple of 16, D of 32. Four key tiles at a time share each Q tile load;
+// the K tiles rotate through three registers so that a load never waits on the product before.
+inline void group_scores_amx(const uint32_t* q, int D, const uint32_t* kt, int ld, int nkeys, float* s) {
+  const int q_bytes = D * 2, kt_bytes = ld * 4;
+  int k0 = 0;
+  for (; k0 + 64 <= nkeys; k0 += 64) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int d = 0; d < D / 2; d += 16) {
+      const uint32_t* k = kt + size_t(d) * ld + k0;
+      _tile_loadd(0, q + d, q_bytes);
+      _tile_loadd(1, k, kt_bytes);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(2, k + 16, kt_bytes);
+      _tile_dpbf16ps(5, 0, 2);
+      _tile_loadd(3, k + 32, kt_bytes);
+      _tile_dpbf16ps(6, 0, 3);
+      _tile_loadd(1, k + 48, kt_bytes);
+      _tile_dpbf16ps(7, 0, 1);
+    }
+    _tile_stored(4, s + k0, ld * 4);
+    _tile_stored(5, s + k0 + 16, ld * 4);
+    _tile_stored(6, s + k0 + 32, ld * 4);
+    _tile_stored(7, s + k0 + 48, ld * 4);
+  }
+  for (; k0 < nkeys; k0 += 16) {
+    _tile_zero(4);
+    for (int d = 0; d < D / 2; d += 16) {
+      _tile_loadd(0, q + d, q_bytes);
+      _tile_loadd(1, kt + size_t(d) * ld + k0, kt_bytes);
+      _tile_dpbf16ps(4, 0, 1);
+    }
+    _tile_stored(4, s + k0, ld * 4);
+  }
+}
+
+// The same for two groups (32 rows, Q as [32][D/2] pairs, S [32][ld]), nkeys a multiple of 32:
+// each K tile serves both groups' Q tiles (the 2 x 2 pattern), half the K loads per product.
+inline void pair_scores_amx(const uint32_t* q, int D, const uint32_t* kt, int ld, int nkeys, float* s) {
+  const int q_bytes = D * 2, kt_bytes = ld * 4;
+  const uint32_t* q1 = q + size_t(16) * (D / 2);
+  float* s1 = s + size_t(16) * ld;
+  for (int k0 = 0; k0 < nkeys; k0 += 32) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int d = 0; d < D / 2; d += 16) {
+      const uint32_t* k = kt + size_t(d) * ld + k0;
+      _tile_loadd(0, q + d, q_bytes);
+      _tile_loadd(2, k, kt_bytes);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_loadd(3, k + 16, kt_bytes);
+      _tile_dpbf16ps(5, 0, 3);
+      _tile_loadd(1, q1 + d, q_bytes);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+    _tile_stored(4, s + k0, ld * 4);
+    _tile_stored(5, s + k0 + 16, ld * 4);
+    _tile_stored(6, s1 + k0, ld * 4);
+    _tile_stored(7, s1 + k0 + 16, ld * 4);
+  }
+}
+
+// O[32][D] = P . V for two groups (P as [32][ld] bf16), 32 columns of O at a time: each V tile
+// serves both groups' P tiles.
+inline void pair_pv_amx(const c10::BFloat16* p, int ld, const uint32_t* vp, int D, int nkeys, float* o) {
+  const c10::BFloat16* p1 = p + size_t(16) * ld;
+  float* o1 = o + size_t(16) * D;
+  for (int d0 = 0; d0 < D; d0 += 32) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int k = 0; k < nkeys; k += 32) {
+      const uint32_t* v = vp + size_t(k / 2) * D + d0;
+      _tile_loadd(0, p + k, ld * 2);
+      _tile_loadd(2, v, D * 4);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_loadd(3, v + 16, D * 4);
+      _tile_dpbf16ps(5, 0, 3);
+      _tile_loadd(1, p1 + k, ld * 2);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+    _tile_stored(4, o + d0, D * 4);
+    _tile_stored(5, o + d0 + 16, D * 4);
+    _tile_stored(6, o1 + d0, D * 4);
+    _tile_stored(7, o1 + d0 + 16, D * 4);
+  }
+}
+
+// O[16][D] = P . V for one group of 16 rows over nkeys keys (a multiple of 32): P as [16][ld] bf16,
+// V as [nkeys/2][D] pairs. 64 columns of O at a time stay in four tiles over every key.
+inline void group_pv_amx(const c10::BFloat16* p, int ld, const uint32_t* vp, int D, int nkeys, float* o) {
+  for (int d0 = 0; d0 < D; d0 += 64) {
+    const bool four = d0 + 64 <= D;  // else 32 columns (D a multiple of 32)
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int k = 0; k < nkeys; k += 32) {
+      const uint32_t* v = vp + size_t(k / 2) * D + d0;
+      _tile_loadd(0, p + k, ld * 2);
+      _tile_loadd(1, v, D * 4);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(2, v + 16, D * 4);
+      _tile_dpbf16ps(5, 0, 2);
+      if (four) {
+        _tile_loadd(3, v + 32, D * 4);
+        _tile_dpbf16ps(6, 0, 3);
+        _tile_loadd(1, v + 48, D * 4);
+        _tile_dpbf16ps(7, 0, 1);
+      }
+    }
+    _tile_stored(4, o + d0, D * 4);
+    _tile_stored(5, o + d0 + 16, D * 4);
+    if (four) {
+      _tile_stored(6, o + d0 + 32, D * 4);
+      _tile_stored(7, o + d0 + 48, D * 4);
+    }
   }
 }
 #endif
