@@ -19,6 +19,10 @@ Per-step metadata (masks, tables) is built outside the timed region for both.
 ``--bf16-paths``: for a bf16 cache, the kernel's product paths on this CPU side by side
 (``fp32``: K/V widened for fp32 FMAs, the baseline; ``avx512_bf16``: VDPBF16PS; ``amx_bf16``:
 AMX tiles), interleaved, each path's speedup over ``fp32``.
+
+``--two-pass``: for a bf16 cache, the two-pass items (``run_item_two_pass``) of the
+``avx512_bf16`` and ``amx_bf16`` paths against the online softmax they replace, on a twin build
+of the kernel without them (``-DOI_ONLINE_ONLY``), interleaved, prefill cases only.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from openinfer.kernels.cpu_attention import (  # noqa: E402
     bf16_dot_paths,
+    build_extension,
     load_cpu_attention,
     paged_attention,
 )
@@ -67,6 +72,7 @@ def cases() -> list[Case]:
         Case("W1 decode 32x320", [1] * 32, [320] * 32, 0),
         Case("W3 prefill 32x64 over 1024 cached", [64] * 32, [1024 + 64] * 32, 1024),
         Case("W1 prefill 8x256, no cache", [256] * 8, [256] * 8, 0),
+        Case("W2 prefill 1x512, no cache", [512], [512], 0),
         Case("decode 1x512", [1], [512], 0),
         Case("decode 1x2048", [1], [2048], 0),
     ]
@@ -182,6 +188,8 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
     parser.add_argument("--bf16-paths", action="store_true",
                         help="bf16 only: each product path of the kernel against its fp32 path")
+    parser.add_argument("--two-pass", action="store_true",
+                        help="bf16: two-pass items against the online path (a twin build)")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.min_seconds = 3, 0.05
@@ -194,6 +202,10 @@ def main() -> None:
           f"{torch.backends.cpu.get_cpu_capability()}; kernel build {module.isa()}; "
           f"{args.threads} threads; {args.repeats} interleaved rounds")
     print(stall_note(args.threads, "before"))
+    if args.two_pass:
+        compare_two_pass(args, module)
+        print(stall_note(args.threads, "after"))
+        return
     if args.bf16_paths:
         compare_bf16_paths(args)
         print(stall_note(args.threads, "after"))
@@ -247,6 +259,40 @@ def compare_bf16_paths(args: argparse.Namespace) -> None:
                 r = [f / t for f, t in zip(times["fp32"], times[path])]
                 ratios.append(f"{statistics.median(r):.2f}x [{min(r):.2f}, {max(r):.2f}]")
             print(f"| {case.name} | {head_dim} | {' | '.join(ms)} | {' | '.join(ratios)} |", flush=True)
+
+
+def compare_two_pass(args: argparse.Namespace, module) -> None:
+    paths = [p for p in bf16_dot_paths() if p != "fp32"]
+    if not paths:
+        sys.exit("this CPU/build has no bf16 dot-product path")
+    online = build_extension(("-DOI_ONLINE_ONLY",), "online")
+    print("| case | head_dim | path | two-pass ms | online ms | two-pass speedup median [min, max] |")
+    print("|---|---|---|---|---|---|")
+    for case in cases():
+        if args.only not in case.name or "prefill" not in case.name:
+            continue
+        for head_dim in (64, 128):
+            setup = Setup(case, head_dim, torch.bfloat16, args.layers)
+            ref = setup.reference().float()
+            for path in paths:
+                calls = {}
+                for name, build in (("two-pass", module), ("online", online)):
+                    calls[name] = functools.partial(
+                        build.paged_attention, setup.out, setup.q, setup.cache[0], setup.cache[1],
+                        setup.tables, setup.qsl, setup.seq_lens, setup.scale, max(case.query_lens),
+                        invariant=False, window=0, softcap=0.0, sinks=None, bf16_dot=path)
+                    calls[name]()
+                    err = (setup.out.float() - ref).abs().max().item()
+                    assert err < 3e-2, f"{case.name} {path} {name}: max err {err}"
+                times: dict[str, list[float]] = {name: [] for name in calls}
+                for _ in range(args.repeats):
+                    for name, call in calls.items():
+                        times[name].append(timed(call, args.min_seconds))
+                r = [o / t for t, o in zip(times["two-pass"], times["online"])]
+                print(f"| {case.name} | {head_dim} | {path} | "
+                      f"{statistics.median(times['two-pass']) * 1e3:.3f} | "
+                      f"{statistics.median(times['online']) * 1e3:.3f} | "
+                      f"{statistics.median(r):.2f}x [{min(r):.2f}, {max(r):.2f}] |", flush=True)
 
 
 if __name__ == "__main__":

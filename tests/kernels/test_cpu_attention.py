@@ -281,14 +281,15 @@ def test_every_bf16_product_path(ext, path, case):
 
 
 @pytest.mark.parametrize("splits", [0, 3], ids=["planned", "split3"])
-def test_amx_two_pass_items(ext, splits):
-    # The AMX path's two-pass items (run_item_amx): groups of 32 and 16 rows and a padded last
-    # group, forced KV splits whose first part holds keys that a tile's first rows cannot see
-    # (empty partials), a peaky softmax (scale 1), a prompt sharing its prefix blocks with
-    # others, and an item over more keys than the two-pass buffers take (the online path).
-    if "amx_bf16" not in ext.bf16_dot_paths():
-        pytest.skip("this CPU/build has no amx_bf16 path")
-    run = lambda *args: ext.paged_attention(*args, kv_splits=splits, bf16_dot="amx_bf16")
+@pytest.mark.parametrize("path", ["avx512_bf16", "amx_bf16"])
+def test_two_pass_items(ext, path, splits):
+    # The bf16 paths' two-pass items (run_item_two_pass): groups of 32 and 16 rows and a padded
+    # last AMX group, forced KV splits whose first part holds keys that a tile's first rows
+    # cannot see (empty partials), a peaky softmax (scale 1), a prompt sharing its prefix blocks
+    # with others, and an item over more keys than the two-pass buffers take (the online path).
+    if path not in ext.bf16_dot_paths():
+        pytest.skip(f"this CPU/build has no {path} path")
+    run = lambda *args: ext.paged_attention(*args, kv_splits=splits, bf16_dot=path)
     for kwargs in (dict(query_lens=[20, 50, 64, 9], seq_lens=[300, 180, 64, 9], scale=1.0),
                    dict(query_lens=[64, 64, 40], seq_lens=[1088, 1088, 1064], shared_blocks=64),
                    dict(query_lens=[24, 1], seq_lens=[4200, 4200], kv_heads=2, heads=4)):

@@ -49,32 +49,35 @@ inline void score_tile_bf16(const uint32_t* __restrict q, int DP, const uint32_t
     for (int v = 0; v < NK; ++v) _mm512_storeu_ps(s + r * s_stride + v * W, _mm512_mul_ps(acc[r][v], sc));
 }
 
+// Kt rows are bsp pairs apart; scores are taken for its first `keys` columns (a multiple of W).
 template <int R>
 inline void score_rows_bf16(const uint32_t* q, int DP, const uint32_t* kt, int bsp, float scale, float* s,
-                            int s_stride) {
+                            int s_stride, int keys) {
   int v = 0;
-  for (; v + QK_VECS <= bsp / W; v += QK_VECS)
+  for (; v + QK_VECS <= keys / W; v += QK_VECS)
     score_tile_bf16<R, QK_VECS>(q, DP, kt + v * W, bsp, scale, s + v * W, s_stride);
-  for (; v < bsp / W; ++v) score_tile_bf16<R, 1>(q, DP, kt + v * W, bsp, scale, s + v * W, s_stride);
+  for (; v < keys / W; ++v) score_tile_bf16<R, 1>(q, DP, kt + v * W, bsp, scale, s + v * W, s_stride);
 }
 
 template <int R>
 inline void score_tail_bf16(int rows, const uint32_t* q, int DP, const uint32_t* kt, int bsp, float scale,
-                            float* s, int s_stride) {
+                            float* s, int s_stride, int keys) {
   if constexpr (R > 0) {
     if (rows == R)
-      score_rows_bf16<R>(q, DP, kt, bsp, scale, s, s_stride);
+      score_rows_bf16<R>(q, DP, kt, bsp, scale, s, s_stride, keys);
     else
-      score_tail_bf16<R - 1>(rows, q, DP, kt, bsp, scale, s, s_stride);
+      score_tail_bf16<R - 1>(rows, q, DP, kt, bsp, scale, s, s_stride, keys);
   }
 }
 
+// keys < 0: all bsp columns.
 inline void scores_bf16(int rows, const uint32_t* q, int DP, const uint32_t* kt, int bsp, float scale, float* s,
-                        int s_stride) {
+                        int s_stride, int keys = -1) {
+  if (keys < 0) keys = bsp;
   int r = 0;
   for (; r + QK_ROWS <= rows; r += QK_ROWS)
-    score_rows_bf16<QK_ROWS>(q + r * DP, DP, kt, bsp, scale, s + r * s_stride, s_stride);
-  score_tail_bf16<QK_ROWS - 1>(rows - r, q + r * DP, DP, kt, bsp, scale, s + r * s_stride, s_stride);
+    score_rows_bf16<QK_ROWS>(q + r * DP, DP, kt, bsp, scale, s + r * s_stride, s_stride, keys);
+  score_tail_bf16<QK_ROWS - 1>(rows - r, q + r * DP, DP, kt, bsp, scale, s + r * s_stride, s_stride, keys);
 }
 
 // V rows 2j and 2j + 1 of a block (n valid) interleaved into vp[j][D] pairs; the partner of
@@ -232,7 +235,7 @@ inline void pv_amx16(const c10::BFloat16* p, int p_stride, const uint32_t* vp, i
   }
 }
 
-// The two-pass items (run_item_amx in paged_attention.cpp) take a 16-row group's scores over all
+// The two-pass items (run_item_two_pass in paged_attention.cpp) take a 16-row group's scores over all
 // its keys at once, then its whole P.V, so that O stays in tiles from the first key to the last.
 
 // S[16][0 .. nkeys) = Q . K^T for one group of 16 rows, unscaled: Q as [16][D/2] pairs (row

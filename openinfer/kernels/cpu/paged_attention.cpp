@@ -32,7 +32,10 @@
 //   (VDPBF16PS) instead: Q.K^T over pairs of D on the K block transposed as 32-bit pairs, and
 //   P.V over pairs of keys on V rows interleaved in pairs, P rounded to bf16 (OI_DPBF16 in
 //   attention_bf16.h; 1.5x on a 512-token prefill, 2x on a 32-token chunk over 1024 keys, 2
-//   Zen 5 cores), and on CPUs with AMX their full groups of 16 rows take AMX tiles.
+//   Zen 5 cores), and on CPUs with AMX they take AMX tiles. These items run in two passes per
+//   group of up to 32 rows rather than an online softmax per chunk (run_item_two_pass: all of a
+//   group's scores, then its whole P.V with O in tiles or registers), unless a window, soft cap,
+//   odd block size or a long key range rules that out.
 //
 // Files: this one holds the work plan, the per-item loop and the entry point; the fp32 tile
 // kernels are in attention_tiles.h and the bf16 product paths in attention_bf16.h.
@@ -161,13 +164,13 @@ inline float normaliser(float m, float l, const float* sinks, int64_t head) {
   return a / (l * a + std::exp(s - mm));
 }
 
-#ifdef OI_AMX_ATTENTION
-// Keys an item may span and still take the two-pass AMX path: its K (transposed) and V (paired)
+#ifdef OI_DPBF16
+// Keys an item may span and still take the two-pass bf16 path: its K (transposed) and V (paired)
 // are packed whole, 4 * D bytes per key, and a group's scores and probabilities take 6 * 16 bytes
 // per key; 4096 keys of D = 128 are 2.4 MiB.
 constexpr int TWO_PASS_KEYS = 4096;
 
-// Whether run_item_amx takes an item of a bf16 cache on AMX tiles: no window or soft cap (their
+// Whether run_item_two_pass takes an item of a bf16 cache: no window or soft cap (their
 // masks and score transform are the online path's), blocks of an even size (pairs of keys never
 // straddle two blocks), and at most TWO_PASS_KEYS keys.
 inline bool two_pass_fits(const Params& P, const Item& it) {
@@ -175,15 +178,16 @@ inline bool two_pass_fits(const Params& P, const Item& it) {
          int64_t(it.blk1 - it.blk0) * P.BS <= TWO_PASS_KEYS;
 }
 
-// An item on AMX tiles in two passes per group of 16 rows (a head's rows padded to 16), instead
-// of an online softmax per chunk of keys: the item's K blocks are transposed into pairs and its
-// V blocks interleaved into pairs once, for all its keys; then each group takes its scores over
-// every key it can see (up to its last row's position: the causal triangle at a granularity of 16
-// keys), one exact max and one exponent pass per row (P in bf16, as on the online path), and
-// P.V with O held in tiles over every key: no running max, no rescaling of O, no O round trip
-// through memory per chunk. Same results as the online path up to the order of the fp32 sums.
-void run_item_amx(const Params& P, const Item& it, const c10::BFloat16* q, const c10::BFloat16* kc,
-                  const c10::BFloat16* vc, c10::BFloat16* out) {
+// A many-row item of a bf16 cache in two passes per group of up to 32 rows, instead of an online
+// softmax per chunk of keys: the item's K blocks are transposed into pairs and its V blocks
+// interleaved into pairs once, for all its keys; then each group takes its scores over every key
+// its last row can see (the causal triangle at a granularity of 16 keys), one exact max and one
+// exponent pass per row (P in bf16, as on the online path), and P.V with O held in tiles (AMX) or
+// registers (VDPBF16PS) over every key: no running max, no rescaling of O, no O round trip through
+// memory per chunk. On AMX a group is two tiles of 16 rows (a head's last rows padded with zero
+// queries). Same results as the online path up to the order of the fp32 sums.
+void run_item_two_pass(const Params& P, const Item& it, const c10::BFloat16* q, const c10::BFloat16* kc,
+                       const c10::BFloat16* vc, c10::BFloat16* out, bool amx) {
   const int G = P.G, D = P.D, BS = P.BS;
   const int32_t* tokens = P.row_tokens + it.tok0;
   const int ntok = it.num_tok, NH = it.num_heads, MH = ntok * G;
@@ -208,7 +212,9 @@ void run_item_amx(const Params& P, const Item& it, const c10::BFloat16* q, const
   auto* pb = reinterpret_cast<c10::BFloat16*>(s + 32 * size_t(LD));  // [32][LD] their P in bf16
   float* o = s + 32 * size_t(LD) + 16 * size_t(LD);  // [32][D] their unnormalised output
   float m[32], l[32];
-  configure_tiles();
+#ifdef OI_AMX_ATTENTION
+  if (amx) configure_tiles();
+#endif
 
   const int32_t* table = P.tables + int64_t(it.table_b) * P.table_stride;
   for (int hi = 0; hi < NH; ++hi) {
@@ -235,14 +241,20 @@ void run_item_amx(const Params& P, const Item& it, const c10::BFloat16* q, const
     std::fill(vp + size_t((L + 1) / 2) * D, vp + size_t(LD / 2) * D, 0u);
 
     for (int g0 = 0; g0 < MH; g0 += 32) {
-      const int rows = std::min(32, MH - g0), span = rows > 16 ? 32 : 16;  // two groups or one
+      const int rows = std::min(32, MH - g0);
+      const int span = amx ? (rows > 16 ? 32 : 16) : rows;  // AMX: two tiles of 16 rows or one
       const int seen = visible(g0 + rows - 1);  // rows are in position order: the last sees most
       if (seen > 0) {
         const int width = (seen + 31) / 32 * 32;
-        if (span == 32)
-          pair_scores_amx(qp + size_t(g0) * (D / 2), D, kt, LD, width, s);
+        const uint32_t* qg = qp + size_t(g0) * (D / 2);
+#ifdef OI_AMX_ATTENTION
+        if (amx && span == 32)
+          pair_scores_amx(qg, D, kt, LD, width, s);
+        else if (amx)
+          group_scores_amx(qg, D, kt, LD, (seen + 15) / 16 * 16, s);
         else
-          group_scores_amx(qp + size_t(g0) * (D / 2), D, kt, LD, (seen + 15) / 16 * 16, s);
+#endif
+          scores_bf16(rows, qg, D / 2, kt, LD, 1.f, s, LD, (seen + 15) / 16 * 16);
         for (int i = 0; i < span; ++i) {
           float* srow = s + size_t(i) * LD;
           c10::BFloat16* prow = pb + size_t(i) * LD;
@@ -259,10 +271,17 @@ void run_item_amx(const Params& P, const Item& it, const c10::BFloat16* q, const
           m[i] = _mm512_reduce_max_ps(mx) * P.scale;  // scaled scores (scale > 0)
           l[i] = probabilities_bf16(srow, width, P.scale, m[i], prow);
         }
-        if (span == 32)
+#ifdef OI_AMX_ATTENTION
+        if (amx && span == 32)
           pair_pv_amx(pb, LD, vp, D, width, o);
-        else
+        else if (amx)
           group_pv_amx(pb, LD, vp, D, width, o);
+        else
+#endif
+        {
+          std::fill(o, o + size_t(rows) * D, 0.f);
+          accumulate_pv_bf16(rows, reinterpret_cast<const uint32_t*>(pb), LD / 2, vp, width / 2, o, D);
+        }
       } else {
         std::fill(o, o + 32 * size_t(D), 0.f);
         std::fill(m, m + 32, NEG_INF);
@@ -309,12 +328,16 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
 #endif
 #ifdef OI_AMX_ATTENTION
   const bool amx = dpbf16 && P.bf16_dot == BF16_AMX;
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (amx && two_pass_fits(P, it)) return run_item_amx(P, it, q, kc, vc, out);
-  }
-  if (amx) configure_tiles();
 #else
   const bool amx = false;
+#endif
+#if defined(OI_DPBF16) && !defined(OI_ONLINE_ONLY)  // (a twin without: bench_attention.py --two-pass)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (dpbf16 && two_pass_fits(P, it)) return run_item_two_pass(P, it, q, kc, vc, out, amx);
+  }
+#endif
+#ifdef OI_AMX_ATTENTION
+  if (amx) configure_tiles();
 #endif
   // The bf16 product paths leave their scores unscaled when nothing reads them scaled before
   // the softmax (no soft cap): the scale then rides in the exponent's FMA, one pass over the
