@@ -278,61 +278,48 @@ inline void group_scores_amx(const uint32_t* q, int D, const uint32_t* kt, int l
   }
 }
 
-// The same for two groups (32 rows, Q as [32][D/2] pairs, S [32][ld]), nkeys a multiple of 32:
-// each K tile serves both groups' Q tiles (the 2 x 2 pattern), half the K loads per product.
-inline void pair_scores_amx(const uint32_t* q, int D, const uint32_t* kt, int ld, int nkeys, float* s) {
-  const int q_bytes = D * 2, kt_bytes = ld * 4;
-  const uint32_t* q1 = q + size_t(16) * (D / 2);
-  float* s1 = s + size_t(16) * ld;
-  for (int k0 = 0; k0 < nkeys; k0 += 32) {
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
-    for (int d = 0; d < D / 2; d += 16) {
-      const uint32_t* k = kt + size_t(d) * ld + k0;
-      _tile_loadd(0, q + d, q_bytes);
-      _tile_loadd(2, k, kt_bytes);
-      _tile_dpbf16ps(4, 0, 2);
-      _tile_loadd(3, k + 16, kt_bytes);
-      _tile_dpbf16ps(5, 0, 3);
-      _tile_loadd(1, q1 + d, q_bytes);
-      _tile_dpbf16ps(6, 1, 2);
-      _tile_dpbf16ps(7, 1, 3);
-    }
-    _tile_stored(4, s + k0, ld * 4);
-    _tile_stored(5, s + k0 + 16, ld * 4);
-    _tile_stored(6, s1 + k0, ld * 4);
-    _tile_stored(7, s1 + k0 + 16, ld * 4);
+// C[32][32] (fp32; rows 0-15 at c, 16-31 at c1, row stride c_bytes) = the sum over `steps` of
+// A . B: A two 16-row tiles of 64 bytes per row (at a and a1, row stride a_bytes, 64 bytes on
+// per step), B two 16-pair tiles of 16 columns (at b and b + 16 words, row stride b_bytes,
+// b_step words on per step). Each A and B tile load feeds two products (the 2 x 2 pattern).
+inline void tiles_2x2(const char* a, const char* a1, int a_bytes, const uint32_t* b, size_t b_step,
+                      int b_bytes, int steps, float* c, float* c1, int c_bytes) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int i = 0; i < steps; ++i, a += 64, a1 += 64, b += b_step) {
+    _tile_loadd(0, a, a_bytes);
+    _tile_loadd(2, b, b_bytes);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_loadd(3, b + 16, b_bytes);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_loadd(1, a1, a_bytes);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
   }
+  _tile_stored(4, c, c_bytes);
+  _tile_stored(5, c + 16, c_bytes);
+  _tile_stored(6, c1, c_bytes);
+  _tile_stored(7, c1 + 16, c_bytes);
+}
+
+// The same as group_scores_amx for two groups (32 rows: Q as [32][D/2] pairs, S [32][ld]), nkeys
+// a multiple of 32: each K tile serves both groups' Q tiles, half the K loads per product.
+inline void pair_scores_amx(const uint32_t* q, int D, const uint32_t* kt, int ld, int nkeys, float* s) {
+  const char* q0 = reinterpret_cast<const char*>(q);
+  for (int k0 = 0; k0 < nkeys; k0 += 32)
+    tiles_2x2(q0, q0 + 16 * D * 2, D * 2, kt + k0, size_t(16) * ld, ld * 4, D / 32, s + k0,
+              s + size_t(16) * ld + k0, ld * 4);
 }
 
 // O[32][D] = P . V for two groups (P as [32][ld] bf16), 32 columns of O at a time: each V tile
 // serves both groups' P tiles.
 inline void pair_pv_amx(const c10::BFloat16* p, int ld, const uint32_t* vp, int D, int nkeys, float* o) {
-  const c10::BFloat16* p1 = p + size_t(16) * ld;
-  float* o1 = o + size_t(16) * D;
-  for (int d0 = 0; d0 < D; d0 += 32) {
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
-    for (int k = 0; k < nkeys; k += 32) {
-      const uint32_t* v = vp + size_t(k / 2) * D + d0;
-      _tile_loadd(0, p + k, ld * 2);
-      _tile_loadd(2, v, D * 4);
-      _tile_dpbf16ps(4, 0, 2);
-      _tile_loadd(3, v + 16, D * 4);
-      _tile_dpbf16ps(5, 0, 3);
-      _tile_loadd(1, p1 + k, ld * 2);
-      _tile_dpbf16ps(6, 1, 2);
-      _tile_dpbf16ps(7, 1, 3);
-    }
-    _tile_stored(4, o + d0, D * 4);
-    _tile_stored(5, o + d0 + 16, D * 4);
-    _tile_stored(6, o1 + d0, D * 4);
-    _tile_stored(7, o1 + d0 + 16, D * 4);
-  }
+  const char* p0 = reinterpret_cast<const char*>(p);
+  for (int d0 = 0; d0 < D; d0 += 32)
+    tiles_2x2(p0, p0 + 16 * ld * 2, ld * 2, vp + d0, size_t(16) * D, D * 4, nkeys / 32, o + d0,
+              o + size_t(16) * D + d0, D * 4);
 }
 
 // O[16][D] = P . V for one group of 16 rows over nkeys keys (a multiple of 32): P as [16][ld] bf16,

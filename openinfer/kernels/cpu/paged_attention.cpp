@@ -172,9 +172,11 @@ constexpr int TWO_PASS_KEYS = 4096;
 
 // Whether run_item_two_pass takes an item of a bf16 cache: no window or soft cap (their
 // masks and score transform are the online path's), blocks of an even size (pairs of keys never
-// straddle two blocks), and at most TWO_PASS_KEYS keys.
+// straddle two blocks), at most TWO_PASS_KEYS keys, and not in batch-invariant mode (an item's
+// key range follows its tile of tokens, which moves with the chunking of a prompt: a row near
+// TWO_PASS_KEYS could take either path, and the two paths round differently).
 inline bool two_pass_fits(const Params& P, const Item& it) {
-  return P.window <= 0 && P.softcap <= 0.f && P.BS % 2 == 0 && P.D <= 256 &&
+  return !P.invariant && P.window <= 0 && P.softcap <= 0.f && P.BS % 2 == 0 && P.D <= 256 &&
          int64_t(it.blk1 - it.blk0) * P.BS <= TWO_PASS_KEYS;
 }
 
