@@ -98,7 +98,7 @@ inline void pack_value_pairs(const c10::BFloat16* v, int64_t stride, int n, int 
 
 // 2^t for the softmax of the bf16 products, whose probabilities are rounded to bf16 (8 bits):
 // t = n + f (n an integer, |f| <= 1/2), a degree-3 polynomial for 2^f (minimax for the relative
-// error, < 7.6e-5: 50 times below bf16's rounding; degree 5 cost 1.04x on a 512-token prefill),
+// error, < 7.6e-5: 50 times below bf16's rounding; degree 5 ran prefills 1.03-1.04x slower),
 // scaled by 2^n in one VSCALEFPS. Exactly 0 for t below -125 (a masked score's -inf among them),
 // by a mask rather than by underflow: results in the denormal range cost a microcode assist
 // each (a masked diagonal chunk made the whole kernel 1.2x slower).

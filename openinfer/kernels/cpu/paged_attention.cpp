@@ -166,8 +166,8 @@ inline float normaliser(float m, float l, const float* sinks, int64_t head) {
 
 #ifdef OI_DPBF16
 // Keys an item may span and still take the two-pass bf16 path: its K (transposed) and V (paired)
-// are packed whole, 4 * D bytes per key, and a group's scores and probabilities take 6 * 16 bytes
-// per key; 4096 keys of D = 128 are 2.4 MiB.
+// are packed whole, 4 * D bytes per key, and a group's scores and probabilities take 6 * 32 bytes
+// per key: 4096 keys of D = 128 take 2.75 MiB of the thread's scratch.
 constexpr int TWO_PASS_KEYS = 4096;
 
 // Whether run_item_two_pass takes an item of a bf16 cache: no window or soft cap (their
