@@ -57,7 +57,8 @@ rotary embedding and the gated MLP's SiLU-and-multiply the layers use with it, t
 GEMM planner may choose (few-row float32, AMX bf16, MKL-packed float32), and structured
 outputs' token masking."""
 HEADERS = [Path(__file__).parent / "cpu" / name
-           for name in ("vec.h", "amx.h", "attention_tiles.h", "attention_bf16.h", "norm_rows.h")]
+           for name in ("vec.h", "amx.h", "attention_tiles.h", "attention_bf16.h", "attention_two_pass.h",
+                        "paged_attention.h", "norm_rows.h")]
 """Included by the sources (so they count in the build's cache key)."""
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-Wno-psabi")
 
