@@ -11,7 +11,7 @@ from pathlib import Path
 
 import openinfer
 from openinfer import units
-from openinfer.attention.selector import ATTENTION_BACKENDS
+from openinfer.attention import ATTENTION_BACKENDS
 from openinfer.logger import configure_logging
 from openinfer.server.listener import KEEP_ALIVE_S
 from openinfer.server.reasoning import REASONING_PARSERS as REASONING_PARSER_NAMES
@@ -240,20 +240,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return serve_data_parallel(args, args.argv)
 
-    from openinfer.engine.async_llm import AsyncLLM
-    from openinfer.server.app import build_app
-    from openinfer.server.limits import ServerLimits
+    from openinfer.engine.core_launch import CoreLaunch
     from openinfer.server.listener import base_url, bind_socket, inherited_socket, serve
-    from openinfer.server.sampling_defaults import load_chat_template, sampling_defaults
 
     # A port in use fails now, not after the load. A replica of serve_data_parallel is
     # handed the socket its launcher bound (no window between picking a port and binding it).
     sock = (bind_socket(args.host, args.port) if args.listen_fd is None
             else inherited_socket(args.listen_fd))
+    # The engine core's interpreter imports the engine while this one imports the server.
+    core_launch = CoreLaunch()
+
+    from openinfer.engine.async_llm import AsyncLLM
+    from openinfer.server.app import build_app
+    from openinfer.server.limits import ServerLimits
+    from openinfer.server.sampling_defaults import load_chat_template, sampling_defaults
+
     warn_if_demo_model(args.model)
     restarts = args.max_engine_restarts if args.restart_on_engine_failure else 0
-    llm = AsyncLLM(args.model, max_engine_restarts=restarts,
-                   request_timeout_s=args.request_timeout, **engine_kwargs(args))
+    llm = AsyncLLM(args.model, max_engine_restarts=restarts, request_timeout_s=args.request_timeout,
+                   core_launch=core_launch, **engine_kwargs(args))
     if args.chat_template is not None and llm.tokenizer is not None:
         llm.tokenizer.chat_template = load_chat_template(args.chat_template)
     name = args.served_model_name or llm.config.model.served_name

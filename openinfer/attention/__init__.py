@@ -1,9 +1,23 @@
-"""Attention backends over the paged KV cache, and the step metadata they share."""
+"""Attention backends over the paged KV cache, and the step metadata they share.
 
-from openinfer.attention.backend import AttentionBackend
-from openinfer.attention.metadata import AttentionMetadata, build_attention_metadata
-from openinfer.attention.reference import TorchAttentionBackend
-from openinfer.attention.selector import ATTENTION_BACKENDS, select_attention_backend
+The names below are imported on first use, so that ``ATTENTION_BACKENDS`` (the CLI's
+choices) is readable without importing torch."""
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "TorchAttentionBackend",
-           "build_attention_metadata", "select_attention_backend"]
+import importlib
+
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+"""``--attention-backend`` values (openinfer.attention.selector)."""
+
+_EXPORTS = {"AttentionBackend": "backend", "AttentionMetadata": "metadata",
+            "build_attention_metadata": "metadata", "TorchAttentionBackend": "reference",
+            "select_attention_backend": "selector"}
+
+__all__ = ["ATTENTION_BACKENDS", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'openinfer.attention' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"openinfer.attention.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 from openinfer.config import EngineConfig
 from openinfer.engine.core_client import EngineCoreClient
+from openinfer.engine.core_launch import CoreLaunch
 from openinfer.engine.input_processor import InputProcessor, PromptInput, admit
 from openinfer.engine.output_processor import OutputProcessor
 from openinfer.engine.outputs import EngineCoreOutput
@@ -40,18 +41,26 @@ class RequestTimeoutError(RequestFailedError):
 
 class AsyncLLM:
     def __init__(self, model: str, max_engine_restarts: int = 0,
-                 request_timeout_s: float | None = None, **engine_options) -> None:
+                 request_timeout_s: float | None = None, core_launch: CoreLaunch | None = None,
+                 **engine_options) -> None:
         """``max_engine_restarts``: how often within 10 minutes a dead engine-core process is
         started again (0: never; see EngineCoreClient). ``request_timeout_s``: a request
-        still running after this long is aborted (RequestTimeoutError)."""
+        still running after this long is aborted (RequestTimeoutError). ``core_launch``: the
+        engine-core interpreter, started before this process imported the engine
+        (openinfer.engine.core_launch); cancelled if these options are refused."""
         self.request_timeout_s = request_timeout_s
-        self.config = EngineConfig.create(model, **engine_options)
-        self.inputs = InputProcessor(self.config)
+        try:
+            self.config = EngineConfig.create(model, **engine_options)
+            self.inputs = InputProcessor(self.config)
+        except BaseException:
+            if core_launch is not None:
+                core_launch.cancel()
+            raise
         self.tokenizer = self.inputs.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         # The resolved local path: the engine process must not resolve (or download) again.
         self.client = EngineCoreClient({"model": self.config.model.path, **engine_options},
-                                       max_restarts=max_engine_restarts)
+                                       max_restarts=max_engine_restarts, launch=core_launch)
         self._core_outputs: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self._pump: asyncio.Task | None = None

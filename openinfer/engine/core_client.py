@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from openinfer.engine import protocol
-from openinfer.engine.core_proc import run_engine_core
+from openinfer.engine.core_launch import CoreLaunch
 from openinfer.engine.outputs import EngineCoreOutput
 from openinfer.sampling_params import SamplingParams
 
@@ -40,10 +39,12 @@ class EngineDeadError(RuntimeError):
 
 class EngineCoreClient:
     def __init__(self, engine_options: dict, startup_timeout_s: float = 600.0,
-                 max_restarts: int = 0) -> None:
+                 max_restarts: int = 0, launch: CoreLaunch | None = None) -> None:
         """``max_restarts``: how many times within ``RESTART_WINDOW_S`` a core that died is
-        started again (after 1, 2, 4, ... s); 0: a dead core stays dead."""
+        started again (after 1, 2, 4, ... s); 0: a dead core stays dead. ``launch``: a core
+        interpreter started earlier (openinfer.engine.core_launch), used by the first start."""
         self.engine_options = engine_options
+        self._launch = launch
         self.startup_timeout_s = startup_timeout_s
         self.max_restarts = max_restarts
         self.num_restarts = 0
@@ -75,12 +76,10 @@ class EngineCoreClient:
         self._receiver = asyncio.create_task(self._receive_loop())
 
     async def _start_core(self) -> None:
-        """Spawn a core on our sockets and wait for its READY."""
-        # spawn, not fork: the core owns its own torch/ZMQ state from a clean interpreter.
-        self._process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(self.engine_options, *self._addresses, os.getpid()),
-            name="openinfer-engine-core", daemon=True)
-        self._process.start()
+        """Start a core on our sockets (the launch given, else a new one) and wait for its
+        READY."""
+        launch, self._launch = self._launch or CoreLaunch(), None
+        self._process = launch.start(self.engine_options, *self._addresses)
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if await self._output.poll(500):
@@ -226,6 +225,8 @@ class EngineCoreClient:
             self._restarter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._restarter
+        if self._launch is not None:  # never started
+            self._launch.cancel()
         if self._receiver is not None:
             self._receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 from server_process import process_running
@@ -104,3 +107,43 @@ def test_a_front_end_killed_during_the_load_leaves_no_engine_core(qwen3_checkpoi
     while process_running(core_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not process_running(core_pid), "the engine core outlived its front end"
+
+
+def test_the_cli_imports_no_torch():
+    """`openinfer serve` starts its engine-core interpreter before importing the engine, so
+    that the two import torch side by side (openinfer.engine.core_launch): the CLI module and
+    the package itself must not import it."""
+    probe = ("import sys, openinfer.cli; "
+             "print(sorted({'torch', 'transformers', 'fastapi'} & set(sys.modules)))")
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
+
+
+def test_a_refused_option_is_said_once_and_the_waiting_core_exits(qwen3_checkpoint):
+    """The core's interpreter is started before the options are checked; one the engine
+    refuses is reported once, by the front end, and that interpreter exits with it."""
+    mark = f"openinfer-test-{uuid.uuid4()}"
+    res = subprocess.run(
+        [sys.executable, "-m", "openinfer.cli", "serve", "--model", str(qwen3_checkpoint),
+         "--port", "0", "--max-num-seqs", "0"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OPENINFER_TEST_MARK": mark})
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.count("max_num_seqs must be >= 1") == 1 and "Traceback" not in res.stderr
+    deadline = time.monotonic() + 15
+    while _marked_processes(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _marked_processes(mark), "the engine-core interpreter outlived its front end"
+
+
+def _marked_processes(mark: str) -> list[int]:
+    """Live processes whose environment carries ``OPENINFER_TEST_MARK=mark``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if f"OPENINFER_TEST_MARK={mark}".encode() in environ.split(b"\0"):
+                found.append(int(entry.name))
+    return found
