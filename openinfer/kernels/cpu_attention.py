@@ -50,15 +50,16 @@ import torch
 logger = logging.getLogger("openinfer.kernels.cpu_attention")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "rms_norm.cpp", "activation.cpp", "rotary.cpp",
-                        "small_gemm.cpp", "amx_gemm.cpp", "mkl_gemm.cpp", "token_mask.cpp", "write_kv.cpp")]
+           for name in ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp", "activation.cpp",
+                        "rotary.cpp", "small_gemm.cpp", "amx_gemm.cpp", "mkl_gemm.cpp", "token_mask.cpp",
+                        "write_kv.cpp")]
 """The extension: paged attention and the write of a step's K/V into the cache, the RMSNorm,
 rotary embedding and the gated MLP's SiLU-and-multiply the layers use with it, the GEMMs the
 GEMM planner may choose (few-row float32, AMX bf16, MKL-packed float32), and structured
 outputs' token masking."""
 HEADERS = [Path(__file__).parent / "cpu" / name
            for name in ("vec.h", "amx.h", "attention_tiles.h", "attention_bf16.h", "attention_two_pass.h",
-                        "paged_attention.h", "norm_rows.h")]
+                        "paged_attention.h", "norm_rows.h", "ops.h")]
 """Included by the sources (so they count in the build's cache key)."""
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-Wno-psabi")
 

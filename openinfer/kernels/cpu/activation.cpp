@@ -13,8 +13,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
-#include <torch/csrc/utils/pybind.h>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -54,6 +54,8 @@ void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t inter) {
   });
 }
 
+}  // namespace
+
 // out [rows, I] = silu(x[:, :I]) * x[:, I:], x [rows, 2I] contiguous; both float32 or bfloat16.
 void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   const auto dtype = x.scalar_type();
@@ -71,9 +73,3 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
     silu_and_mul_rows(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), rows, inter);
 }
 
-}  // namespace
-
-void register_activation(pybind11::module& m) {
-  m.def("silu_and_mul", &silu_and_mul, "out = silu(x[..., :I]) * x[..., I:]", pybind11::arg("out"),
-        pybind11::arg("x"), pybind11::call_guard<pybind11::gil_scoped_release>());
-}

@@ -13,13 +13,13 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 #include "amx.h"
+#include "ops.h"
 
 #ifdef OI_AMX
 namespace {
@@ -254,13 +254,3 @@ bool amx_gemm_available() { return oi_amx::usable(); }
 bool amx_gemm_available() { return false; }
 #endif
 
-void register_amx_gemm(pybind11::module& m) {
-  m.def("amx_gemm_available", &amx_gemm_available, "whether this build and process can run amx_gemm");
-#ifdef OI_AMX
-  m.def("amx_pack_weight", &amx_pack_weight, "a bf16 [N, K] weight in amx_gemm's blocked layout",
-        pybind11::arg("weight"));
-  m.def("amx_gemm", &amx_gemm, "out = x @ weight^T (+ bias), bf16, weight from amx_pack_weight",
-        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-#endif
-}

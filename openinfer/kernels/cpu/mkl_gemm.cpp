@@ -17,9 +17,10 @@
 // tensors never move their storage, and the plan keeps the one it packed.
 
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
+
+#include "ops.h"
 
 extern "C" {
 size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k) __attribute__((weak));
@@ -93,14 +94,3 @@ void mkl_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                       out.data_ptr<float>(), N);
 }
 
-void register_mkl_gemm(pybind11::module& m) {
-  m.def("mkl_gemm_available", &mkl_gemm_available, "whether torch's MKL packed sgemm is here");
-  m.def("mkl_packed_bytes", &mkl_packed_bytes, "bytes of a float32 [N, K] weight MKL-packed",
-        pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("rows"));
-  m.def("mkl_pack_weight", &mkl_pack_weight, "dest = the float32 [N, K] weight MKL-packed",
-        pybind11::arg("dest"), pybind11::arg("weight"), pybind11::arg("rows"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("mkl_gemm", &mkl_gemm, "out = x @ weight^T (+ bias), float32, weight from mkl_pack_weight",
-        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-}

@@ -58,7 +58,6 @@
 // (-march=native), so an AVX2 machine can test the 16-lane code (its vectors are split in two).
 
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -80,6 +79,7 @@
 #include "attention_bf16.h"
 #include "attention_tiles.h"
 #include "attention_two_pass.h"
+#include "ops.h"
 #include "paged_attention.h"
 #include "vec.h"
 
@@ -734,35 +734,4 @@ std::tuple<int64_t, int64_t, int64_t> plan_stats(const at::Tensor& block_tables,
     partial += it.part_row >= 0;
   }
   return {int64_t(plan.items.size()), shared, partial};
-}
-
-void register_rms_norm(pybind11::module& m);    // rms_norm.cpp
-void register_small_gemm(pybind11::module& m);  // small_gemm.cpp
-void register_token_mask(pybind11::module& m);  // token_mask.cpp
-void register_activation(pybind11::module& m);  // activation.cpp
-void register_rotary(pybind11::module& m);      // rotary.cpp
-void register_write_kv(pybind11::module& m);    // write_kv.cpp
-void register_amx_gemm(pybind11::module& m);    // amx_gemm.cpp
-void register_mkl_gemm(pybind11::module& m);    // mkl_gemm.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  register_rms_norm(m);
-  register_small_gemm(m);
-  register_token_mask(m);
-  register_activation(m);
-  register_rotary(m);
-  register_write_kv(m);
-  register_amx_gemm(m);
-  register_mkl_gemm(m);
-  m.def("paged_attention", &paged_attention, "Paged varlen attention (see openinfer/kernels/cpu_attention.py)",
-        py::arg("out"), py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
-        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("max_query_len"),
-        py::arg("kv_splits") = 0, py::arg("invariant") = false, py::arg("window") = 0, py::arg("softcap") = 0.0,
-        py::arg("sinks") = py::none(), py::arg("bf16_dot") = "", py::call_guard<py::gil_scoped_release>());
-  m.def("bf16_dot_paths", &bf16_dot_paths, "The bf16 product paths of this build: fp32, avx512_bf16, amx_bf16");
-  m.def("plan_stats", &plan_stats, "(items, shared-prefix items, partial items) of a call's plan",
-        py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("num_kv_heads"),
-        py::arg("group"), py::arg("block_size"), py::arg("threads"), py::arg("kv_splits") = 0,
-        py::arg("invariant") = false);
-  m.def("isa", &isa, "The vector width and ISA macros this build was compiled with");
 }

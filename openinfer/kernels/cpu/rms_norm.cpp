@@ -14,12 +14,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
 #include <cstdint>
 
 #include "norm_rows.h"
+#include "ops.h"
 
 namespace {
 
@@ -133,12 +133,3 @@ void add_rms_norm(at::Tensor& out, at::Tensor& sum, const at::Tensor& x, const a
                       weight.data_ptr<c10::BFloat16>(), rows, n, e);
 }
 
-void register_rms_norm(pybind11::module& m) {
-  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight, float32 or bfloat16 rows",
-        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("add_rms_norm", &add_rms_norm, "sum = x + residual; out = rms_norm(sum) * weight",
-        pybind11::arg("out"), pybind11::arg("sum"), pybind11::arg("x"), pybind11::arg("residual"),
-        pybind11::arg("weight"), pybind11::arg("eps"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-}

@@ -10,11 +10,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <vector>
 
 #include "norm_rows.h"
+#include "ops.h"
 
 namespace {
 
@@ -93,6 +93,8 @@ void check(const at::Tensor& out, const at::Tensor& x, const char* name) {
               name, "'s output: contiguous, its shape and dtype");
 }
 
+}  // namespace
+
 // q_out, k_out = RoPE(q, k) at `positions` (int64 [T]) from float32 caches [max_pos, D/2].
 // With q_weight and k_weight: RoPE(rms_norm(q) * q_weight, rms_norm(k) * k_weight), each head
 // row normalised (eps) as rms_norm does (Qwen3's q/k norm).
@@ -144,12 +146,3 @@ void rotary_neox(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, cons
   }
 }
 
-}  // namespace
-
-void register_rotary(pybind11::module& m) {
-  m.def("rotary_neox", &rotary_neox, "q_out, k_out = RoPE(q, k) (NeoX pairs)", pybind11::arg("q_out"),
-        pybind11::arg("k_out"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("positions"),
-        pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("q_weight") = pybind11::none(),
-        pybind11::arg("k_weight") = pybind11::none(), pybind11::arg("eps") = 0.0,
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-}

@@ -11,11 +11,12 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#include "ops.h"
 
 namespace {
 
@@ -133,8 +134,3 @@ void small_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   });
 }
 
-void register_small_gemm(pybind11::module& m) {
-  m.def("small_gemm", &small_gemm, "out = x @ weight^T (+ bias), float32, few rows",
-        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-}

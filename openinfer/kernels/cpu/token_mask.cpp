@@ -7,15 +7,18 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
 #include <cstring>
 #include <limits>
 
+#include "ops.h"
+
 namespace {
 
 constexpr uint32_t kRefusedBits = 0xFF800000u;  // -inf
+
+}  // namespace
 
 // logits: [B, V] float32, contiguous. bitmask: [R, W] int32 (bit t % 32 of word t / 32 set:
 // token t allowed), contiguous. rows: [R] int64, the logits row each mask row applies to.
@@ -61,10 +64,3 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at
   });
 }
 
-}  // namespace
-
-void register_token_mask(pybind11::module& m) {
-  m.def("apply_token_bitmask", &apply_token_bitmask,
-        "logits[rows[r], t] = -inf where bit t of bitmask[r] is clear, in place",
-        pybind11::arg("logits"), pybind11::arg("bitmask"), pybind11::arg("rows"));
-}

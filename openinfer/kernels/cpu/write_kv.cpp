@@ -8,10 +8,11 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
 #include <cstring>
+
+#include "ops.h"
 
 namespace {
 
@@ -63,8 +64,3 @@ void write_kv(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const
   });
 }
 
-void register_write_kv(pybind11::module& m) {
-  m.def("write_kv", &write_kv, "cache[:, slot] = k, v for every token (see write_kv.cpp)",
-        pybind11::arg("cache"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("slot_mapping"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-}

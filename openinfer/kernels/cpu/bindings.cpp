@@ -1,0 +1,57 @@
+// The extension's Python module: every entry point of ops.h, with its argument names and
+// defaults. The only file that includes torch's Python binding headers (see ops.h). Kernels
+// release the GIL while they run; the tiny queries keep it.
+
+#include <torch/csrc/utils/pybind.h>
+
+#include "ops.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_attention", &paged_attention, "Paged varlen attention (see openinfer/kernels/cpu_attention.py)",
+        py::arg("out"), py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("max_query_len"),
+        py::arg("kv_splits") = 0, py::arg("invariant") = false, py::arg("window") = 0, py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none(), py::arg("bf16_dot") = "", nogil);
+  m.def("bf16_dot_paths", &bf16_dot_paths, "The bf16 product paths of this build: fp32, avx512_bf16, amx_bf16");
+  m.def("plan_stats", &plan_stats, "(items, shared-prefix items, partial items) of a call's plan",
+        py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("num_kv_heads"),
+        py::arg("group"), py::arg("block_size"), py::arg("threads"), py::arg("kv_splits") = 0,
+        py::arg("invariant") = false);
+  m.def("isa", &isa, "The vector width and ISA macros this build was compiled with");
+  m.def("write_kv", &write_kv, "cache[:, slot] = k, v for every token (see write_kv.cpp)", py::arg("cache"),
+        py::arg("k"), py::arg("v"), py::arg("slot_mapping"), nogil);
+
+  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight, float32 or bfloat16 rows", py::arg("out"),
+        py::arg("x"), py::arg("weight"), py::arg("eps"), nogil);
+  m.def("add_rms_norm", &add_rms_norm, "sum = x + residual; out = rms_norm(sum) * weight", py::arg("out"),
+        py::arg("sum"), py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), nogil);
+  m.def("rotary_neox", &rotary_neox, "q_out, k_out = RoPE(q, k) (NeoX pairs)", py::arg("q_out"),
+        py::arg("k_out"), py::arg("q"), py::arg("k"), py::arg("positions"), py::arg("cos"), py::arg("sin"),
+        py::arg("q_weight") = py::none(), py::arg("k_weight") = py::none(), py::arg("eps") = 0.0, nogil);
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(x[..., :I]) * x[..., I:]", py::arg("out"), py::arg("x"),
+        nogil);
+
+  m.def("small_gemm", &small_gemm, "out = x @ weight^T (+ bias), float32, few rows", py::arg("out"),
+        py::arg("x"), py::arg("weight"), py::arg("bias"), nogil);
+  m.def("amx_gemm_available", &amx_gemm_available, "whether this build and process can run amx_gemm");
+#ifdef OI_AMX
+  m.def("amx_pack_weight", &amx_pack_weight, "a bf16 [N, K] weight in amx_gemm's blocked layout",
+        py::arg("weight"));
+  m.def("amx_gemm", &amx_gemm, "out = x @ weight^T (+ bias), bf16, weight from amx_pack_weight", py::arg("out"),
+        py::arg("x"), py::arg("packed"), py::arg("bias"), nogil);
+#endif
+  m.def("mkl_gemm_available", &mkl_gemm_available, "whether torch's MKL packed sgemm is here");
+  m.def("mkl_packed_bytes", &mkl_packed_bytes, "bytes of a float32 [N, K] weight MKL-packed", py::arg("n"),
+        py::arg("k"), py::arg("rows"));
+  m.def("mkl_pack_weight", &mkl_pack_weight, "dest = the float32 [N, K] weight MKL-packed", py::arg("dest"),
+        py::arg("weight"), py::arg("rows"), nogil);
+  m.def("mkl_gemm", &mkl_gemm, "out = x @ weight^T (+ bias), float32, weight from mkl_pack_weight",
+        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), nogil);
+
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "logits[rows[r], t] = -inf where bit t of bitmask[r] is clear, in place", py::arg("logits"),
+        py::arg("bitmask"), py::arg("rows"));
+}

@@ -1,0 +1,59 @@
+// The extension's entry points, defined in the kernel files and bound to Python in bindings.cpp.
+// The kernel files include this header and ATen's tensor headers only: torch's Python binding
+// headers take ~7 s to compile per file (2026-12-04, GCC, -O3), so only bindings.cpp reads them
+// and a fresh build compiles in about half the time.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "amx.h"
+
+// paged_attention.cpp (contract: openinfer/kernels/cpu_attention.py)
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                     int64_t max_query_len, int64_t kv_splits, bool invariant, int64_t window, double softcap,
+                     const std::optional<at::Tensor>& sinks, const std::string& bf16_dot);
+std::vector<std::string> bf16_dot_paths();
+std::string isa();
+std::tuple<int64_t, int64_t, int64_t> plan_stats(const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                                 const at::Tensor& seq_lens, int64_t num_kv_heads, int64_t group,
+                                                 int64_t block_size, int64_t threads, int64_t kv_splits,
+                                                 bool invariant);
+// write_kv.cpp
+void write_kv(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
+// rms_norm.cpp
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm(at::Tensor& out, at::Tensor& sum, const at::Tensor& x, const at::Tensor& residual,
+                  const at::Tensor& weight, double eps);
+// rotary.cpp
+void rotary_neox(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, const at::Tensor& k,
+                 const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                 const std::optional<at::Tensor>& q_weight, const std::optional<at::Tensor>& k_weight,
+                 double eps);
+// activation.cpp
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+// small_gemm.cpp
+void small_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                const std::optional<at::Tensor>& bias);
+// amx_gemm.cpp
+bool amx_gemm_available();
+#ifdef OI_AMX
+at::Tensor amx_pack_weight(const at::Tensor& weight);
+void amx_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+              const std::optional<at::Tensor>& bias);
+#endif
+// mkl_gemm.cpp
+bool mkl_gemm_available();
+int64_t mkl_packed_bytes(int64_t N, int64_t K, int64_t rows);
+void mkl_pack_weight(at::Tensor& dest, const at::Tensor& weight, int64_t rows);
+void mkl_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+              const std::optional<at::Tensor>& bias);
+// token_mask.cpp
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
