@@ -19,6 +19,8 @@ from openinfer.attention.backend import AttentionBackend
 from openinfer.attention.reference import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
+
+
 def select_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """The backend called ``name`` (or the best one here for ``auto``); ValueError when a
     backend asked for by name cannot run on ``device``."""

@@ -26,12 +26,12 @@ class CoreLaunch:
 
     def __init__(self) -> None:
         ctx = multiprocessing.get_context("spawn")  # the core owns torch/ZMQ from a clean interpreter
-        self._conn, child_conn = ctx.Pipe()
+        reader, self._conn = ctx.Pipe(duplex=False)
         self.process: BaseProcess = ctx.Process(
-            target=_wait_then_run, args=(child_conn, os.getpid()), name="openinfer-engine-core",
+            target=_wait_then_run, args=(reader, os.getpid()), name="openinfer-engine-core",
             daemon=True)
         self.process.start()
-        child_conn.close()
+        reader.close()  # the child's end: its recv sees EOF once ours is closed
 
     def start(self, engine_options: dict, input_addr: str, output_addr: str) -> BaseProcess:
         """Have the core build ``EngineCore(EngineConfig.create(**engine_options))`` and
