@@ -16,7 +16,6 @@
 
 namespace oi_paged {
 
-
 // Per-thread scratch, grown on demand and kept across calls (OpenMP threads persist).
 struct Scratch {
   struct Free {
