@@ -23,6 +23,12 @@ AMX tiles), interleaved, each path's speedup over ``fp32``.
 ``--two-pass``: for a bf16 cache, the two-pass items (``run_item_two_pass``) of the
 ``avx512_bf16`` and ``amx_bf16`` paths against the online softmax they replace, on a twin build
 of the kernel without them (``-DOI_ONLINE_ONLY``), interleaved, prefill cases only.
+
+``--read-through``: decode cases as in the engine's forward pass: one call per layer of the
+cache in turn, each after a pass over that layer's weights (``--weight-mib``, read as the
+GEMMs read them), so that the whole cycle outgrows the CPU's caches and the K/V comes from
+memory; against a twin build without the few-row items' plain pass over each chunk's K/V rows
+(``-DOI_NO_READ_THROUGH``), interleaved.
 """
 
 from __future__ import annotations
@@ -95,7 +101,8 @@ class Setup:
     def __init__(self, case: Case, head_dim: int, dtype: torch.dtype, layers: int) -> None:
         tables, num_blocks = block_tables(case)
         blocks = torch.randn(num_blocks, layers, 2, BLOCK, KV_HEADS, head_dim, dtype=dtype)
-        self.cache = blocks[:, layers // 2].transpose(0, 1)  # [2, nb, bs, H, D], as layer_views
+        self.blocks = blocks
+        self.cache = self.layer_cache(layers // 2)
         self.case, self.scale = case, 1 / math.sqrt(head_dim)
         tokens = sum(case.query_lens)
         self.q = torch.randn(tokens, HEADS, head_dim, dtype=dtype)
@@ -115,6 +122,10 @@ class Setup:
         # What the layer has in hand for a prefill with nothing cached: the chunk's own K/V.
         self.fresh = [gather_kv(self.cache, t, s) for t, s in
                       zip(self.prefill_tables, case.seq_lens[nd:])]
+
+    def layer_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s [2, nb, bs, H, D] view of the cache, as layer_views makes it."""
+        return self.blocks[:, layer].transpose(0, 1)
 
     def kernel(self, bf16_dot: str | None = None) -> None:
         paged_attention(self.out, self.q, self.cache[0], self.cache[1], self.tables, self.qsl,
@@ -190,6 +201,12 @@ def main() -> None:
                         help="bf16 only: each product path of the kernel against its fp32 path")
     parser.add_argument("--two-pass", action="store_true",
                         help="bf16: two-pass items against the online path (a twin build)")
+    parser.add_argument("--read-through", action="store_true",
+                        help="decode from memory: the K/V read-through pass against a twin "
+                             "build without it")
+    parser.add_argument("--weight-mib", type=int, default=24,
+                        help="--read-through: a layer's weights, read before its call (the peers "
+                             "model's layers hold 24 MiB in bf16)")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.min_seconds = 3, 0.05
@@ -202,6 +219,10 @@ def main() -> None:
           f"{torch.backends.cpu.get_cpu_capability()}; kernel build {module.isa()}; "
           f"{args.threads} threads; {args.repeats} interleaved rounds")
     print(stall_note(args.threads, "before"))
+    if args.read_through:
+        compare_read_through(args, module)
+        print(stall_note(args.threads, "after"))
+        return
     if args.two_pass:
         compare_two_pass(args, module)
         print(stall_note(args.threads, "after"))
@@ -293,6 +314,55 @@ def compare_two_pass(args: argparse.Namespace, module) -> None:
                       f"{statistics.median(times['two-pass']) * 1e3:.3f} | "
                       f"{statistics.median(times['online']) * 1e3:.3f} | "
                       f"{statistics.median(r):.2f}x [{min(r):.2f}, {max(r):.2f}] |", flush=True)
+
+
+def compare_read_through(args: argparse.Namespace, module) -> None:
+    plain = build_extension(("-DOI_NO_READ_THROUGH",), "no_read_through")
+    weights = [torch.ones(args.weight_mib << 18) for _ in range(args.layers)]  # float32 values
+
+    def forward_pass(call) -> float:
+        """Seconds per attention call over one pass of the layers, each call after a read of
+        its layer's weights."""
+        total = 0.0
+        for layer, weight in enumerate(weights):
+            weight.sum()
+            total -= time.perf_counter()
+            call(layer)
+            total += time.perf_counter()
+        return total / len(weights)
+
+    print(f"{args.layers} layers of {args.weight_mib} MiB of weights")
+    print("| case | head_dim | dtype | read-through ms | without ms | speedup median [min, max] |")
+    print("|---|---|---|---|---|---|")
+    for case in cases():
+        if args.only not in case.name or "decode" not in case.name:
+            continue
+        for head_dim in (64, 128):
+            for dtype in (torch.float32, torch.bfloat16):
+                setup = Setup(case, head_dim, dtype, args.layers)
+                ref = setup.reference().float()
+                calls = {}
+                for name, build in (("read-through", module), ("without", plain)):
+                    def call(layer, build=build):
+                        cache = setup.layer_cache(layer)
+                        build.paged_attention(setup.out, setup.q, cache[0], cache[1], setup.tables,
+                                              setup.qsl, setup.seq_lens, setup.scale, 1,
+                                              invariant=False, window=0, softcap=0.0, sinks=None,
+                                              bf16_dot="")
+                    calls[name] = call
+                    call(args.layers // 2)
+                    err = (setup.out.float() - ref).abs().max().item()
+                    assert err < (1e-4 if dtype == torch.float32 else 3e-2), f"{case.name} {name}: {err}"
+                times: dict[str, list[float]] = {name: [] for name in calls}
+                for _ in range(args.repeats):
+                    for name, call in calls.items():
+                        times[name].append(min(forward_pass(call) for _ in range(3)))
+                r = [w / t for t, w in zip(times["read-through"], times["without"])]
+                print(f"| {case.name} | {head_dim} | {str(dtype).removeprefix('torch.')} | "
+                      f"{statistics.median(times['read-through']) * 1e3:.3f} | "
+                      f"{statistics.median(times['without']) * 1e3:.3f} | "
+                      f"{statistics.median(r):.2f}x [{min(r):.2f}, {max(r):.2f}] |", flush=True)
+        del setup
 
 
 if __name__ == "__main__":
