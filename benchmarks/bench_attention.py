@@ -343,13 +343,7 @@ def compare_read_through(args: argparse.Namespace, module) -> None:
                 ref = setup.reference().float()
                 calls = {}
                 for name, build in (("read-through", module), ("without", plain)):
-                    def call(layer, build=build):
-                        cache = setup.layer_cache(layer)
-                        build.paged_attention(setup.out, setup.q, cache[0], cache[1], setup.tables,
-                                              setup.qsl, setup.seq_lens, setup.scale, 1,
-                                              invariant=False, window=0, softcap=0.0, sinks=None,
-                                              bf16_dot="")
-                    calls[name] = call
+                    calls[name] = call = functools.partial(decode_on_layer, build, setup)
                     call(args.layers // 2)
                     err = (setup.out.float() - ref).abs().max().item()
                     assert err < (1e-4 if dtype == torch.float32 else 3e-2), f"{case.name} {name}: {err}"
@@ -362,7 +356,14 @@ def compare_read_through(args: argparse.Namespace, module) -> None:
                       f"{statistics.median(times['read-through']) * 1e3:.3f} | "
                       f"{statistics.median(times['without']) * 1e3:.3f} | "
                       f"{statistics.median(r):.2f}x [{min(r):.2f}, {max(r):.2f}] |", flush=True)
-        del setup
+
+
+def decode_on_layer(build, setup: Setup, layer: int) -> None:
+    """``setup``'s decode batch through kernel build ``build`` on layer ``layer`` of its cache."""
+    cache = setup.layer_cache(layer)
+    build.paged_attention(setup.out, setup.q, cache[0], cache[1], setup.tables, setup.qsl,
+                          setup.seq_lens, setup.scale, 1, invariant=False, window=0,
+                          softcap=0.0, sinks=None, bf16_dot="")
 
 
 if __name__ == "__main__":
