@@ -24,12 +24,12 @@ class RMSNorm(nn.Module):
         dtype = torch.float32 if fp32_weight else None
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
 
-    def _in_kernel(self, *tensors: torch.Tensor) -> bool:
-        """Whether the C++ norm computes this call: float32, or bfloat16 with a bfloat16
-        weight (DeepSeek-V4's float32 weights on bf16 rows round differently)."""
-        return (self.cpu_kernels is not None
-                and all(t.dtype == self.weight.dtype for t in tensors)
-                and self.weight.dtype in (torch.float32, torch.bfloat16))
+    def _in_kernel(self, x: torch.Tensor) -> bool:
+        """Whether the C++ norm computes rows of x (and of a residual of x's dtype): float32,
+        or bfloat16 with a bfloat16 weight (DeepSeek-V4's float32 weights on bf16 rows round
+        differently). Plain comparisons: this runs twice per layer of every decode step."""
+        return (self.cpu_kernels is not None and x.dtype == self.weight.dtype
+                and x.dtype in _KERNEL_DTYPES)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if self._in_kernel(x) and _rows_readable(x):
@@ -51,12 +51,16 @@ class RMSNorm(nn.Module):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         if residual is None:
             return self._norm(x)
-        if self._in_kernel(x, residual) and x.is_contiguous() and residual.is_contiguous():
+        if (self._in_kernel(x) and residual.dtype == x.dtype and x.is_contiguous()
+                and residual.is_contiguous()):
             out, total = torch.empty_like(x), torch.empty_like(x)
             self.cpu_kernels.add_rms_norm(out, total, x, residual, self.weight, self.eps)
             return out, total
         x = x + residual
         return self._norm(x), x
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _rows_readable(x: torch.Tensor) -> bool:

@@ -138,11 +138,11 @@ class RotaryEmbedding(nn.Module):
         ``positions [T]`` gives each token's position. Returns new tensors with the shapes and
         dtypes of q and k.
         """
-        if q_norm is not None and not (self.cpu_kernels is not None
-                                       and self._in_kernel(positions, q, k)
-                                       and self._fuses(q_norm, k_norm, q, k)):
+        in_kernel = self.cpu_kernels is not None and self._in_kernel(positions, q, k)
+        if q_norm is not None and not (in_kernel and self._fuses(q_norm, k_norm, q, k)):
             q, k, q_norm = q_norm(q), k if k_norm is None else k_norm(k), None  # norms, then RoPE
-        if self.cpu_kernels is not None and self._in_kernel(positions, q, k):
+            in_kernel = self.cpu_kernels is not None and self._in_kernel(positions, q, k)
+        if in_kernel:
             q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
             norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
             self.cpu_kernels.rotary_neox(q_out, k_out, q, k, positions, self.cos_cache,
@@ -166,8 +166,7 @@ class RotaryEmbedding(nn.Module):
         return (not self.interleaved and self.rotary_dim == self.head_dim
                 and q.dtype == k.dtype and q.dtype in (torch.float32, torch.bfloat16)
                 and positions.dtype == torch.int64 and positions.is_contiguous()
-                and all(x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-                        for x in (q, k)))
+                and _heads_side_by_side(q) and _heads_side_by_side(k))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """NeoX-style rotation: the first half of the rotary dims pairs with the second half.
@@ -229,3 +228,8 @@ def get_rope(
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     return RotaryEmbedding(head_dim, rotary_dim, max_position, inv_freq, attention_factor, interleaved)
+
+
+def _heads_side_by_side(x: torch.Tensor) -> bool:
+    """x [T, H, D] with unit stride in D and each head's row right after the previous one."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
