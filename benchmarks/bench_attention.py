@@ -147,6 +147,11 @@ class Setup:
         return out
 
 
+def spread(ratios: list[float]) -> str:
+    """Interleaved rounds' speedups as the tables print them: median [min, max]."""
+    return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
+
+
 def timed(fn, min_seconds: float) -> float:
     """Mean wall seconds per call over at least ``min_seconds``."""
     calls, start = 0, time.perf_counter()
@@ -250,7 +255,7 @@ def main() -> None:
                 ratios = [r / k for k, r in zip(ks, rs)]
                 print(f"| {case.name} | {head_dim} | {str(dtype).removeprefix('torch.')} | "
                       f"{statistics.median(ks) * 1e3:.3f} | {statistics.median(rs) * 1e3:.3f} | "
-                      f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}] |",
+                      f"{spread(ratios)} |",
                       flush=True)
     print(stall_note(args.threads, "after"))
 
@@ -278,7 +283,7 @@ def compare_bf16_paths(args: argparse.Namespace) -> None:
             ratios = []
             for path in paths[1:]:
                 r = [f / t for f, t in zip(times["fp32"], times[path])]
-                ratios.append(f"{statistics.median(r):.2f}x [{min(r):.2f}, {max(r):.2f}]")
+                ratios.append(spread(r))
             print(f"| {case.name} | {head_dim} | {' | '.join(ms)} | {' | '.join(ratios)} |", flush=True)
 
 
@@ -313,7 +318,7 @@ def compare_two_pass(args: argparse.Namespace, module) -> None:
                 print(f"| {case.name} | {head_dim} | {path} | "
                       f"{statistics.median(times['two-pass']) * 1e3:.3f} | "
                       f"{statistics.median(times['online']) * 1e3:.3f} | "
-                      f"{statistics.median(r):.2f}x [{min(r):.2f}, {max(r):.2f}] |", flush=True)
+                      f"{spread(r)} |", flush=True)
 
 
 def compare_read_through(args: argparse.Namespace, module) -> None:
@@ -355,7 +360,7 @@ def compare_read_through(args: argparse.Namespace, module) -> None:
                 print(f"| {case.name} | {head_dim} | {str(dtype).removeprefix('torch.')} | "
                       f"{statistics.median(times['read-through']) * 1e3:.3f} | "
                       f"{statistics.median(times['without']) * 1e3:.3f} | "
-                      f"{statistics.median(r):.2f}x [{min(r):.2f}, {max(r):.2f}] |", flush=True)
+                      f"{spread(r)} |", flush=True)
 
 
 def decode_on_layer(build, setup: Setup, layer: int) -> None:
