@@ -178,6 +178,190 @@ inline void accumulate_pv_bf16(int rows, const uint32_t* p, int p_stride, const 
     pv_rows_bf16<PV_ROWS>(p + r * p_stride, p_stride, vp, np, o + r * D, D);
   pv_tail_bf16<PV_ROWS - 1>(rows - r, p + r * p_stride, p_stride, vp, np, o + r * D, D);
 }
+
+#ifdef OI_HAVE_SHUFFLEVECTOR  // (sum4, sum8)
+#define OI_ROWDOT_BF16 1
+// The few-row items (decode) of a bf16 cache read each K/V row once for a handful of query rows,
+// so nothing may be packed or transposed ahead; their products go on the rows in place instead:
+// - scores as VDPBF16PS dot products of a K row's 32-value vectors (pairs of D) with the query
+//   row's, summed across lanes afterwards: two instructions per 32 values of a row, where the
+//   fp32 FMAs took two widening loads, two shifts and two FMAs;
+// - P . V with fp32 P on each V vector split into its even and odd values (a shift and a mask, no
+//   widening shuffle), so O is kept as [even | odd] halves per 32 values of D ("split" layout)
+//   until unsplit_rows restores it. D a multiple of 32.
+inline __m512 dp_vec(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+inline __m512i load_bf16x32(const c10::BFloat16* p) { return _mm512_loadu_si512(p); }
+
+// [sum(acc[0]), ..., sum(acc[7])]: a tree of 3-instruction steps (a blend, a two-source permute and
+// an add), each halving the vectors and doubling the keys per vector, then one add of lane pairs:
+// 24 instructions, 9 of them shuffles, where summing 4 accumulators at a time took 40 with 24.
+inline __m256 sum8_dp(const __m512* acc) {
+  // Step 1 (keys a, b): [a.lo256 + a.hi256 | b.lo256 + b.hi256].
+  auto halves = [](__m512 a, __m512 b) {
+    const __m512i idx = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23);
+    return _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, a, b), _mm512_permutex2var_ps(a, idx, b));
+  };
+  // Step 2: quarters of (x = [a | b], y = [c | d]) -> [a, c, b, d] with 4 partial sums each.
+  auto quarters = [](__m512 x, __m512 y) {
+    const __m512i idx = _mm512_setr_epi32(4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27);
+    return _mm512_add_ps(_mm512_mask_blend_ps(0xF0F0, x, y), _mm512_permutex2var_ps(x, idx, y));
+  };
+  // Step 3: within each quarter, lanes 0-1 from x's key and 2-3 from y's, 2 partial sums each.
+  auto pairs = [](__m512 x, __m512 y) {
+    const __m512i idx = _mm512_setr_epi32(2, 3, 16, 17, 6, 7, 20, 21, 10, 11, 24, 25, 14, 15, 28, 29);
+    return _mm512_add_ps(_mm512_mask_blend_ps(0xCCCC, x, y), _mm512_permutex2var_ps(x, idx, y));
+  };
+  const __m512 w = pairs(quarters(halves(acc[0], acc[1]), halves(acc[2], acc[3])),
+                         quarters(halves(acc[4], acc[5]), halves(acc[6], acc[7])));
+  // w's quarters hold keys (0, 4), (2, 6), (1, 5), (3, 7), two lanes each.
+  const __m512i even = _mm512_setr_epi32(0, 8, 4, 12, 2, 10, 6, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i odd = _mm512_setr_epi32(1, 9, 5, 13, 3, 11, 7, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_add_ps(_mm512_permutexvar_ps(even, w), _mm512_permutexvar_ps(odd, w)));
+}
+
+// S[r][k] = scale * Q[r] . K[k] for `rows` rows (bf16, row stride D) and n keys (rows of k_stride).
+inline void scores_rowdot_bf16(int rows, const c10::BFloat16* __restrict q, int D, const c10::BFloat16* __restrict k,
+                               int64_t k_stride, int n, float scale, float* __restrict s, int s_stride) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  int r = 0;
+  // Two rows x 8 keys: each K vector loaded once for both rows.
+  for (; r + 2 <= rows; r += 2) {
+    const c10::BFloat16* qa = q + r * D;
+    const c10::BFloat16* qb = qa + D;
+    float* sa = s + r * s_stride;
+    float* sb = sa + s_stride;
+    int k0 = 0;
+    for (; k0 + 8 <= n; k0 += 8) {
+      __m512 acc_a[8], acc_b[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) acc_a[i] = acc_b[i] = _mm512_setzero_ps();
+      for (int d = 0; d < D; d += 32) {
+        const __m512i xa = load_bf16x32(qa + d), xb = load_bf16x32(qb + d);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          const __m512i kv = load_bf16x32(k + (k0 + i) * k_stride + d);
+          acc_a[i] = dp_vec(acc_a[i], kv, xa);
+          acc_b[i] = dp_vec(acc_b[i], kv, xb);
+        }
+      }
+      _mm256_storeu_ps(sa + k0, _mm256_mul_ps(sum8_dp(acc_a), sc));
+      _mm256_storeu_ps(sb + k0, _mm256_mul_ps(sum8_dp(acc_b), sc));
+    }
+    for (; k0 < n; ++k0) {
+      __m512 acc_a = _mm512_setzero_ps(), acc_b = _mm512_setzero_ps();
+      for (int d = 0; d < D; d += 32) {
+        const __m512i kv = load_bf16x32(k + k0 * k_stride + d);
+        acc_a = dp_vec(acc_a, kv, load_bf16x32(qa + d));
+        acc_b = dp_vec(acc_b, kv, load_bf16x32(qb + d));
+      }
+      sa[k0] = _mm512_reduce_add_ps(acc_a) * scale;
+      sb[k0] = _mm512_reduce_add_ps(acc_b) * scale;
+    }
+  }
+  for (; r < rows; ++r) {
+    const c10::BFloat16* qr = q + r * D;
+    float* sr = s + r * s_stride;
+    int k0 = 0;
+    for (; k0 + 8 <= n; k0 += 8) {
+      __m512 acc[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+      for (int d = 0; d < D; d += 32) {
+        const __m512i x = load_bf16x32(qr + d);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) acc[i] = dp_vec(acc[i], load_bf16x32(k + (k0 + i) * k_stride + d), x);
+      }
+      _mm256_storeu_ps(sr + k0, _mm256_mul_ps(sum8_dp(acc), sc));
+    }
+    for (; k0 < n; ++k0) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int d = 0; d < D; d += 32) acc = dp_vec(acc, load_bf16x32(k + k0 * k_stride + d), load_bf16x32(qr + d));
+      sr[k0] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+
+// The V rows of a chunk's blocks for one head: rows[c] (row stride `stride`) holds keys
+// c * bsp .. c * bsp + n[c] of the chunk's P rows.
+struct ValueBlocks {
+  const c10::BFloat16* const* rows;
+  const int* n;
+  int count;
+  int bsp;
+  int64_t stride;
+};
+
+// O[r] (split layout) += sum_k P[r][k] V[k] for R rows over the chunk's keys and 32 * NV values
+// of D from d0, O held in registers from the first block to the last.
+template <int R, int NV>
+inline void pv_tile_split(const float* __restrict p, int p_stride, const ValueBlocks& vb, int d0,
+                          float* __restrict o, int D) {
+  const __m512i odd_mask = _mm512_set1_epi32(int(0xFFFF0000u));
+  __m512 acc[R][2 * NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 2 * NV; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + d0 + c * W);
+  for (int b = 0; b < vb.count; ++b) {
+    const c10::BFloat16* v = vb.rows[b] + d0;
+    const float* pk = p + b * vb.bsp;
+    for (int k = 0; k < vb.n[b]; ++k) {
+      __m512 x[2 * NV];
+#pragma GCC unroll 2
+      for (int c = 0; c < NV; ++c) {
+        const __m512i raw = load_bf16x32(v + k * vb.stride + 32 * c);
+        x[2 * c] = (__m512)_mm512_slli_epi32(raw, 16);           // values 0, 2, 4, ...
+        x[2 * c + 1] = (__m512)_mm512_and_si512(raw, odd_mask);  // values 1, 3, 5, ...
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 pb = _mm512_set1_ps(pk[r * p_stride + k]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 2 * NV; ++c) acc[r][c] = _mm512_fmadd_ps(pb, x[c], acc[r][c]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 2 * NV; ++c) _mm512_storeu_ps(o + r * D + d0 + c * W, acc[r][c]);
+}
+
+template <int R>
+inline void pv_rows_split(const float* p, int p_stride, const ValueBlocks& vb, float* o, int D) {
+  int d = 0;
+  for (; d + 64 <= D; d += 64) pv_tile_split<R, 2>(p, p_stride, vb, d, o, D);
+  if (d < D) pv_tile_split<R, 1>(p, p_stride, vb, d, o, D);
+}
+
+template <int R>
+inline void pv_tail_split(int rows, const float* p, int p_stride, const ValueBlocks& vb, float* o, int D) {
+  if constexpr (R > 0) {
+    if (rows == R)
+      pv_rows_split<R>(p, p_stride, vb, o, D);
+    else
+      pv_tail_split<R - 1>(rows, p, p_stride, vb, o, D);
+  }
+}
+
+inline void accumulate_pv_split(int rows, const float* p, int p_stride, const ValueBlocks& vb, float* o, int D) {
+  int r = 0;
+  for (; r + PV_ROWS <= rows; r += PV_ROWS) pv_rows_split<PV_ROWS>(p + r * p_stride, p_stride, vb, o + r * D, D);
+  pv_tail_split<PV_ROWS - 1>(rows - r, p + r * p_stride, p_stride, vb, o + r * D, D);
+}
+
+// O rows in the split layout back to the order of D, in place.
+inline void unsplit_rows(float* o, int rows, int D) {
+  alignas(64) static const int32_t lo_idx[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+  alignas(64) static const int32_t hi_idx[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  for (int64_t i = 0; i < int64_t(rows) * D; i += 32) {
+    const __m512 even = _mm512_loadu_ps(o + i), odd = _mm512_loadu_ps(o + i + 16);
+    _mm512_storeu_ps(o + i, _mm512_permutex2var_ps(even, lo, odd));
+    _mm512_storeu_ps(o + i + 16, _mm512_permutex2var_ps(even, hi, odd));
+  }
+}
+#endif  // OI_HAVE_SHUFFLEVECTOR
 #endif
 
 #if defined(OI_DPBF16) && defined(OI_AMX)
