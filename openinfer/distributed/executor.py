@@ -38,6 +38,7 @@ from openinfer.config import EngineConfig
 from openinfer.distributed.nodes import JOIN_TIMEOUT_S, RemoteRanks, init_method
 from openinfer.engine.core_proc import die_with
 from openinfer.engine.executor import Executor
+from openinfer.gc_heap import freeze_heap
 
 logger = logging.getLogger(__name__)
 
@@ -362,6 +363,7 @@ def serve_rank(config: EngineConfig, rank: int, init_method: str, conn: Connecti
         conn.send_bytes(pickle.dumps(("error", f"{type(e).__name__}: {e}")))
         logger.error("rank %d failed to start: %s", rank, traceback.format_exc())
         return
+    freeze_heap(f"rank {rank}")
     conn.send_bytes(pickle.dumps(("ok", None)))
     while True:
         try:

@@ -42,6 +42,7 @@ from openinfer.engine.rank_results import (
 )
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
+from openinfer.gc_heap import freeze_heap
 from openinfer.kv.events import KVEventPublisher, to_wire
 from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.kv_manager import KVCacheManager, KVEvent
@@ -118,6 +119,7 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens) shared by %d layer group(s)%s",
                     num_blocks, cache.block_size, capacity, len(groups),
                     f", {len(self.kv.windows)} of them sliding-window" if self.kv.windows else "")
+        freeze_heap("engine core")  # the model and everything built so far live on
 
     def _step_rates(self) -> StepRateProfile:
         """The model's steps per second by rows (confidence scheduling): profiled once per
