@@ -20,6 +20,7 @@ tensors in the workers behind the executor (engine/executor.py, engine/worker.py
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import secrets
@@ -42,7 +43,6 @@ from openinfer.engine.rank_results import (
 )
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
-from openinfer.gc_heap import freeze_heap
 from openinfer.kv.events import KVEventPublisher, to_wire
 from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.kv_manager import KVCacheManager, KVEvent
@@ -119,7 +119,6 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens) shared by %d layer group(s)%s",
                     num_blocks, cache.block_size, capacity, len(groups),
                     f", {len(self.kv.windows)} of them sliding-window" if self.kv.windows else "")
-        freeze_heap("engine core")  # the model and everything built so far live on
 
     def _step_rates(self) -> StepRateProfile:
         """The model's steps per second by rows (confidence scheduling): profiled once per
@@ -354,6 +353,7 @@ class EngineCore:
             "prefix_cache_hits_by_tier": dict(kv.hit_tokens_by_tier),
             "prefix_cache_blocks": kv.num_cached_blocks,
             "prompt_tokens_computed": s.num_prompt_tokens_computed,
+            "gc_frozen_objects": gc.get_freeze_count(),
         }
         if kv.windows:
             stats["swa_replayed_tokens"] = kv.num_replayed_tokens

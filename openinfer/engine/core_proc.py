@@ -19,6 +19,7 @@ import zmq
 from openinfer.config import EngineConfig
 from openinfer.engine import protocol
 from openinfer.engine.core import EngineCore
+from openinfer.gc_heap import freeze_heap
 from openinfer.logger import PeriodicStats, configure_logging
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ def run_engine_core(engine_options: dict, input_addr: str, output_addr: str,
     outputs.connect(output_addr)
     try:
         core = EngineCore(EngineConfig.create(**engine_options))
+        freeze_heap("engine core process")  # the model and everything built so far live on
         outputs.send(protocol.encode(protocol.READY, {
             "num_blocks": core.kv.num_blocks,
             "block_size": core.kv.block_size,

@@ -276,6 +276,8 @@ class _EngineStats(Collector):
          "last counted them"),
         ("kv_leases", "kv_leases", "Finished prompts whose KV a prefill instance holds for "
          "decode instances to pull"),
+        ("gc_frozen_objects", "gc_frozen_objects", "Objects the engine-core process froze out "
+         "of Python's garbage collection at start-up"),
     )
     COUNTERS = (
         ("num_preemptions", "num_preemptions", "Cumulative number of preemption from the engine."),
