@@ -14,10 +14,16 @@ contiguous, consecutive blocks are not.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
 from openinfer.attention.metadata import AttentionMetadata, build_attention_metadata
+
+if TYPE_CHECKING:
+    from openinfer.layers.attention import Attention
+    from openinfer.layers.norm import RMSNorm
+    from openinfer.layers.rotary import RotaryEmbedding
 
 
 class AttentionBackend(ABC):
@@ -48,6 +54,13 @@ class AttentionBackend(ABC):
         """The attention of q ([T, Hq, D]) over each sequence's context, already in ``cache``
         (any ``[2, num_blocks, block_size, Hkv, D]`` view: MLA passes its latent entries as
         both K and V, one expanded view), [T, Hq, D]."""
+
+    def rope_attention(self, layer: Attention, positions: torch.Tensor, qkv: torch.Tensor,
+                       rotary: RotaryEmbedding, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
+                       cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """``layer.forward_qkv`` in one call, or None where this backend does not fuse it
+        (the layer then splits, rotates and calls ``forward``)."""
+        return None
 
     def forward_batch_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 cache: torch.Tensor, meta: AttentionMetadata,

@@ -4,12 +4,19 @@ table (openinfer/kernels/cpu_attention.py). Nothing is gathered or padded."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from openinfer.attention.backend import AttentionBackend
 from openinfer.attention.metadata import AttentionMetadata
 from openinfer.kernels import paged_attention as torch_kernels
-from openinfer.kernels.cpu_attention import load_cpu_attention, paged_attention
+from openinfer.kernels.cpu_attention import bf16_dot, load_cpu_attention, paged_attention
+
+if TYPE_CHECKING:
+    from openinfer.layers.attention import Attention
+    from openinfer.layers.norm import RMSNorm
+    from openinfer.layers.rotary import RotaryEmbedding
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -44,6 +51,23 @@ class CPUAttentionBackend(AttentionBackend):
                         sinks=sinks)
         return out
 
+    def rope_attention(self, layer: Attention, positions: torch.Tensor, qkv: torch.Tensor,
+                       rotary: RotaryEmbedding, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
+                       cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """One C++ call (``RopeAttention``) where the layer's kernel applies: made at its first
+        call for this dtype and kept on the layer, None for the layers it does not cover."""
+        kernel = layer.rope_kernels.get(qkv.dtype, _UNDECIDED)
+        if kernel is _UNDECIDED:
+            kernel = layer.rope_kernels[qkv.dtype] = _rope_kernel(layer, qkv, rotary, q_norm, k_norm, cache)
+        if kernel is None:
+            return None
+        step = meta.derived.get("cpu_step")
+        if step is None:
+            step = meta.derived["cpu_step"] = load_cpu_attention().AttentionStep(
+                positions, meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                meta.max_query_len, bf16_dot())
+        return kernel(qkv, cache, step)
+
     def forward_batch_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 cache: torch.Tensor, meta: AttentionMetadata,
                                 scale: float) -> torch.Tensor:
@@ -54,3 +78,27 @@ class CPUAttentionBackend(AttentionBackend):
         paged_attention(out, q, cache[0], cache[1], meta.block_tables, meta.query_start_loc,
                         meta.seq_lens, scale, meta.max_query_len, invariant=True)
         return out
+
+
+_UNDECIDED = object()
+
+
+def _rope_kernel(layer: Attention, qkv: torch.Tensor, rotary: RotaryEmbedding, q_norm: RMSNorm | None,
+                 k_norm: RMSNorm | None, cache: torch.Tensor):
+    """The layer's ``RopeAttention``, or None where its separate calls would not all run in the
+    extension (a rotation or norm the kernels do not compute, a cache of another dtype)."""
+    module = load_cpu_attention()
+    if (module is None or rotary.cpu_kernels is None or rotary.interleaved
+            or rotary.rotary_dim != rotary.head_dim or qkv.dtype not in (torch.float32, torch.bfloat16)
+            or cache.dtype != qkv.dtype or layer.head_dim % 16):
+        return None
+    norms: tuple = (None, None, 0.0)
+    if q_norm is not None:
+        if not (k_norm is not None and q_norm.eps == k_norm.eps and q_norm.weight.dtype == qkv.dtype
+                and k_norm.weight.dtype == qkv.dtype and q_norm.cpu_kernels is not None
+                and q_norm.weight.numel() == layer.head_dim == k_norm.weight.numel() <= 512):
+            return None
+        norms = (q_norm.weight, k_norm.weight, q_norm.eps)
+    return module.RopeAttention(layer.num_heads, layer.num_kv_heads, layer.head_dim, rotary.cos_cache,
+                                rotary.sin_cache, *norms, layer.scale, layer.sliding_window,
+                                layer.logit_softcap, layer.sinks)

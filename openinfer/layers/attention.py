@@ -6,10 +6,16 @@ step by the model runner, so the layer holds no global state and no per-step ten
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from openinfer.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from openinfer.layers.norm import RMSNorm
+    from openinfer.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -33,6 +39,8 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window or 0
         self.logit_softcap = logit_softcap or 0.0
         self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
+        self.rope_kernels: dict[torch.dtype, object] = {}
+        """A backend's fused kernel for ``forward_qkv`` per compute dtype (``None``: none)."""
 
     @property
     def is_variant(self) -> bool:
@@ -50,3 +58,25 @@ class Attention(nn.Module):
             return meta.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window,
                                         self.logit_softcap, self.sinks)
         return meta.backend.forward(q, k, v, cache, meta, self.scale)
+
+    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, rotary: RotaryEmbedding,
+                    cache: torch.Tensor, meta: AttentionMetadata, q_norm: RMSNorm | None = None,
+                    k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """Attention from the merged q/k/v projection ``qkv`` [T, (Hq + 2 Hkv) * D]: q, k and v
+        split into heads, q and k normalised per head (``q_norm``/``k_norm``, Qwen3) and
+        rotated, then ``forward``; returns [T, Hq * D]. A backend may run the whole chain in
+        one call (``AttentionBackend.rope_attention``; the cpu backend's C++ entry)."""
+        if not self.batch_invariant and meta.context_parallel is None:
+            out = meta.backend.rope_attention(self, positions, qkv, rotary, q_norm, k_norm, cache, meta)
+            if out is not None:
+                return out
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if q_norm is not None:  # normalised and rotated in one pass where the CPU kernel can
+            q, k = rotary(positions, q, k, q_norm, k_norm)
+        else:
+            q, k = rotary(positions, q, k)
+        return self(q, k, v, cache, meta).flatten(1)

@@ -27,6 +27,7 @@ packed copy once); the plan decides which.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -73,15 +74,11 @@ def _small_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tor
 
 
 def _amx(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-    _amx_kernels().amx_gemm(out, x.contiguous(), w, b)
-    return out
+    return _amx_kernels().amx_gemm(x, w, b)  # (allocates its output: no Python torch.empty)
 
 
 def _mkl(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-    _mkl_kernels().mkl_gemm(out, x.contiguous(), w, b)
-    return out
+    return _mkl_kernels().mkl_gemm(x, w, b)
 
 
 def _kernels_with(available: str, missing: str):
@@ -92,6 +89,7 @@ def _kernels_with(available: str, missing: str):
     return kernels
 
 
+@functools.cache  # the hot path: once found, the module; a refusal raises (and is not kept)
 def _mkl_kernels():
     return _kernels_with("mkl_gemm_available",
                          "no MKL packed GEMM here (torch built without MKL, or no kernel build)")
@@ -112,6 +110,7 @@ def mkl_pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+@functools.cache
 def _amx_kernels():
     return _kernels_with("amx_gemm_available",
                          "no AMX GEMM here (a CPU or build without AMX-BF16, or tile state refused)")

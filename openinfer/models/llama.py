@@ -76,16 +76,12 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # normalised and rotated in one pass where the CPU kernel can
-            q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
+        qkv = self.qkv_proj(x)
+        if self.qk_norm:  # Qwen3: each head's q and k normalised before RoPE
+            out = self.attn.forward_qkv(positions, qkv, self.rotary, cache, meta, self.q_norm, self.k_norm)
         else:
-            q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, cache, meta)
-        return self.o_proj(out.flatten(1))
+            out = self.attn.forward_qkv(positions, qkv, self.rotary, cache, meta)
+        return self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):

@@ -182,17 +182,17 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
   return packed;
 }
 
-void amx_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-              const c10::optional<at::Tensor>& bias) {
+at::Tensor amx_gemm(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(oi_amx::usable(), "amx_gemm: the kernel refused this process AMX tile state");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16,
-              "amx_gemm: bfloat16 only");
-  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous() && out.is_contiguous(), "amx_gemm: contiguous tensors");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(0) % NB == 0 && packed.size(2) == KB,
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "amx_gemm: bfloat16 only");
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) % NB == 0 && packed.size(2) == KB,
               "amx_gemm: a weight from amx_pack_weight");
+  const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(x.dim() == 2 && packed.size(1) * KB == K && out.size(0) == M && out.size(1) == N, "amx_gemm: shapes");
+  TORCH_CHECK(x.dim() == 2 && packed.size(1) * KB == K, "amx_gemm: shapes");
+  // Allocated here rather than by the caller: the decode step's ~64 calls each save a Python
+  // torch.empty (2026-12-05).
+  at::Tensor out = at::empty({M, N}, x.options());
   at::Tensor bias_f;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "amx_gemm: bias");
@@ -236,7 +236,7 @@ void amx_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
         }
     });
   }
-  if (M2 == M) return;
+  if (M2 == M) return out;
   at::parallel_for(0, N / NB, grain, [&](int64_t c0, int64_t c1) {
     const int last = int((M - M2) % (16 * GROUPS));
     // Every pass but the last has 64 rows; the last's short group sets tiles 5 and 7.
@@ -247,6 +247,7 @@ void amx_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
       for (int64_t c = c0; c < c1; ++c) block_column(px, K, pw + c * column, m0, rows, po, N, c * NB, pb);
     }
   });
+  return out;
 }
 
 bool amx_gemm_available() { return oi_amx::usable(); }

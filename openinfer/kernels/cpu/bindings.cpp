@@ -23,6 +23,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "The vector width and ISA macros this build was compiled with");
   m.def("write_kv", &write_kv, "cache[:, slot] = k, v for every token (see write_kv.cpp)", py::arg("cache"),
         py::arg("k"), py::arg("v"), py::arg("slot_mapping"), nogil);
+  // module_local: a twin build (another name, see build_extension) loads the same C++ types.
+  py::class_<AttentionStep>(m, "AttentionStep", "A step's attention metadata for RopeAttention (made once per step)",
+                            py::module_local())
+      .def(py::init([](at::Tensor positions, at::Tensor slot_mapping, at::Tensor block_tables,
+                       at::Tensor query_start_loc, at::Tensor seq_lens, int64_t max_query_len, std::string bf16_dot) {
+             return AttentionStep{positions, slot_mapping, block_tables, query_start_loc, seq_lens, max_query_len,
+                                  bf16_dot};
+           }),
+           py::arg("positions"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("query_start_loc"),
+           py::arg("seq_lens"), py::arg("max_query_len"), py::arg("bf16_dot") = "");
+  py::class_<RopeAttention>(m, "RopeAttention", "A layer's q/k norm + RoPE + K/V write + paged attention",
+                            py::module_local())
+      .def(py::init([](int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin,
+                       std::optional<at::Tensor> q_weight, std::optional<at::Tensor> k_weight, double eps,
+                       double scale, int64_t window, double softcap, std::optional<at::Tensor> sinks) {
+             return RopeAttention{num_heads, num_kv_heads, head_dim, cos, sin, q_weight, k_weight, eps, scale,
+                                  window, softcap, sinks};
+           }),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("cos"), py::arg("sin"),
+           py::arg("q_weight"), py::arg("k_weight"), py::arg("eps"), py::arg("scale"), py::arg("window") = 0,
+           py::arg("softcap") = 0.0, py::arg("sinks") = py::none())
+      .def("__call__", &RopeAttention::forward, py::arg("qkv"), py::arg("cache"), py::arg("step"), nogil);
 
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight, float32 or bfloat16 rows", py::arg("out"),
         py::arg("x"), py::arg("weight"), py::arg("eps"), nogil);
@@ -40,16 +62,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef OI_AMX
   m.def("amx_pack_weight", &amx_pack_weight, "a bf16 [N, K] weight in amx_gemm's blocked layout",
         py::arg("weight"));
-  m.def("amx_gemm", &amx_gemm, "out = x @ weight^T (+ bias), bf16, weight from amx_pack_weight", py::arg("out"),
-        py::arg("x"), py::arg("packed"), py::arg("bias"), nogil);
+  m.def("amx_gemm", &amx_gemm, "x @ weight^T (+ bias), bf16, weight from amx_pack_weight", py::arg("x"),
+        py::arg("packed"), py::arg("bias"), nogil);
 #endif
   m.def("mkl_gemm_available", &mkl_gemm_available, "whether torch's MKL packed sgemm is here");
   m.def("mkl_packed_bytes", &mkl_packed_bytes, "bytes of a float32 [N, K] weight MKL-packed", py::arg("n"),
         py::arg("k"), py::arg("rows"));
   m.def("mkl_pack_weight", &mkl_pack_weight, "dest = the float32 [N, K] weight MKL-packed", py::arg("dest"),
         py::arg("weight"), py::arg("rows"), nogil);
-  m.def("mkl_gemm", &mkl_gemm, "out = x @ weight^T (+ bias), float32, weight from mkl_pack_weight",
-        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), nogil);
+  m.def("mkl_gemm", &mkl_gemm, "x @ weight^T (+ bias), float32, weight from mkl_pack_weight", py::arg("x"),
+        py::arg("packed"), py::arg("bias"), nogil);
 
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "logits[rows[r], t] = -inf where bit t of bitmask[r] is clear, in place", py::arg("logits"),

@@ -17,6 +17,7 @@
 // tensors never move their storage, and the plan keeps the one it packed.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cstdint>
 
@@ -71,18 +72,16 @@ void mkl_pack_weight(at::Tensor& dest, const at::Tensor& weight, int64_t rows) {
                    weight.data_ptr<float>(), K, static_cast<float*>(dest.data_ptr()));
 }
 
-// out [M, N] = x [M, K] @ W^T (+ bias [N]), W from mkl_pack_weight. Bias: out starts as the
-// bias rows and MKL adds the product to it (beta = 1).
-void mkl_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-              const c10::optional<at::Tensor>& bias) {
+// x [M, K] @ W^T (+ bias [N]) -> [M, N], W from mkl_pack_weight (its N rows). Bias: out
+// starts as the bias rows and MKL adds the product to it (beta = 1).
+at::Tensor mkl_gemm(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(available(), "mkl_gemm: this torch has no MKL packed GEMM");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "mkl_gemm: float32 only");
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous() &&
-                  out.size(0) == x.size(0) && packed.is_contiguous(),
-              "mkl_gemm: contiguous x [M, K] and out [M, N]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "mkl_gemm: float32 only");
+  TORCH_CHECK(x_in.dim() == 2 && packed.is_contiguous() && packed.dim() == 2, "mkl_gemm: x [M, K], a packed weight");
+  const at::Tensor x = x_in.contiguous();
   const int M = checked_int(x.size(0), "M"), K = checked_int(x.size(1), "K"),
-            N = checked_int(out.size(1), "N");
+            N = checked_int(packed.size(0), "N");
+  at::Tensor out = at::empty({M, N}, x.options());
   float beta = 0.0f;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "mkl_gemm: bias");
@@ -92,5 +91,6 @@ void mkl_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   cblas_sgemm_compute(ROW_MAJOR, NO_TRANS, PACKED, M, N, K, x.data_ptr<float>(), K,
                       static_cast<const float*>(packed.data_ptr()), N, beta,
                       out.data_ptr<float>(), N);
+  return out;
 }
 

@@ -46,14 +46,35 @@ void small_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
 bool amx_gemm_available();
 #ifdef OI_AMX
 at::Tensor amx_pack_weight(const at::Tensor& weight);
-void amx_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-              const std::optional<at::Tensor>& bias);
+at::Tensor amx_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 #endif
 // mkl_gemm.cpp
 bool mkl_gemm_available();
 int64_t mkl_packed_bytes(int64_t N, int64_t K, int64_t rows);
 void mkl_pack_weight(at::Tensor& dest, const at::Tensor& weight, int64_t rows);
-void mkl_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-              const std::optional<at::Tensor>& bias);
+at::Tensor mkl_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+// rope_attention.cpp: a layer's q/k norm, RoPE, K/V write and paged attention in one call.
+// The step's metadata, made once per step and read by every layer of its layer group.
+struct AttentionStep {
+  at::Tensor positions;        // [T] int64
+  at::Tensor slot_mapping;     // [T] int64
+  at::Tensor block_tables;     // [B, max_blocks] int32
+  at::Tensor query_start_loc;  // [B + 1] int32
+  at::Tensor seq_lens;         // [B] int32
+  int64_t max_query_len;
+  std::string bf16_dot;        // the process's bf16 product path ("": the build's default)
+};
+// A layer's constants, made once per layer.
+struct RopeAttention {
+  int64_t num_heads, num_kv_heads, head_dim;
+  at::Tensor cos, sin;                          // float32 [max_position, D / 2]
+  std::optional<at::Tensor> q_weight, k_weight;  // q/k norm weights (both or neither)
+  double eps, scale;
+  int64_t window;
+  double softcap;
+  std::optional<at::Tensor> sinks;
+  // qkv [T, (Hq + 2 Hkv) * D] -> attention output [T, Hq * D]; the step's K/V stored in cache.
+  at::Tensor forward(const at::Tensor& qkv, at::Tensor& cache, const AttentionStep& step) const;
+};
 // token_mask.cpp
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
