@@ -58,15 +58,11 @@ class CPUAttentionBackend(AttentionBackend):
         call for this dtype and kept on the layer, None for the layers it does not cover."""
         kernel = layer.rope_kernels.get(qkv.dtype, _UNDECIDED)
         if kernel is _UNDECIDED:
-            kernel = layer.rope_kernels[qkv.dtype] = _rope_kernel(layer, qkv, rotary, q_norm, k_norm, cache)
+            kernel = layer.rope_kernels[qkv.dtype] = rope_kernel(layer, qkv.dtype, rotary, q_norm, k_norm,
+                                                                 cache)
         if kernel is None:
             return None
-        step = meta.derived.get("cpu_step")
-        if step is None:
-            step = meta.derived["cpu_step"] = load_cpu_attention().AttentionStep(
-                positions, meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                meta.max_query_len, bf16_dot())
-        return kernel(qkv, cache, step)
+        return kernel(qkv, cache, attention_step(meta, positions))
 
     def forward_batch_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 cache: torch.Tensor, meta: AttentionMetadata,
@@ -83,19 +79,30 @@ class CPUAttentionBackend(AttentionBackend):
 _UNDECIDED = object()
 
 
-def _rope_kernel(layer: Attention, qkv: torch.Tensor, rotary: RotaryEmbedding, q_norm: RMSNorm | None,
-                 k_norm: RMSNorm | None, cache: torch.Tensor):
-    """The layer's ``RopeAttention``, or None where its separate calls would not all run in the
-    extension (a rotation or norm the kernels do not compute, a cache of another dtype)."""
+def attention_step(meta: AttentionMetadata, positions: torch.Tensor):
+    """The step's ``AttentionStep`` (its metadata for the C++ calls), made by its first layer."""
+    step = meta.derived.get("cpu_step")
+    if step is None:
+        step = meta.derived["cpu_step"] = load_cpu_attention().AttentionStep(
+            positions, meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+            meta.max_query_len, bf16_dot())
+    return step
+
+
+def rope_kernel(layer: Attention, dtype: torch.dtype, rotary: RotaryEmbedding, q_norm: RMSNorm | None,
+                k_norm: RMSNorm | None, cache: torch.Tensor):
+    """The layer's ``RopeAttention`` for activations of ``dtype``, or None where its separate
+    calls would not all run in the extension (a rotation or norm the kernels do not compute, a
+    cache of another dtype)."""
     module = load_cpu_attention()
     if (module is None or rotary.cpu_kernels is None or rotary.interleaved
-            or rotary.rotary_dim != rotary.head_dim or qkv.dtype not in (torch.float32, torch.bfloat16)
-            or cache.dtype != qkv.dtype or layer.head_dim % 16):
+            or rotary.rotary_dim != rotary.head_dim or dtype not in (torch.float32, torch.bfloat16)
+            or cache.dtype != dtype or layer.head_dim % 16):
         return None
     norms: tuple = (None, None, 0.0)
     if q_norm is not None:
-        if not (k_norm is not None and q_norm.eps == k_norm.eps and q_norm.weight.dtype == qkv.dtype
-                and k_norm.weight.dtype == qkv.dtype and q_norm.cpu_kernels is not None
+        if not (k_norm is not None and q_norm.eps == k_norm.eps and q_norm.weight.dtype == dtype
+                and k_norm.weight.dtype == dtype and q_norm.cpu_kernels is not None
                 and q_norm.weight.numel() == layer.head_dim == k_norm.weight.numel() <= 512):
             return None
         norms = (q_norm.weight, k_norm.weight, q_norm.eps)

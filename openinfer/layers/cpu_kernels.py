@@ -20,8 +20,12 @@ the few-row float32 expert GEMMs."""
 
 
 def use_cpu_kernels(model: nn.Module, kernels: ModuleType) -> int:
-    """Route the model's KERNEL_LAYERS through the CPU extension; returns how many modules."""
-    modules = [m for m in model.modules() if isinstance(m, KERNEL_LAYERS)]
+    """Route the model's KERNEL_LAYERS, and its decoder stack (Llama-family layers in one call
+    per step: openinfer/models/llama_cpu.py), through the CPU extension; returns how many
+    modules."""
+    from openinfer.models.llama import DecoderStack
+
+    modules = [m for m in model.modules() if isinstance(m, (*KERNEL_LAYERS, DecoderStack))]
     for module in modules:
         module.cpu_kernels = kernels
     return len(modules)

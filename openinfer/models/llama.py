@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from openinfer.layers.linear import MergedLinear, RowParallelLinear
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding, get_rope
+from openinfer.models import llama_cpu
 
 
 @dataclass(frozen=True)
@@ -115,10 +117,24 @@ class DecoderStack(nn.Module):
     embed_tokens: VocabEmbedding
     layers: nn.ModuleList
     norm: RMSNorm
+    cpu_kernels: ModuleType | None = None
+    """The CPU kernel extension (set with the layers' by ``layers.cpu_kernels.use_cpu_kernels``):
+    Llama-family layers then run in one C++ call per step where it covers them
+    (openinfer/models/llama_cpu.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu_layers: dict[torch.dtype, object] = {}
+        """That call per activation dtype (None: not covered), made at the first step."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        if self.cpu_kernels is not None:
+            done = llama_cpu.run_layers(self, positions, x, kv_caches, metas)
+            if done is not None:
+                x, _ = self.norm(*done)
+                return x
         for layer, cache, meta in zip(self.layers, kv_caches, metas):
             x, residual = layer(positions, x, residual, cache, meta)
         x, _ = self.norm(x, residual)

@@ -45,6 +45,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("q_weight"), py::arg("k_weight"), py::arg("eps"), py::arg("scale"), py::arg("window") = 0,
            py::arg("softcap") = 0.0, py::arg("sinks") = py::none())
       .def("__call__", &RopeAttention::forward, py::arg("qkv"), py::arg("cache"), py::arg("step"), nogil);
+  py::class_<Gemm>(m, "Gemm", "A GEMM plan's routes, callable from C++", py::module_local())
+      .def(py::init([](const std::vector<std::tuple<int64_t, int64_t, at::Tensor, bool>>& routes,
+                       std::optional<at::Tensor> bias, int64_t pad_from_rows, int64_t pad_rows) {
+             Gemm g{{}, bias, pad_from_rows, pad_rows};
+             for (const auto& [max_rows, path, weight, pads] : routes) g.routes.push_back({max_rows, path, weight, pads});
+             return g;
+           }),
+           py::arg("routes"), py::arg("bias"), py::arg("pad_from_rows"), py::arg("pad_rows"))
+      .def("covers", &Gemm::covers, py::arg("rows"))
+      .def("__call__", &Gemm::operator(), py::arg("x"), nogil);
+  m.attr("GEMM_PATHS") = py::dict(py::arg("amx") = int64_t(GEMM_AMX), py::arg("mkl_packed") = int64_t(GEMM_MKL),
+                                  py::arg("small_gemm") = int64_t(GEMM_SMALL), py::arg("torch") = int64_t(GEMM_TORCH),
+                                  py::arg("torch_t") = int64_t(GEMM_TORCH_T));
+  py::class_<DecoderLayer>(m, "DecoderLayer", "One Llama-family decoder layer's weights and kernels",
+                           py::module_local())
+      .def(py::init([](at::Tensor input_norm, double input_eps, at::Tensor post_norm, double post_eps, Gemm qkv,
+                       Gemm o, Gemm gate_up, Gemm down, RopeAttention attention) {
+             return DecoderLayer{input_norm, post_norm, input_eps, post_eps, qkv, o, gate_up, down, attention};
+           }),
+           py::arg("input_norm"), py::arg("input_eps"), py::arg("post_norm"), py::arg("post_eps"), py::arg("qkv"),
+           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("attention"));
+  py::class_<DecoderLayers>(m, "DecoderLayers", "A Llama-family model's decoder layers in one call per step",
+                            py::module_local())
+      .def(py::init([](std::vector<DecoderLayer> layers) { return DecoderLayers{layers}; }), py::arg("layers"))
+      .def("covers", &DecoderLayers::covers, py::arg("rows"))
+      .def("__call__", &DecoderLayers::forward, py::arg("hidden"), py::arg("caches"), py::arg("steps"), nogil);
 
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight, float32 or bfloat16 rows", py::arg("out"),
         py::arg("x"), py::arg("weight"), py::arg("eps"), nogil);

@@ -76,5 +76,37 @@ struct RopeAttention {
   // qkv [T, (Hq + 2 Hkv) * D] -> attention output [T, Hq * D]; the step's K/V stored in cache.
   at::Tensor forward(const at::Tensor& qkv, at::Tensor& cache, const AttentionStep& step) const;
 };
+// decoder_layers.cpp: a Llama-family model's decoder layers in one call per step.
+// A GEMM as its plan (openinfer/layers/gemm.py) routes it: per bucket of rows, a path and the
+// weight in that path's format. Paths the C++ cannot call (oneDNN's) are GEMM_OTHER.
+enum GemmPathId : int64_t { GEMM_OTHER = -1, GEMM_AMX = 0, GEMM_MKL = 1, GEMM_SMALL = 2, GEMM_TORCH = 3, GEMM_TORCH_T = 4 };
+struct GemmRoute {
+  int64_t max_rows;
+  int64_t path;
+  at::Tensor weight;
+  bool pads;  // the plan pads prefill-sized calls of this route (which then stay in Python)
+};
+struct Gemm {
+  std::vector<GemmRoute> routes;
+  std::optional<at::Tensor> bias;
+  int64_t pad_from_rows, pad_rows;
+  const GemmRoute* route(int64_t rows) const;
+  bool covers(int64_t rows) const;
+  at::Tensor operator()(const at::Tensor& x) const;
+};
+struct DecoderLayer {
+  at::Tensor input_norm, post_norm;
+  double input_eps, post_eps;
+  Gemm qkv, o, gate_up, down;
+  RopeAttention attention;
+};
+struct DecoderLayers {
+  std::vector<DecoderLayer> layers;
+  // Whether every GEMM's route for this many rows runs here.
+  bool covers(int64_t rows) const;
+  // hidden [T, H] (the embeddings) -> (x, residual) after the last layer, before the final norm.
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& hidden, const std::vector<at::Tensor>& caches,
+                                             const std::vector<AttentionStep>& steps) const;
+};
 // token_mask.cpp
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);

@@ -1,0 +1,89 @@
+"""A Llama-family model's decoder layers in one C++ call per step, on the cpu attention
+backend (``DecoderLayers``, openinfer/kernels/cpu/decoder_layers.cpp).
+
+Why: the Python between two kernels runs with cold caches, the kernel before it having
+streamed weights or K/V through L2. A segment that takes 2.4 us hot took ~30 us after a
+4 MiB sweep, and a batch-32 decode step of a 16-layer model had ~130 such segments: 6.2 ms of
+a 60 ms step (2026-12-05, benchmarks/bench_step_overhead.py). The one call runs each layer's
+kernels in the Python layers' order, with the GEMM path each plan routes the step's row count
+to: the same bits.
+
+Covered: every layer a ``DecoderLayer`` of ``LlamaAttention`` (q/k norms or none, RoPE over
+whole heads, a window, softcap or sinks) and a SiLU ``GatedMLP``, on one tensor-parallel rank,
+with GEMM plans whose routes for the step's rows run in C++ (AMX, MKL, small_gemm, torch's own;
+not oneDNN's, nor padded prefill calls). Anything else runs the Python layers, which call the
+same kernels one by one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from openinfer.attention.cpu import attention_step, rope_kernel
+from openinfer.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from openinfer.models.llama import DecoderStack
+
+
+def run_layers(stack: DecoderStack, positions: torch.Tensor, x: torch.Tensor,
+               caches: list[torch.Tensor], metas: list[AttentionMetadata]
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x, residual) after the stack's last layer, in one C++ call; None where the call does
+    not cover this model or this step (the caller then runs the layers in Python)."""
+    n = len(stack.layers)
+    if len(caches) < n or len(metas) < n:
+        return None
+    caches, metas = caches[:n], metas[:n]  # (a draft model is handed the runner's rest)
+    layers = stack.cpu_layers.get(x.dtype, _UNDECIDED)
+    if layers is _UNDECIDED:
+        layers = stack.cpu_layers[x.dtype] = _build(stack, x.dtype, caches)
+    if layers is None or not layers.covers(x.shape[0]):
+        return None
+    for meta in metas:
+        if meta.context_parallel is not None:
+            return None
+    return layers(x, caches, [attention_step(meta, positions) for meta in metas])
+
+
+_UNDECIDED = object()
+
+
+def _build(stack: DecoderStack, dtype: torch.dtype, caches: list[torch.Tensor]):
+    """The stack's ``DecoderLayers``, or None where some layer is not covered."""
+    from openinfer.layers.gemm import PAD_FROM_ROWS, PAD_ROWS
+    from openinfer.layers.linear import GemmLayer
+    from openinfer.layers.mlp import GatedMLP
+    from openinfer.models.llama import DecoderLayer, LlamaAttention
+
+    kernels = stack.cpu_kernels
+    paths = dict(kernels.GEMM_PATHS)
+
+    def gemm(linear: GemmLayer):
+        plan = linear.plan
+        if plan is None or getattr(linear, "tp", None) is not None and linear.tp.size > 1:
+            return None
+        routes = [(min(max_rows, 2**62), paths.get(route.path.name, -1), weight, pads)
+                  for (max_rows, _, weight, pads), route in zip(plan._table, plan.routes)]
+        return kernels.Gemm(routes, plan.bias, PAD_FROM_ROWS, PAD_ROWS)
+
+    built = []
+    for layer, cache in zip(stack.layers, caches):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if not (type(layer) is DecoderLayer and type(attn) is LlamaAttention and type(mlp) is GatedMLP):
+            return None
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if (attn.attn.batch_invariant or mlp.batch_invariant or mlp.activation != "silu"
+                or mlp.clamp_limit is not None or mlp.cpu_kernels is None
+                or any(n.cpu_kernels is None or n.weight.dtype != dtype for n in norms)):
+            return None
+        q_norm, k_norm = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
+        attention = rope_kernel(attn.attn, dtype, attn.rotary, q_norm, k_norm, cache)
+        gemms = [gemm(g) for g in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if attention is None or None in gemms:
+            return None
+        built.append(kernels.DecoderLayer(norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps,
+                                          *gemms, attention))
+    return kernels.DecoderLayers(built) if built else None
