@@ -111,10 +111,21 @@ class TimedModule:
         return attr if isinstance(attr, type) or not callable(attr) else self._clock.kernel(attr)
 
 
+class TimedLayers:
+    """A decoder stack's one C++ call (models/llama_cpu.py), timed as kernel time: no Python
+    runs inside it."""
+
+    def __init__(self, layers, timed) -> None:
+        self.covers, self._timed = layers.covers, timed
+
+    def __call__(self, *args):
+        return self._timed(*args)
+
+
 def time_kernels(clock: StepClock, model: torch.nn.Module) -> None:
     """Route the model's kernel calls through ``clock``: the extension (held by the layers, by
-    the GEMM paths and by the attention backend), each layer's fused attention call and each
-    GEMM plan's paths (torch's own GEMMs included; the LM head's too)."""
+    the GEMM paths and by the attention backend), a decoder stack's one call, each layer's fused
+    attention call and each GEMM plan's paths (torch's own GEMMs included; the LM head's too)."""
     ext = cpu_attention.load_cpu_attention()
     if ext is not None:
         proxy = TimedModule(ext, clock)
@@ -124,6 +135,9 @@ def time_kernels(clock: StepClock, model: torch.nn.Module) -> None:
     for module in model.modules():
         if ext is not None and getattr(module, "cpu_kernels", None) is not None:
             module.cpu_kernels = proxy
+        for dtype, layers in getattr(module, "cpu_layers", {}).items():  # a stack's one C++ call
+            if layers is not None:
+                module.cpu_layers[dtype] = TimedLayers(layers, clock.kernel(layers))
         if isinstance(module, Attention):
             for dtype, kernel in module.rope_kernels.items():
                 if kernel is not None:
