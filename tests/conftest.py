@@ -19,6 +19,17 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @pytest.fixture(scope="session")
+def kernels():
+    """The CPU kernel extension; the test is skipped where it cannot be built (no compiler)."""
+    from openinfer.kernels.cpu_attention import load_cpu_attention
+
+    ext = load_cpu_attention()
+    if ext is None:
+        pytest.skip("the CPU kernel extension cannot be built here")
+    return ext
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     return build_demo_tokenizer(1024)
 

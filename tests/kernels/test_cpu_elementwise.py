@@ -9,19 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.layers.cpu_kernels import use_cpu_kernels
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    ext = load_cpu_attention()
-    if ext is None:
-        pytest.skip("the CPU kernel extension cannot be built here")
-    return ext
 
 
 def _norms(kernels, hidden: int, dtype: torch.dtype = torch.float32) -> tuple[RMSNorm, RMSNorm]:

@@ -9,21 +9,12 @@ import pytest
 import torch
 
 from openinfer.attention import select_attention_backend
-from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.layers.attention import Attention
 from openinfer.layers.cpu_kernels import use_cpu_kernels
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding, get_rope
 
 HEADS, KV_HEADS, BLOCK, LAYERS, NUM_BLOCKS = 8, 2, 16, 3, 64
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    ext = load_cpu_attention()
-    if ext is None:
-        pytest.skip("the CPU kernel extension cannot be built here")
-    return ext
 
 
 def _step(backend, query_lens: list[int], seq_lens: list[int]):

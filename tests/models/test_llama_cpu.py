@@ -8,18 +8,9 @@ import pytest
 import torch
 
 from openinfer import LLM, SamplingParams
-from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.layers.gemm import ENV_VAR as GEMM_ENV
 
 PROMPTS = [[5 + i for i in range(n)] for n in (3, 40, 17, 9)]
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    ext = load_cpu_attention()
-    if ext is None:
-        pytest.skip("the CPU kernel extension cannot be built here")
-    return ext
 
 
 class CountingLayers:
