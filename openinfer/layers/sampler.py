@@ -93,6 +93,11 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             shape = tuple(logits.shape)
             raise ValueError(f"expected logits of shape [{len(rows)}, V], got {shape}")
+        if all(_plain_greedy(row) for row in rows):
+            # Widening bf16 to float32 is exact and keeps the order, so the argmax of the
+            # model's own dtype is the same token without a [B, V] float32 copy (a third of a
+            # batch-32 step's sampling time on a 152k vocabulary).
+            return SamplerOutput(token_ids=argmax(logits).tolist(), logprobs=[None] * len(rows))
         raw_logits = logits.float()
         # The raw logits must survive for rows that return logprobs, and for a caller that
         # reads them again; otherwise constraints and penalties edit them in place.
@@ -204,6 +209,16 @@ class Sampler:
 # --------------------------------------------------------------------------------------------
 # Token constraints: allowed_token_ids, bad_words, logit_bias
 # --------------------------------------------------------------------------------------------
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Whether the row's token is the argmax of its raw logits: greedy, no logprobs, nothing
+    that edits the logits (constraints, grammar, min_tokens, penalties)."""
+    params = row.params
+    return (params.greedy and params.logprobs is None and not params.edits_logits
+            and row.grammar_mask is None and params.repetition_penalty == 1.0
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and not (row.stop_token_ids and len(row.output_token_ids) < params.min_tokens))
 
 
 def apply_token_constraints(logits: torch.Tensor, rows: list[SamplingRow], *,

@@ -54,6 +54,18 @@ def test_greedy_is_argmax_and_input_untouched():
     assert torch.equal(logits, before)
 
 
+def test_greedy_on_bf16_logits_matches_the_float32_path():
+    """Plain greedy rows take the argmax of the model's bf16 logits without widening them; the
+    token is the one the float32 path (taken when a row asks for logprobs) picks, ties included."""
+    logits = (random_logits(16, 3000, seed=3) * 0.05).to(torch.bfloat16)  # coarse: many ties
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # an exact tie for the top
+    plain = Sampler(seed=0)(logits, [make_row(SamplingParams(temperature=0.0))] * 16)
+    with_logprobs = Sampler(seed=0)(logits, [make_row(SamplingParams(temperature=0.0, logprobs=1))] * 16)
+    assert plain.token_ids == with_logprobs.token_ids == logits.float().argmax(dim=-1).tolist()
+    assert plain.token_ids[1] == 7
+    assert plain.logprobs == [None] * 16 and with_logprobs.logprobs[0] is not None
+
+
 def test_mixed_batch_greedy_rows_stay_argmax():
     logits = random_logits(6, 50, seed=1)
     before = logits.clone()
