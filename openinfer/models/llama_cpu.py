@@ -10,9 +10,9 @@ to: the same bits.
 
 Covered: every layer a ``DecoderLayer`` of ``LlamaAttention`` (q/k norms or none, RoPE over
 whole heads, a window, softcap or sinks) and a SiLU ``GatedMLP``, on one tensor-parallel rank,
-with GEMM plans whose routes for the step's rows run in C++ (AMX, MKL, small_gemm, torch's own;
-not oneDNN's, nor padded prefill calls). Anything else runs the Python layers, which call the
-same kernels one by one.
+with any GEMM plan (AMX, MKL, small_gemm, oneDNN, torch's own; prefill-sized calls padded as
+the plan pads them). Anything else runs the Python layers, which call the same kernels one by
+one.
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &Gemm::operator(), py::arg("x"), nogil);
   m.attr("GEMM_PATHS") = py::dict(py::arg("amx") = int64_t(GEMM_AMX), py::arg("mkl_packed") = int64_t(GEMM_MKL),
                                   py::arg("small_gemm") = int64_t(GEMM_SMALL), py::arg("torch") = int64_t(GEMM_TORCH),
-                                  py::arg("torch_t") = int64_t(GEMM_TORCH_T));
+                                  py::arg("torch_t") = int64_t(GEMM_TORCH_T), py::arg("onednn") = int64_t(GEMM_ONEDNN),
+                                  py::arg("onednn_packed") = int64_t(GEMM_ONEDNN));
   py::class_<DecoderLayer>(m, "DecoderLayer", "One Llama-family decoder layer's weights and kernels",
                            py::module_local())
       .def(py::init([](at::Tensor input_norm, double input_eps, at::Tensor post_norm, double post_eps, Gemm qkv,

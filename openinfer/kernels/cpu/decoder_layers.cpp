@@ -11,12 +11,24 @@
 // Built into the CPU attention extension (openinfer/kernels/cpu_attention.py).
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
 
 #include "ops.h"
+
+// oneDNN's linear (layers/gemm_paths.py's _onednn) on a plain or a packed weight: the op torch
+// registers, through the dispatcher (it has no C++ function in torch's headers).
+static at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                               std::string_view, c10::List<std::optional<at::Scalar>>,
+                                               std::optional<std::string_view>)>();
+  return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::string_view(""));
+}
 
 const GemmRoute* Gemm::route(int64_t rows) const {
   for (const GemmRoute& r : routes)
@@ -26,33 +38,47 @@ const GemmRoute* Gemm::route(int64_t rows) const {
 
 bool Gemm::covers(int64_t rows) const {
   const GemmRoute* r = route(rows);
-  // A padded call (oneDNN's paths, prefill sizes) stays with the Python plan.
-  return r != nullptr && r->path != GEMM_OTHER && !(r->pads && rows > pad_from_rows && rows % pad_rows);
+  return r != nullptr && r->path != GEMM_OTHER;
 }
 
 at::Tensor Gemm::operator()(const at::Tensor& x) const {
-  const GemmRoute* r = route(x.size(0));
+  const int64_t rows = x.size(0);
+  const GemmRoute* r = route(rows);
   TORCH_CHECK(r != nullptr && r->path != GEMM_OTHER, "Gemm: no route of this call's rows runs in C++");
-  switch (r->path) {
+  if (r->pads && rows > pad_from_rows && rows % pad_rows) {
+    // As the Python plan: a prefill-sized call of a path that builds per row count runs on rows
+    // padded with zeros to a multiple of pad_rows, and keeps the leading rows (contiguous).
+    at::Tensor padded = at::empty({rows + pad_rows - rows % pad_rows, x.size(1)}, x.options());
+    padded.narrow(0, 0, rows).copy_(x);
+    padded.narrow(0, rows, padded.size(0) - rows).zero_();
+    return run(*r, padded).narrow(0, 0, rows);
+  }
+  return run(*r, x);
+}
+
+at::Tensor Gemm::run(const GemmRoute& r, const at::Tensor& x) const {
+  switch (r.path) {
 #ifdef OI_AMX
     case GEMM_AMX:
-      return amx_gemm(x, r->weight, bias);
+      return amx_gemm(x, r.weight, bias);
 #endif
     case GEMM_MKL:
-      return mkl_gemm(x, r->weight, bias);
+      return mkl_gemm(x, r.weight, bias);
     case GEMM_SMALL: {
-      at::Tensor out = at::empty({x.size(0), r->weight.size(0)}, x.options());
-      small_gemm(out, x.contiguous(), r->weight, bias);
+      at::Tensor out = at::empty({x.size(0), r.weight.size(0)}, x.options());
+      small_gemm(out, x.contiguous(), r.weight, bias);
       return out;
     }
     case GEMM_TORCH:
-      return at::linear(x, r->weight, bias);
+      return at::linear(x, r.weight, bias);
     case GEMM_TORCH_T: {  // as layers/gemm_paths.py's _torch_t: (W @ x^T)^T, then the bias
-      at::Tensor out = at::mm(r->weight, x.t()).t().contiguous();
+      at::Tensor out = at::mm(r.weight, x.t()).t().contiguous();
       return bias.has_value() ? out.add_(*bias) : out;
     }
+    case GEMM_ONEDNN:
+      return onednn_linear(x, r.weight, bias);
     default:
-      TORCH_CHECK(false, "Gemm: unknown path ", r->path);
+      TORCH_CHECK(false, "Gemm: unknown path ", r.path);
   }
 }
 

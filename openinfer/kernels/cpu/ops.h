@@ -78,13 +78,15 @@ struct RopeAttention {
 };
 // decoder_layers.cpp: a Llama-family model's decoder layers in one call per step.
 // A GEMM as its plan (openinfer/layers/gemm.py) routes it: per bucket of rows, a path and the
-// weight in that path's format. Paths the C++ cannot call (oneDNN's) are GEMM_OTHER.
-enum GemmPathId : int64_t { GEMM_OTHER = -1, GEMM_AMX = 0, GEMM_MKL = 1, GEMM_SMALL = 2, GEMM_TORCH = 3, GEMM_TORCH_T = 4 };
+// weight in that path's format. A path the C++ does not know is GEMM_OTHER.
+enum GemmPathId : int64_t {
+  GEMM_OTHER = -1, GEMM_AMX = 0, GEMM_MKL = 1, GEMM_SMALL = 2, GEMM_TORCH = 3, GEMM_TORCH_T = 4, GEMM_ONEDNN = 5
+};
 struct GemmRoute {
   int64_t max_rows;
   int64_t path;
   at::Tensor weight;
-  bool pads;  // the plan pads prefill-sized calls of this route (which then stay in Python)
+  bool pads;  // the path builds per row count: prefill-sized calls run on padded rows
 };
 struct Gemm {
   std::vector<GemmRoute> routes;
@@ -93,6 +95,7 @@ struct Gemm {
   const GemmRoute* route(int64_t rows) const;
   bool covers(int64_t rows) const;
   at::Tensor operator()(const at::Tensor& x) const;
+  at::Tensor run(const GemmRoute& r, const at::Tensor& x) const;
 };
 struct DecoderLayer {
   at::Tensor input_norm, post_norm;
