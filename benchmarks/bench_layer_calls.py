@@ -19,13 +19,12 @@ import time
 from pathlib import Path
 
 import torch
+from bench_step_overhead import given_or_peers_models
 from doc_sections import write_section
 
 from openinfer import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
-PEERS_MODELS = [Path("/root/.cache/openinfer-peers/models/qwen3-0.4b-random"),
-                Path("/root/.cache/openinfer-peers/models/qwen3-0.4b-random-fp32")]
 
 
 def measure(model: str, batch: int, rounds: int, steps: int) -> tuple[str, list[float], list[float]]:
@@ -63,9 +62,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    models = args.model or [str(p) for p in PEERS_MODELS if p.exists()]
-    if not models:
-        sys.exit("--model: no checkpoint given and the peers checkpoints are absent")
+    models = given_or_peers_models(args.model)
     rows = []
     for model in models:
         for batch in args.batch or [1, 32]:

@@ -51,6 +51,14 @@ PEERS_MODELS = [Path("/root/.cache/openinfer-peers/models/qwen3-0.4b-random-fp32
                 Path("/root/.cache/openinfer-peers/models/qwen3-0.4b-random")]  # float32, bfloat16
 
 
+def given_or_peers_models(given: list[str] | None) -> list[str]:
+    """The checkpoints given by --model, or else the peers' that exist; exits if none."""
+    models = given or [str(p) for p in PEERS_MODELS if p.exists()]
+    if not models:
+        sys.exit("--model: no checkpoint given and the peers checkpoints are absent")
+    return models
+
+
 class StepClock:
     """Accumulates seconds per part while ``enabled``; kernel calls (``kernel``) count as
     ``kernels in <part>`` of the innermost part running."""
@@ -227,9 +235,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    models = args.model or [str(p) for p in PEERS_MODELS if p.exists()]
-    if not models:
-        sys.exit("--model: no checkpoint given and the peers checkpoints are absent")
+    models = given_or_peers_models(args.model)
     tables = [table(model, args.batch, args.prompt_len, args.steps) for model in models]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip()
