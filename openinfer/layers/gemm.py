@@ -7,8 +7,8 @@ The paths, and the weight formats they read, are in openinfer/layers/gemm_paths.
 
 A plan sends each call, by its row count M (tokens in the step), to one path:
 
-    bucket (rows)   1  |  2..16  |  17..128  |  129..
-    timed at M      1  |    8    |     32    |   512
+    bucket (rows)   1  |  2..16  |  17..128  |  129..1024  |  1025..
+    timed at M      1  |    8    |     32    |     512     |   512 (the same timing)
 
 The LM head times only the first three buckets (logits are computed for each sampling
 sequence's last token, so it sees at most max_num_seqs rows); its last bucket takes the last
@@ -29,7 +29,10 @@ cached for the process, so a model's 30 identical layers are timed once:
      the plain format it makes the layer keep then costs 1.5-2.5x at 8-32 rows);
   3. per bucket the fastest wins; a path other than ``torch`` must be ``MARGIN`` faster, so
      that noise does not flip choices between equals (weights under ``MIN_TIMED_WEIGHT``
-     elements are not timed: ``torch`` everywhere);
+     elements are not timed: ``torch`` everywhere). In 129..1024 rows a path that builds a
+     kernel per row count (oneDNN's) must also be ``BUILD_MARGIN`` faster than one that does
+     not: there, timed alone, it looks faster than it runs in the model, and each prompt
+     length it has not seen costs a build (``Bucket.build_margin``);
   4. memory: a layer holds one copy of its weight, plain or packed (for oneDNN, amx or MKL),
      whichever format's paths are faster over the buckets (``choose_paths``). A packed weight
      replaces the plain one: the layer's ``weight`` becomes a meta tensor of the same shape
@@ -94,6 +97,14 @@ PAD_FROM_ROWS = 128
 multiple of PAD_ROWS: a bf16 prefill at a prompt length seen for the first time took 170 ms
 against 143 ms at a length seen before (the peers model, 481-509 tokens; oneDNN created
 primitives for its four shapes). Padding costs at most PAD_ROWS - 1 rows of products."""
+BUILD_MARGIN = 1.3
+"""In 129..1024 rows, a path that builds a kernel per row count (``GemmPath.builds_per_rows``)
+is chosen only if this much faster than the others, as timed. On 2 Intel cores with AMX,
+oneDNN's packed linear timed alone at 512 rows ran 4-27% ahead of the amx path (by shape), yet
+in the model a 512-token prefill ran 1.05x faster on amx, and a prompt length seen for the
+first time 1.2x faster (oneDNN builds a primitive per new row count and shape, 3-10 ms each).
+Above 1024 rows the timed choice stands: there oneDNN ran 32 x 256-token prefills 1.18x faster
+than amx (docs/benchmarks.md, bench_prefill_plans)."""
 MIN_TIMED_WEIGHT = 1 << 17
 """Weights with fewer elements (256 x 512) run F.linear in every bucket, untimed: their calls
 are mostly overhead, which timing cannot tell from noise, and so the tiny models of tests
@@ -130,6 +141,8 @@ class Bucket:
     max_rows: int | None
     """None: no upper bound."""
     timed_rows: int
+    build_margin: float = 1.0
+    """Paths that build a kernel per row count must be this much faster here (BUILD_MARGIN)."""
 
     def __str__(self) -> str:
         if self.max_rows is None:
@@ -139,7 +152,8 @@ class Bucket:
         return f"M={self.min_rows}-{self.max_rows}"
 
 
-BUCKETS = (Bucket(1, 1, 1), Bucket(2, 16, 8), Bucket(17, 128, 32), Bucket(129, None, 512))
+BUCKETS = (Bucket(1, 1, 1), Bucket(2, 16, 8), Bucket(17, 128, 32),
+           Bucket(129, 1024, 512, build_margin=BUILD_MARGIN), Bucket(1025, None, 512))
 
 
 def gemm_mode(mode: str | None = None) -> str:
@@ -297,7 +311,9 @@ def _plan_layer(layer: GemmLayer, mode: str, shared: bool, cold: bool = False,
         times = [_timed(weight, bias, b, weight_in, n if b.timed_rows <= COLD_MAX_ROWS else 1,
                         copies) for b in buckets]
         made.clear()
-        chosen = choose_paths(times, kept=frozenset({PLAIN}) if shared else frozenset(),
+        weighed = [{p: s * (b.build_margin if weight.dtype in PATHS[p].builds_per_rows else 1.0)
+                    for p, s in t.items()} for b, t in zip(buckets, times)]
+        chosen = choose_paths(weighed, kept=frozenset({PLAIN}) if shared else frozenset(),
                               may_copy=may_copy)
     else:
         path = PATHS[mode]

@@ -163,12 +163,13 @@ def test_timings_are_measured_once_per_shape(monkeypatch):
                                    Linear(48, 32, bias=True)))
     plan_gemms(model, "auto")
     distinct = 3  # (48, 32); (32, 48); (32, 48) with a bias
-    assert len(calls) == distinct * len(BUCKETS)
+    timed_rows = {b.timed_rows for b in BUCKETS}  # the two prefill buckets share one timing
+    assert len(calls) == distinct * len(timed_rows)
     assert sorted(set(calls)) == sorted(calls)  # each (shape, bias, rows) once
     # Identical layers make identical choices.
     assert len({tuple(m.plan.paths) for m in list(model)[:5]}) == 1
     plan_gemms(nn.Sequential(*_filled(Linear(32, 48))), "auto")  # another model: cached
-    assert len(calls) == distinct * len(BUCKETS)
+    assert len(calls) == distinct * len(timed_rows)
 
 
 def test_a_model_larger_than_the_cache_is_timed_cold(monkeypatch):
@@ -452,8 +453,8 @@ def test_second_copies_stop_at_the_memory_budget(monkeypatch):
     """plan_gemms gives second copies while OPENINFER_CPU_GEMM_EXTRA_MEMORY lasts, each layer
     then routes prefill-sized calls to its second copy, and every route computes F.linear."""
     def fake_times(paths, weight, bias, rows, weight_in, **kwargs):
-        fast_packed = rows <= 128  # packed 2x faster for decode-sized calls, 2x slower above
-        return {"torch": 1.0, "onednn_packed": 0.5 if fast_packed else 2.0}
+        fast_packed = rows <= 128  # packed 2x faster for decode-sized calls, 1.5x slower above
+        return {"torch": 1.0, "onednn_packed": 0.5 if fast_packed else 1.5}
 
     monkeypatch.setattr(gemm, "time_paths", fake_times)
     model = nn.Sequential(*(_linear(64, 96, False, torch.float32, seed=i)[0] for i in range(3)))
@@ -464,8 +465,8 @@ def test_second_copies_stop_at_the_memory_budget(monkeypatch):
         plan_gemms(model, "auto")
     except RuntimeError as e:  # oneDNN cannot pack here
         pytest.skip(str(e))
-    assert [m.plan.paths for m in model] == [["onednn_packed"] * 3 + ["torch"]] * 2 + [
-        ["onednn_packed"] * 4]
+    assert [m.plan.paths for m in model] == [["onednn_packed"] * 3 + ["torch"] * 2] * 2 + [
+        ["onednn_packed"] * 5]
     assert [m.plan.extra_bytes for m in model] == [weight_bytes, weight_bytes, 0]
     assert describe_gemms(model).extra_bytes == 2 * weight_bytes
     for layer, w in zip(model, weights):
@@ -477,6 +478,28 @@ def test_second_copies_stop_at_the_memory_budget(monkeypatch):
         gemm.extra_copy_budget()
     monkeypatch.setenv(gemm.EXTRA_MEMORY_ENV, "1MiB")
     assert gemm.extra_copy_budget() == 2**20
+
+
+def test_paths_that_build_per_row_count_need_a_margin_up_to_1024_rows(monkeypatch):
+    """In 129..1024 rows oneDNN (which builds a primitive per row count) must be BUILD_MARGIN
+    faster than a path that builds nothing; above 1024 rows the timed fastest runs."""
+    def fake_times(paths, weight, bias, rows, weight_in, **kwargs):
+        # float32: F.linear (MKL) builds nothing per row count; oneDNN's packed linear does.
+        return {"torch": 1.0, "onednn_packed": 0.5 if rows <= 128 else 0.85}
+
+    monkeypatch.setattr(gemm, "time_paths", fake_times)
+    monkeypatch.setenv(gemm.EXTRA_MEMORY_ENV, "1GiB")
+    layer, w, _ = _linear(64, 96, False, torch.float32, seed=0)
+    try:
+        plan_gemms(nn.Sequential(layer), "auto")
+    except RuntimeError as e:  # oneDNN cannot pack here
+        pytest.skip(str(e))
+    assert 0.85 * gemm.BUILD_MARGIN > 1.0 * gemm.EXTRA_COPY_MARGIN
+    assert [str(b) for b in BUCKETS[3:]] == ["M=129-1024", "M>1024"]
+    assert layer.plan.paths == ["onednn_packed"] * 3 + ["torch", "onednn_packed"]
+    for rows in (200, 1024, 1025, 1100):
+        x = torch.randn(rows, 64)
+        _check(layer(x), x, w, None)
 
 
 def test_only_paths_that_ran_are_chosen():
