@@ -44,8 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
     g.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     g.add_argument("--kv-cache-memory", type=parse_bytes,
-                   help="bytes for the KV block pool, e.g. 4GiB (default: 2GiB on CPU, "
-                        "90%% of free memory on CUDA)")
+                   help="bytes for the KV block pool, e.g. 4GiB (default: "
+                        "$OPENINFER_CPU_KV_CACHE_MEMORY or 2GiB on CPU, 90%% of free memory on CUDA)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of earlier prompts' common prefixes")

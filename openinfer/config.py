@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
@@ -12,11 +13,28 @@ import torch
 
 from openinfer.cpu_features import auto_cpu_dtype, cpu_flags
 from openinfer.spec.config import SpeculativeConfig
+from openinfer.units import parse_bytes
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
-"""Bytes of KV cache on CPU when --kv-cache-memory is not given (allocated, zeroed, at start)."""
+"""Bytes of KV cache on CPU when neither --kv-cache-memory nor CPU_KV_CACHE_MEMORY_ENV is given
+(allocated, zeroed, at start)."""
+CPU_KV_CACHE_MEMORY_ENV = "OPENINFER_CPU_KV_CACHE_MEMORY"
+"""The CPU KV pool's default size, e.g. ``8GiB`` (vLLM's CPU build has VLLM_CPU_KVCACHE_SPACE):
+for a machine's every engine, the servers a router or a test suite starts included."""
+
+
+def default_cpu_kv_cache_memory() -> int:
+    """Bytes of KV cache on CPU when --kv-cache-memory is not given; raises ValueError for a
+    malformed OPENINFER_CPU_KV_CACHE_MEMORY."""
+    value = os.environ.get(CPU_KV_CACHE_MEMORY_ENV, "").strip()
+    if not value:
+        return DEFAULT_CPU_KV_CACHE_MEMORY
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise ValueError(f"{CPU_KV_CACHE_MEMORY_ENV}: {e}") from None
 CUDA_MEMORY_UTILIZATION = 0.9
 """Fraction of free GPU memory (after weights) given to the KV cache by default on CUDA."""
 DEFAULT_KV_HOST_MEMORY_WITH_STORE = 512 * 1024**2
@@ -414,6 +432,8 @@ class EngineConfig:
     ) -> EngineConfig:
         """Build the whole config from flat options (the offline API's and the CLI's)."""
         device = resolve_device(device)
+        if kv_cache_memory is None and device == "cpu":
+            default_cpu_kv_cache_memory()  # a malformed environment fails here, not in a worker
         if eplb_config is not None and not enable_eplb:
             raise ValueError("eplb_config is given but enable_eplb is not")
         if enable_eplb and not enable_expert_parallel:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -12,8 +13,16 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import openinfer.llm
+from openinfer.config import CPU_KV_CACHE_MEMORY_ENV
 from openinfer.demo import build_demo_tokenizer
 from openinfer.engine.core import EngineCore
+
+# The KV pool of every engine the suite builds without --kv-cache-memory, in this process and
+# in the servers it starts. The CPU default (2 GiB) is zeroed at start: 1.5-2 s per engine on
+# a VM that hands freed memory back to its host (fresh pages fault in at about 1 GB/s there),
+# which made three engine test files take 131 s instead of 22; and six servers at once beside
+# the suite's own engines ran a 24 GiB machine out of memory.
+os.environ.setdefault(CPU_KV_CACHE_MEMORY_ENV, "256MiB")
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 

@@ -22,9 +22,9 @@ import torch
 from openinfer.attention import select_attention_backend
 from openinfer.config import (
     CUDA_MEMORY_UTILIZATION,
-    DEFAULT_CPU_KV_CACHE_MEMORY,
     EngineConfig,
     ModelConfig,
+    default_cpu_kv_cache_memory,
 )
 from openinfer.cpu_features import cpu_capability
 from openinfer.distributed.context_parallel import get_cp
@@ -222,7 +222,7 @@ class Worker:
         if self.config.device.startswith("cuda"):
             free, _ = torch.cuda.mem_get_info()
             return int(free * CUDA_MEMORY_UTILIZATION)
-        return DEFAULT_CPU_KV_CACHE_MEMORY
+        return default_cpu_kv_cache_memory()
 
     def initialize_kv_cache(self, groups: list[LayerGroup], num_blocks: int) -> None:
         """One tensor per layer group, views of one buffer of ``num_blocks`` pages, and the

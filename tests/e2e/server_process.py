@@ -40,15 +40,9 @@ def start_servers(*servers: tuple, admin_key: str | None = ADMIN_KEY,
                       admin_key)
 
 
-TEST_KV_CACHE_MEMORY = "256MiB"
-"""The KV pool of a test server that sets none: the CPU default (2 GiB, like vLLM's 4 GiB
-VLLM_CPU_KVCACHE_SPACE) is touched at start, and six servers at once beside the suite's
-own engines ran a 24 GiB machine out of memory."""
-
-
 def _serve_args(checkpoint, flags) -> list[str]:
-    memory = () if "--kv-cache-memory" in flags else ("--kv-cache-memory", TEST_KV_CACHE_MEMORY)
-    return ["serve", "--model", str(checkpoint), "--served-model-name", MODEL, *memory, *flags]
+    # The KV pool: OPENINFER_CPU_KV_CACHE_MEMORY from tests/conftest.py, unless flags set one.
+    return ["serve", "--model", str(checkpoint), "--served-model-name", MODEL, *flags]
 
 
 def start_router(workers: list[str], checkpoint, *flags: str,

@@ -54,6 +54,20 @@ def test_tiny_kv_pool_forces_preemption_with_same_tokens(qwen3_checkpoint, refer
     assert_idle(llm)
 
 
+def test_the_cpu_kv_pool_default_comes_from_the_environment(qwen3_checkpoint, monkeypatch):
+    from openinfer.config import CPU_KV_CACHE_MEMORY_ENV
+
+    block_bytes = 16 * 2 * 2 * 2 * 16 * 4  # 16 tokens x 2 layers x K/V x 2 heads x 16 x fp32
+    monkeypatch.setenv(CPU_KV_CACHE_MEMORY_ENV, f"{100 * block_bytes}")
+    llm = LLM(str(qwen3_checkpoint), progress=False)
+    assert llm.engine.core.kv.num_blocks == 100
+    llm = LLM(str(qwen3_checkpoint), kv_cache_memory=50 * block_bytes, progress=False)
+    assert llm.engine.core.kv.num_blocks == 50  # the argument wins
+    monkeypatch.setenv(CPU_KV_CACHE_MEMORY_ENV, "lots")
+    with pytest.raises(ValueError, match=CPU_KV_CACHE_MEMORY_ENV):
+        LLM(str(qwen3_checkpoint), progress=False)
+
+
 def test_tiny_token_budget_chunks_every_prompt(qwen3_checkpoint, reference):
     llm = LLM(str(qwen3_checkpoint), max_num_batched_tokens=4, progress=False)
     assert _tokens(llm.generate(_prompts(), GREEDY)) == reference
