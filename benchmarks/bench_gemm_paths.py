@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import itertools
+import math
 import os
 import statistics
 import time
@@ -27,8 +28,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from openinfer.cpu_features import cpu_capability, cpu_flags, cpu_model_name, has_native_bf16
-from openinfer.layers.gemm import cold_copies
+from openinfer.cpu_features import (
+    cpu_capability,
+    cpu_flags,
+    cpu_model_name,
+    has_native_bf16,
+    last_level_cache_bytes,
+)
+from openinfer.layers.gemm import DEFAULT_CACHE_BYTES
 from openinfer.layers.gemm_paths import PATHS, weight_formats
 
 SHAPES = {"qkv": (2048, 1024), "o": (1024, 1024), "gate_up": (6144, 1024), "down": (1024, 3072),
@@ -36,6 +43,19 @@ SHAPES = {"qkv": (2048, 1024), "o": (1024, 1024), "gate_up": (6144, 1024), "down
 ROWS = (1, 32, 512)
 LM_HEAD_MAX_ROWS = 32  # logits are computed for each sequence's last token only
 SAMPLE_SECONDS = 0.005
+COLD_CACHE_MULTIPLE = 4
+"""--cold rotates over copies of a weight that together hold this many times the last-level
+cache sysfs reports (a 2-core slice of a Zen 5 reports 32 MiB but kept a 64 MiB rotation partly
+cached: 1024x1024 float32 at M=1 took 106 us there, 123 us at 256 MiB)."""
+MAX_COLD_COPIES = 64
+
+
+def cold_copies(weight: torch.Tensor) -> int:
+    """Copies of ``weight`` that together hold COLD_CACHE_MULTIPLE times the last-level cache
+    (at most MAX_COLD_COPIES): calls rotating over them read their weight from memory."""
+    cache = last_level_cache_bytes() or DEFAULT_CACHE_BYTES
+    size = weight.numel() * weight.element_size()
+    return max(1, min(MAX_COLD_COPIES, math.ceil(COLD_CACHE_MULTIPLE * cache / size)))
 
 
 def candidates(ws: list[torch.Tensor], rows: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:

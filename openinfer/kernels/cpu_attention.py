@@ -52,7 +52,7 @@ logger = logging.getLogger("openinfer.kernels.cpu_attention")
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp", "activation.cpp",
                         "rotary.cpp", "rope_attention.cpp", "small_gemm.cpp", "amx_gemm.cpp", "mkl_gemm.cpp",
-                        "token_mask.cpp", "write_kv.cpp", "decoder_layers.cpp")]
+                        "token_mask.cpp", "write_kv.cpp", "decoder_layers.cpp", "cache_control.cpp")]
 """The extension: paged attention and the write of a step's K/V into the cache, the RMSNorm,
 rotary embedding and the gated MLP's SiLU-and-multiply the layers use with it, the three
 chained in one call per layer (``RopeAttention``), a Llama-family model's decoder layers in one

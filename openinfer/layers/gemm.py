@@ -22,11 +22,15 @@ cached for the process, so a model's 30 identical layers are timed once:
   2. the rest are timed on the layer's own weight, interleaved, best of a few rounds (the best
      resists other processes' bursts on shared cores). When the model's weights outgrow the
      CPU's last-level cache, each call reads its weight from memory, as in a forward pass:
-     timing then rotates over copies of the weight that together outgrow that cache
-     (``cold_copies``). Timed hot, a few-row call finds the weight its previous call left in
-     the cache, which favours paths that stream a plain weight fast from cache (small_gemm:
-     2.2x F.linear hot at M=1 on a Zen 5, where it merely ties oneDNN's packed weight cold, and
-     the plain format it makes the layer keep then costs 1.5-2.5x at 8-32 rows);
+     the few-row buckets then flush the weight's bytes from every cache level before each
+     timed call (``cache_flusher``: CLFLUSH, or DC CIVAC on Arm). Timed hot, a few-row call
+     finds the weight its previous call left in the cache, which favours paths that stream a
+     plain weight fast from cache (small_gemm: 2.2x F.linear hot at M=1 on a Zen 5, where it
+     merely ties oneDNN's packed weight cold, and the plain format it makes the layer keep then
+     costs 1.5-2.5x at 8-32 rows). Flushing replaced rotating over copies of the weight that
+     outgrew the cache: on a host reporting a 480 MiB L3 those took 64 copies per shape and
+     format (up to 4.8 GB at once for one float32 shape; 10.6 of a 12.9 s plan went to making
+     them). Without a flush (no extension), few-row buckets are timed hot;
   3. per bucket the fastest wins; a path other than ``torch`` must be ``MARGIN`` faster, so
      that noise does not flip choices between equals (weights under ``MIN_TIMED_WEIGHT``
      elements are not timed: ``torch`` everywhere). In 129..1024 rows a path that builds a
@@ -54,12 +58,11 @@ instructions for (bf16 without AVX512_BF16/AMX; see ``why_no_plans``).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +70,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openinfer.cpu_features import cpu_capability, cpu_flags, has_native_gemm, last_level_cache_bytes
+from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.layers.gemm_paths import (
     FORMATS,
     PATHS,
@@ -118,21 +122,14 @@ MIN_ROUNDS = 2
 """Samples per path at least: with one, a single burst from another process on shared cores
 decided between paths (a 512-row call took 4x its time once in a handful of plans)."""
 COLD_MAX_ROWS = 128
-"""Buckets timed at more rows than this are compute-bound: timed hot (copies cost load time
-and change nothing there)."""
+"""Buckets timed at more rows than this are compute-bound: timed hot (their calls reuse each
+weight tile over many rows, so where it came from changes nothing there)."""
 LARGE_BUCKET_SECONDS = 0.05
 """Those buckets' calls take milliseconds: BUCKET_SECONDS would give each path two samples,
 and the choice between copies (1.1-1.4x apart at 512 rows on 2 Intel cores with AMX) would
 follow other processes' bursts."""
 DEFAULT_CACHE_BYTES = 32 << 20
 """The last-level cache assumed where sysfs does not tell."""
-COLD_CACHE_MULTIPLE = 4
-"""Cold timing rotates over copies of a weight that together hold this many times the
-last-level cache sysfs reports (a 2-core slice of a Zen 5 reports 32 MiB but kept a 64 MiB
-rotation partly cached: 1024x1024 float32 at M=1 took 106 us there, 123 us at 256 MiB)."""
-MAX_COLD_COPIES = 64
-"""At most this many copies (64 x 4 MiB: 256 MiB, twice with packed copies); they live only
-while their shape is timed."""
 
 
 @dataclass(frozen=True)
@@ -298,19 +295,9 @@ def _plan_layer(layer: GemmLayer, mode: str, shared: bool, cold: bool = False,
     if mode == "auto" and weight.numel() < MIN_TIMED_WEIGHT:
         times, chosen = [{} for _ in buckets], ["torch"] * len(buckets)
     elif mode == "auto":
-        n = cold_copies(weight) if cold else 1
-        made: list[Callable[[str], torch.Tensor]] = []
-
-        def copies() -> list[Callable[[str], torch.Tensor]]:
-            """Copies for cold timing: made once for all buckets, and only if some bucket is
-            not cached yet (packed ones when first asked)."""
-            if not made:
-                made.extend(weight_formats(weight.clone()) for _ in range(n - 1))
-            return made
-
-        times = [_timed(weight, bias, b, weight_in, n if b.timed_rows <= COLD_MAX_ROWS else 1,
-                        copies) for b in buckets]
-        made.clear()
+        flush = cache_flusher() if cold else None
+        times = [_timed(weight, bias, b, weight_in, flush if b.timed_rows <= COLD_MAX_ROWS else None)
+                 for b in buckets]
         weighed = [{p: s * (b.build_margin if weight.dtype in PATHS[p].builds_per_rows else 1.0)
                     for p, s in t.items()} for b, t in zip(buckets, times)]
         chosen = choose_paths(weighed, kept=frozenset({PLAIN}) if shared else frozenset(),
@@ -340,28 +327,35 @@ def _plan_layer(layer: GemmLayer, mode: str, shared: bool, cold: bool = False,
     return GemmPlan(routes, bias, extra, time.perf_counter() - start)
 
 
-def cold_copies(weight: torch.Tensor) -> int:
-    """Copies of ``weight`` that together hold COLD_CACHE_MULTIPLE times the last-level cache
-    (at most MAX_COLD_COPIES): calls rotating over them read their weight from memory."""
-    cache = last_level_cache_bytes() or DEFAULT_CACHE_BYTES
-    size = weight.numel() * weight.element_size()
-    return max(1, min(MAX_COLD_COPIES, math.ceil(COLD_CACHE_MULTIPLE * cache / size)))
+def cache_flusher() -> Callable[[torch.Tensor], None] | None:
+    """flush(tensor): the tensor's bytes evicted from every cache level (the CPU extension's
+    CLFLUSH pass), or None where the extension cannot be built or the CPU has no such
+    instruction."""
+    kernels = load_cpu_attention()
+    if kernels is None or not kernels.evict_from_cache(0, 0):
+        return None
+
+    def flush(t: torch.Tensor) -> None:
+        if t.layout == torch._mkldnn:  # oneDNN's packed weight: an opaque tensor
+            kernels.evict_from_cache(torch.ops.mkldnn.data_ptr(t), torch.ops.mkldnn._nbytes(t))
+        else:
+            kernels.evict_from_cache(t.data_ptr(), t.numel() * t.element_size())
+
+    return flush
 
 
 def _timed(weight: torch.Tensor, bias: torch.Tensor | None, bucket: Bucket,
-           weight_in: Callable[[str], torch.Tensor], rotation: int = 1,
-           copies: Callable[[], Sequence[Callable[[str], torch.Tensor]]] = list,
-           ) -> dict[str, float]:
+           weight_in: Callable[[str], torch.Tensor],
+           flush: Callable[[torch.Tensor], None] | None = None) -> dict[str, float]:
     """Seconds per call of each path that runs correctly here (cached; see the docstring),
-    rotating over ``rotation`` weights: this one and ``copies()[:rotation - 1]``."""
+    with the weight flushed from the caches before each call if ``flush`` is given."""
     key = (*weight.shape, bias is not None, weight.dtype, bucket.timed_rows, cpu_capability(),
-           torch.get_num_threads(), rotation)
+           torch.get_num_threads(), flush is not None)
     if key not in _timings:
-        others = copies()[:rotation - 1] if rotation > 1 else []
         budget = BUCKET_SECONDS if bucket.timed_rows <= COLD_MAX_ROWS else LARGE_BUCKET_SECONDS
         _timings[key] = time_paths([p for p in PATHS.values() if p.timed_in(bucket)], weight,
                                    bias, bucket.timed_rows, weight_in, budget_s=budget,
-                                   copies=others)
+                                   flush=flush)
     return _timings[key]
 
 
@@ -400,26 +394,22 @@ def _check(path: GemmPath, weight_in: Callable[[str], torch.Tensor], weight: tor
 def time_paths(paths: Sequence[GemmPath], weight: torch.Tensor, bias: torch.Tensor | None,
                rows: int, weight_in: Callable[[str], torch.Tensor],
                budget_s: float = BUCKET_SECONDS,
-               copies: Sequence[Callable[[str], torch.Tensor]] = ()) -> dict[str, float]:
+               flush: Callable[[torch.Tensor], None] | None = None) -> dict[str, float]:
     """Best seconds per call of each of ``paths`` on ``rows`` random rows; paths that raise or
     disagree with F.linear are left out (with a warning). ``paths`` must include ``torch``.
-    ``copies``: other copies of the weight (as ``weight_formats`` gives them); successive calls
-    rotate over the weight and these (cold timing, see the module docstring).
+    ``flush``: evicts a weight from the caches, then called before every timed call (cold
+    timing, see the module docstring), each call a sample of its own.
 
     Each path's first call is checked (and, timed hot, is its first sample: oneDNN builds its
     primitive then, which shows only on calls too small to matter). Then rounds run every path again,
-    in rotating order: MIN_ROUNDS at least, more while ``budget_s`` lasts (at most 5). Calls shorter
-    than SAMPLE_SECONDS are timed in batches.
+    in rotating order: MIN_ROUNDS at least, more while ``budget_s`` lasts (at most 5). Hot calls
+    shorter than SAMPLE_SECONDS are timed in batches.
     """
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
     start = time.perf_counter()
     reference = F.linear(x, weight, bias)
     first = {"torch": time.perf_counter() - start}
-    calls: dict[str, Callable[[], torch.Tensor]] = {}
-    # One rotation per format, shared by the paths reading it, so that every call's weight was
-    # last read ``copies`` calls before (per-path rotations in step read what another path just
-    # had: a hot call).
-    rotations: dict[str, Iterator[torch.Tensor]] = {}
+    calls: dict[str, tuple[Callable, torch.Tensor]] = {}
     for path in paths:
         try:
             w = weight_in(path.weight_format)
@@ -436,22 +426,22 @@ def time_paths(paths: Sequence[GemmPath], weight: torch.Tensor, bias: torch.Tens
                            weight.dtype, problem)
             continue
         first.setdefault(path.name, seconds)
-        fmt = path.weight_format
-        if fmt not in rotations:
-            rotations[fmt] = itertools.cycle([w] + [copy(fmt) for copy in copies])
-        calls[path.name] = lambda run=path.run, ws=rotations[fmt]: run(x, next(ws), bias)
+        calls[path.name] = (path.run, w)
     names = list(calls)
     # A first call read a weight the reference had just read: a hot sample, left out of cold timing.
-    best = {n: math.inf if copies else first[n] for n in names}
-    repeat = {n: max(1, min(50, round(SAMPLE_SECONDS / max(first[n], 1e-7)))) for n in names}
+    best = {n: math.inf if flush else first[n] for n in names}
+    repeat = {n: 1 if flush else max(1, min(50, round(SAMPLE_SECONDS / max(first[n], 1e-7))))
+              for n in names}
     per_round = max(1e-9, sum(first[n] * repeat[n] for n in names))
     rounds = max(MIN_ROUNDS, min(5, int(budget_s / per_round)))
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            fn = calls[name]
+            run, w = calls[name]
+            if flush is not None:
+                flush(w)
             start = time.perf_counter()
             for _ in range(repeat[name]):
-                fn()
+                run(x, w, bias)
             best[name] = min(best[name], (time.perf_counter() - start) / repeat[name])
     return {n: best[n] for n in names}
 

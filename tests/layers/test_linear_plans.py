@@ -173,45 +173,63 @@ def test_timings_are_measured_once_per_shape(monkeypatch):
 
 
 def test_a_model_larger_than_the_cache_is_timed_cold(monkeypatch):
-    """Few-row buckets rotate over copies of the weight, one rotation per weight format
-    shared by the paths reading it, so that no timed call finds the weight a previous call
-    left in the cache; compute-bound buckets and models that fit the cache are timed hot."""
-    monkeypatch.setattr(gemm, "last_level_cache_bytes", lambda: 4096)
-    read: list[tuple[int, str, int]] = []  # (rows, path, address of the weight read)
+    """Few-row buckets flush the weight a path reads from the caches before each timed call;
+    compute-bound buckets and models that fit the cache are timed hot."""
+    if gemm.cache_flusher() is None:
+        pytest.skip("no cache flush here (no CPU extension, or no flush instruction)")
+    events: list[tuple] = []  # ("call", rows, address) or ("flush", address, nbytes)
     for name in ("torch", "onednn"):
         path = PATHS[name]
 
         def run(x, w, b, path=path):
-            read.append((x.shape[0], path.name, w.data_ptr()))
+            events.append(("call", x.shape[0], w.data_ptr()))
             return path.run(x, w, b)
 
         monkeypatch.setitem(PATHS, name, gemm_paths.GemmPath(name, path.weight_format, run, path.rows))
     monkeypatch.setattr(gemm, "PATHS", {n: PATHS[n] for n in ("torch", "onednn")})
-    layer = _filled(Linear(64, 64))[0]  # 16 KiB: 4 x 4 KiB "cache" is one copy
+    flush = gemm.cache_flusher()
+
+    def recording(t):
+        events.append(("flush", t.data_ptr(), t.numel() * t.element_size()))
+        flush(t)
+
+    monkeypatch.setattr(gemm, "cache_flusher", lambda: recording)
+    monkeypatch.setattr(gemm, "last_level_cache_bytes", lambda: 4096)
+    layer = _filled(Linear(64, 64))[0]  # 16 KiB: outgrows a 4 KiB "cache"
+    address = layer.weight.data_ptr()
     plan_gemms(nn.Sequential(layer), "auto")
-    copies = gemm.cold_copies(layer.weight)
-    assert copies == 1  # a 16 KiB weight outgrows 4 x 4 KiB alone
-    monkeypatch.setattr(gemm, "COLD_CACHE_MULTIPLE", 16)  # 64 KiB: four weights
-    gemm.clear_timing_cache()
-    read.clear()
-    layer = _filled(Linear(64, 64))[0]
-    plan_gemms(nn.Sequential(layer), "auto")
-    assert gemm.cold_copies(layer.weight) == 4
     for bucket in BUCKETS:
-        timed = [address for rows, _, address in read if rows == bucket.timed_rows][1:]
-        if bucket.timed_rows > gemm.COLD_MAX_ROWS:
-            assert len(set(timed)) == 1
-            continue
-        # After the first (checking) calls, both paths walk one rotation of 4 weights: any
-        # 4 consecutive calls read 4 different weights.
-        timed = timed[2:]
-        assert len(set(timed)) == 4
-        assert all(len(set(timed[i:i + 4])) == 4 for i in range(len(timed) - 3))
+        at = [i for i, e in enumerate(events) if e[:2] == ("call", bucket.timed_rows)]
+        timed = at[1:]  # the first call per path checks it (the reference is F.linear itself)
+        assert timed
+        for i in timed:
+            flushed = events[i - 1] == ("flush", address, 64 * 64 * 4)
+            assert flushed == (bucket.timed_rows <= gemm.COLD_MAX_ROWS), (bucket, events[i - 1])
     monkeypatch.setattr(gemm, "last_level_cache_bytes", lambda: 1 << 30)  # the model fits
     gemm.clear_timing_cache()
-    read.clear()
+    events.clear()
     plan_gemms(nn.Sequential(_filled(Linear(64, 64))[0]), "auto")
-    assert len({address for *_, address in read}) == 1
+    assert events and not any(e[0] == "flush" for e in events)
+
+
+def test_the_cache_flush_evicts_what_it_is_given(kernels):
+    """evict_from_cache takes any address and length (unaligned, empty, oneDNN's opaque packed
+    weight through cache_flusher) and leaves the bytes as they were."""
+    flush = gemm.cache_flusher()
+    if flush is None:
+        pytest.skip("no cache flush instruction on this CPU")
+    x = torch.randn(1000, 37)
+    before = x.clone()
+    assert kernels.evict_from_cache(x.data_ptr() + 3, 1001)
+    assert kernels.evict_from_cache(x.data_ptr(), 0)
+    flush(x)
+    flush(x[7:, 5:])
+    torch.testing.assert_close(x, before, rtol=0, atol=0)
+    try:
+        packed = gemm_paths.pack_weight(torch.randn(64, 64))
+    except RuntimeError:
+        return  # oneDNN cannot pack here
+    flush(packed)
 
 
 def test_lm_head_times_its_first_buckets_and_keeps_a_tied_weight(monkeypatch):

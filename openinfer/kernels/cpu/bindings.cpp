@@ -21,6 +21,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("group"), py::arg("block_size"), py::arg("threads"), py::arg("kv_splits") = 0,
         py::arg("invariant") = false);
   m.def("isa", &isa, "The vector width and ISA macros this build was compiled with");
+  m.def("evict_from_cache", &evict_from_cache,
+        "Flush nbytes from address out of every cache level (the GEMM planner's cold timing); false where "
+        "unsupported",
+        py::arg("address"), py::arg("nbytes"), nogil);
   m.def("write_kv", &write_kv, "cache[:, slot] = k, v for every token (see write_kv.cpp)", py::arg("cache"),
         py::arg("k"), py::arg("v"), py::arg("slot_mapping"), nogil);
   // module_local: a twin build (another name, see build_extension) loads the same C++ types.

@@ -26,6 +26,8 @@ std::tuple<int64_t, int64_t, int64_t> plan_stats(const at::Tensor& block_tables,
                                                  const at::Tensor& seq_lens, int64_t num_kv_heads, int64_t group,
                                                  int64_t block_size, int64_t threads, int64_t kv_splits,
                                                  bool invariant);
+// cache_control.cpp: false where this CPU has no cache-line flush the build knows
+bool evict_from_cache(int64_t address, int64_t nbytes);
 // write_kv.cpp
 void write_kv(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
 // rms_norm.cpp
