@@ -236,11 +236,12 @@ def plan_gemms(model: nn.Module, mode: str | None = None) -> None:
             owners[id(p)] = owners.get(id(p), 0) + 1
     cache = last_level_cache_bytes() or DEFAULT_CACHE_BYTES
     cold = sum(m.weight.numel() * m.weight.element_size() for m in layers) > cache
+    flush = cache_flusher() if cold and mode == "auto" else None
     budget = extra_copy_budget()
     with torch.no_grad():
         for layer in layers:
             weight_bytes = layer.weight.numel() * layer.weight.element_size()
-            layer.plan = _plan_layer(layer, mode, shared=owners[id(layer.weight)] > 1, cold=cold,
+            layer.plan = _plan_layer(layer, mode, shared=owners[id(layer.weight)] > 1, flush=flush,
                                      may_copy=weight_bytes <= budget)
             budget -= layer.plan.extra_bytes
 
@@ -285,8 +286,8 @@ def why_no_plans(layers: Sequence[GemmLayer], mode: str) -> str | None:
     return None
 
 
-def _plan_layer(layer: GemmLayer, mode: str, shared: bool, cold: bool = False,
-                may_copy: bool = False) -> GemmPlan:
+def _plan_layer(layer: GemmLayer, mode: str, shared: bool,
+                flush: Callable[[torch.Tensor], None] | None = None, may_copy: bool = False) -> GemmPlan:
     start = time.perf_counter()
     weight, bias = layer.weight.data, None if layer.bias is None else layer.bias.data
     buckets = BUCKETS[:layer.timed_buckets]
@@ -295,7 +296,6 @@ def _plan_layer(layer: GemmLayer, mode: str, shared: bool, cold: bool = False,
     if mode == "auto" and weight.numel() < MIN_TIMED_WEIGHT:
         times, chosen = [{} for _ in buckets], ["torch"] * len(buckets)
     elif mode == "auto":
-        flush = cache_flusher() if cold else None
         times = [_timed(weight, bias, b, weight_in, flush if b.timed_rows <= COLD_MAX_ROWS else None)
                  for b in buckets]
         weighed = [{p: s * (b.build_margin if weight.dtype in PATHS[p].builds_per_rows else 1.0)
