@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 
+from openinfer import cpu_allocator
 from openinfer.cpu_features import auto_cpu_dtype, cpu_flags
 from openinfer.spec.config import SpeculativeConfig
 from openinfer.units import parse_bytes
@@ -432,8 +433,10 @@ class EngineConfig:
     ) -> EngineConfig:
         """Build the whole config from flat options (the offline API's and the CLI's)."""
         device = resolve_device(device)
-        if kv_cache_memory is None and device == "cpu":
-            default_cpu_kv_cache_memory()  # a malformed environment fails here, not in a worker
+        if device == "cpu":  # a malformed environment fails here, not in a worker
+            if kv_cache_memory is None:
+                default_cpu_kv_cache_memory()
+            cpu_allocator.cache_limit()
         if eplb_config is not None and not enable_eplb:
             raise ValueError("eplb_config is given but enable_eplb is not")
         if enable_eplb and not enable_expert_parallel:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from openinfer import cpu_allocator
 from openinfer.attention import select_attention_backend
 from openinfer.config import (
     CUDA_MEMORY_UTILIZATION,
@@ -77,13 +78,17 @@ class Worker:
                     time.perf_counter() - start, self.dtype_name, config.device, cpu_capability(),
                     gemm.text)
         self.attention = select_attention_backend(config.attention_backend, config.device)
-        huge_pages = "on" if huge_pages_in_use() else "off"
-        logger.info("attention backend: %s; huge pages for tensors: %s (kernel THP mode %s)",
-                    self.attention.name, huge_pages, system_mode())
-        attention_dot = ""
+        attention_dot, caching = "", "off"
         if self.attention.name == "cpu":  # its extension also has the norms, SiLU-and-mul, GEMM
-            use_cpu_kernels(self.model, load_cpu_attention())
+            kernels = load_cpu_attention()
+            use_cpu_kernels(self.model, kernels)
             attention_dot = self._choose_bf16_attention()
+            if cpu_allocator.install(kernels):  # (after the load: its transient blocks are gone)
+                caching = f"keeps up to {cpu_allocator.cache_limit() / 2**20:.0f} MiB"
+        huge_pages = "on" if huge_pages_in_use() else "off"
+        logger.info("attention backend: %s; huge pages for tensors: %s (kernel THP mode %s); "
+                    "CPU caching allocator: %s", self.attention.name, huge_pages, system_mode(),
+                    caching)
         self.counted_experts = self._count_expert_tokens() if config.moe_expert_stats else {}
         """Model layer index -> its MoE experts, counting the tokens routed to them."""
         self.balancer = None

@@ -25,6 +25,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Flush nbytes from address out of every cache level (the GEMM planner's cold timing); false where "
         "unsupported",
         py::arg("address"), py::arg("nbytes"), nogil);
+  m.def("install_caching_allocator", &install_caching_allocator,
+        "Make torch's CPU allocator keep freed blocks of 1 MiB or more, up to limit_bytes (see "
+        "caching_allocator.cpp); a second call sets the limit. False where another allocator has precedence",
+        py::arg("limit_bytes"));
+  m.def("caching_allocator_stats", &caching_allocator_stats,
+        "(hits, misses, cached bytes, limit, live blocks) of the caching allocator; empty before install");
   m.def("write_kv", &write_kv, "cache[:, slot] = k, v for every token (see write_kv.cpp)", py::arg("cache"),
         py::arg("k"), py::arg("v"), py::arg("slot_mapping"), nogil);
   // module_local: a twin build (another name, see build_extension) loads the same C++ types.

@@ -28,6 +28,10 @@ std::tuple<int64_t, int64_t, int64_t> plan_stats(const at::Tensor& block_tables,
                                                  bool invariant);
 // cache_control.cpp: false where this CPU has no cache-line flush the build knows
 bool evict_from_cache(int64_t address, int64_t nbytes);
+// caching_allocator.cpp: true once installed (a later call sets the limit); stats are (hits,
+// misses, cached bytes, limit, live blocks), empty before install
+bool install_caching_allocator(int64_t limit_bytes);
+std::vector<int64_t> caching_allocator_stats();
 // write_kv.cpp
 void write_kv(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
 // rms_norm.cpp
