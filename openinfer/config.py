@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
@@ -14,7 +13,7 @@ import torch
 from openinfer import cpu_allocator
 from openinfer.cpu_features import auto_cpu_dtype, cpu_flags
 from openinfer.spec.config import SpeculativeConfig
-from openinfer.units import parse_bytes
+from openinfer.units import env_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +28,8 @@ for a machine's every engine, the servers a router or a test suite starts includ
 def default_cpu_kv_cache_memory() -> int:
     """Bytes of KV cache on CPU when --kv-cache-memory is not given; raises ValueError for a
     malformed OPENINFER_CPU_KV_CACHE_MEMORY."""
-    value = os.environ.get(CPU_KV_CACHE_MEMORY_ENV, "").strip()
-    if not value:
-        return DEFAULT_CPU_KV_CACHE_MEMORY
-    try:
-        return parse_bytes(value)
-    except ValueError as e:
-        raise ValueError(f"{CPU_KV_CACHE_MEMORY_ENV}: {e}") from None
+    value = env_bytes(CPU_KV_CACHE_MEMORY_ENV)
+    return DEFAULT_CPU_KV_CACHE_MEMORY if value is None else value
 CUDA_MEMORY_UTILIZATION = 0.9
 """Fraction of free GPU memory (after weights) given to the KV cache by default on CUDA."""
 DEFAULT_KV_HOST_MEMORY_WITH_STORE = 512 * 1024**2

@@ -15,11 +15,10 @@ in practice the largest step's activations.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from types import ModuleType
 
-from openinfer.units import parse_bytes
+from openinfer.units import env_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +29,8 @@ DEFAULT_CACHE_BYTES = 2 << 30
 def cache_limit() -> int:
     """Bytes of freed blocks the allocator may keep; raises ValueError (naming the variable)
     for a malformed OPENINFER_CPU_ALLOCATOR_CACHE."""
-    value = os.environ.get(CPU_ALLOCATOR_CACHE_ENV, "").strip()
-    if not value:
-        return DEFAULT_CACHE_BYTES
-    try:
-        return parse_bytes(value)
-    except ValueError as e:
-        raise ValueError(f"{CPU_ALLOCATOR_CACHE_ENV}: {e}") from None
+    value = env_bytes(CPU_ALLOCATOR_CACHE_ENV)
+    return DEFAULT_CACHE_BYTES if value is None else value
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?)?\s*$", re.IGNORECASE)
@@ -17,3 +18,15 @@ def parse_bytes(text: str) -> int:
     number, unit = match.groups()
     unit = (unit or "").lower().removesuffix("b")
     return int(float(number) * _UNITS[unit])
+
+
+def env_bytes(name: str) -> int | None:
+    """The byte size in environment variable ``name``, or None where it is unset or blank;
+    ValueError naming the variable for anything else."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None

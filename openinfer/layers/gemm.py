@@ -79,7 +79,7 @@ from openinfer.layers.gemm_paths import (
     weight_formats,
 )
 from openinfer.layers.linear import GemmLayer
-from openinfer.units import parse_bytes
+from openinfer.units import env_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -249,13 +249,8 @@ def plan_gemms(model: nn.Module, mode: str | None = None) -> None:
 def extra_copy_budget() -> int:
     """Bytes the process's second weight copies may take (see the module docstring); raises
     ValueError for a malformed ``OPENINFER_CPU_GEMM_EXTRA_MEMORY``."""
-    value = os.environ.get(EXTRA_MEMORY_ENV, "").strip()
-    if value:
-        try:
-            return parse_bytes(value)
-        except ValueError as e:
-            raise ValueError(f"{EXTRA_MEMORY_ENV}: {e}") from None
-    return int(EXTRA_MEMORY_SHARE * (_available_memory() or 0))
+    value = env_bytes(EXTRA_MEMORY_ENV)
+    return int(EXTRA_MEMORY_SHARE * (_available_memory() or 0)) if value is None else value
 
 
 def _available_memory() -> int | None:
