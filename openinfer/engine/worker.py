@@ -78,17 +78,17 @@ class Worker:
                     time.perf_counter() - start, self.dtype_name, config.device, cpu_capability(),
                     gemm.text)
         self.attention = select_attention_backend(config.attention_backend, config.device)
-        attention_dot, caching = "", "off"
+        attention_dot, kept_bytes = "", 0
         if self.attention.name == "cpu":  # its extension also has the norms, SiLU-and-mul, GEMM
             kernels = load_cpu_attention()
             use_cpu_kernels(self.model, kernels)
             attention_dot = self._choose_bf16_attention()
             if cpu_allocator.install(kernels):  # (after the load: its transient blocks are gone)
-                caching = f"keeps up to {cpu_allocator.cache_limit() / 2**20:.0f} MiB"
+                kept_bytes = cpu_allocator.cache_limit()
         huge_pages = "on" if huge_pages_in_use() else "off"
         logger.info("attention backend: %s; huge pages for tensors: %s (kernel THP mode %s); "
                     "CPU caching allocator: %s", self.attention.name, huge_pages, system_mode(),
-                    caching)
+                    f"keeps up to {kept_bytes / 2**20:.0f} MiB" if kept_bytes else "off")
         self.counted_experts = self._count_expert_tokens() if config.moe_expert_stats else {}
         """Model layer index -> its MoE experts, counting the tokens routed to them."""
         self.balancer = None
@@ -104,8 +104,10 @@ class Worker:
                 num_nodes=1 if ep.across_data_parallel else config.nodes.nnodes)
         self.compute_info = {"dtype": self.dtype_name, "gemm": gemm.label,
                              "cpu_capability": cpu_capability(), "attention": self.attention.name,
-                             "attention_bf16_dot": attention_dot, "huge_pages": huge_pages}
-        """How this worker computes (the labels of the compute_info metric)."""
+                             "attention_bf16_dot": attention_dot, "huge_pages": huge_pages,
+                             "cpu_allocator_cache": str(kept_bytes)}
+        """How this worker computes (the labels of the compute_info metric; cpu_allocator_cache: the
+        bytes of freed blocks the caching CPU allocator may keep, 0 where it is off)."""
         self.draft_model = self._load_draft_model(progress)
         self.runner: ModelRunner | None = None
         self.mover: BlockMover | None = None

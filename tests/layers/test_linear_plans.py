@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import openinfer.config
-from openinfer import LLM, SamplingParams
+from openinfer import LLM, SamplingParams, cpu_allocator
 from openinfer.config import _resolve_dtype
 from openinfer.cpu_features import auto_cpu_dtype, cpu_capability, has_native_bf16
 from openinfer.huge_pages import huge_pages_in_use
@@ -393,7 +393,8 @@ def test_the_engine_reports_how_it_computes(qwen3_checkpoint, monkeypatch):
     llm = LLM(str(qwen3_checkpoint), progress=False, kv_cache_memory=1 << 24)
     info = llm.engine.core.compute_info
     assert set(info) == {"dtype", "gemm", "cpu_capability", "attention", "attention_bf16_dot",
-                         "huge_pages"}
+                         "huge_pages", "cpu_allocator_cache"}
+    assert info["cpu_allocator_cache"] == str(cpu_allocator.cache_limit())
     assert info["dtype"] == "float32" and info["cpu_capability"] == cpu_capability()
     assert info["attention_bf16_dot"] == ""  # a float32 model has no bf16 products to choose
     assert info["huge_pages"] == ("on" if huge_pages_in_use() else "off")
