@@ -81,6 +81,23 @@ def test_the_limit_keeps_the_last_freed_blocks(kernels):
     """)
 
 
+def test_out_of_memory_releases_the_kept_blocks_and_tries_again(kernels):
+    run_in_fresh_process("""
+        import resource
+        torch.ones(1 << 20).sum()  # the thread pool's stacks exist before the limit
+        assert cpu_allocator.install(k, limit=4096 * MiB)
+        with open("/proc/self/status") as f:
+            size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (size + 600 * MiB, resource.RLIM_INFINITY))
+        kept = block(400)
+        del kept
+        assert stats().cached_bytes == 400 * MiB
+        fresh = block(500)  # no room beside the kept 400 MiB: they go back, then it fits
+        fresh.fill_(1.0)
+        assert stats().cached_bytes == 0 and stats().live_blocks == 1
+    """)
+
+
 def test_threads_allocating_and_freeing_at_once_keep_their_bytes(kernels):
     run_in_fresh_process("""
         import random

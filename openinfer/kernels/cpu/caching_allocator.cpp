@@ -14,8 +14,9 @@
 // block still comes from there. Sizes of 2 MiB or more are rounded up to whole 2 MiB (a huge
 // page), smaller ones to 64 KiB. A free block serves a request of up to its own size and down
 // to 4/5 of it (best fit). Free blocks are released, oldest freed first, while they hold more
-// than the limit (set_limit; 0 releases them all and caches nothing more). Blocks under 1 MiB
-// are passed through to the wrapped allocator untouched. Thread-safe (one mutex).
+// than the limit (set_limit; 0 releases them all and caches nothing more), and all of them when
+// the wrapped allocator runs out of memory (then it tries once more). Blocks under 1 MiB are
+// passed through to the wrapped allocator untouched. Thread-safe (one mutex).
 // Installed by openinfer/cpu_allocator.py, in the processes that run a model on CPU.
 
 #include <c10/core/Allocator.h>
@@ -62,7 +63,14 @@ class CachingCPUAllocator final : public c10::Allocator {
         ++misses_;
       }
     }
-    if (!block) block = base_->allocate(size);
+    if (!block) {
+      try {
+        block = base_->allocate(size);
+      } catch (const c10::Error&) {  // out of memory: what is kept goes back first, then once more
+        release_kept();
+        block = base_->allocate(size);
+      }
+    }
     void* data = block.get();
     std::lock_guard<std::mutex> lock(mutex_);
     live_.emplace(data, Live{std::move(block), block_size});
@@ -107,6 +115,16 @@ class CachingCPUAllocator final : public c10::Allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     limit_ = limit;
     trim(dropped);
+  }
+
+  // Every kept block back to the wrapped allocator (the limit stays).
+  void release_kept() {
+    std::vector<c10::DataPtr> dropped;
+    std::lock_guard<std::mutex> lock(mutex_);
+    const size_t limit = limit_;
+    limit_ = 0;
+    trim(dropped);
+    limit_ = limit;
   }
 
   std::vector<int64_t> stats() {
