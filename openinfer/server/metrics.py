@@ -11,7 +11,8 @@ rank, "0" for a lone server). Counters end in ``_total``. What each series reads
   (``observe``: tokens, latencies, lengths, finish reasons), seen in this process;
 * ``cache_config_info``: the KV cache's configuration as labels of a gauge set to 1;
 * ``compute_info``: how the engine computes (dtype, GEMM paths, CPU capability, attention
-  backend), as the engine core reported it when ready, the same way.
+  backend, huge pages, the caching CPU allocator's limit), as the engine core reported it
+  when ready, the same way.
 
 A request's timing comes from its RequestMetrics (monotonic seconds; the scheduling time
 is the engine core's, on the same host's clock):
@@ -165,7 +166,8 @@ class ServerMetrics:
         r.register(_InfoSeries(p + "cache_config_info", "Information of the LLMEngine CacheConfig",
                                self._values, cache_info or dict))
         r.register(_InfoSeries(p + "compute_info", "How the engine computes: dtype, GEMM paths "
-                               "(openinfer.layers.gemm), CPU capability, attention backend, huge pages",
+                               "(openinfer.layers.gemm), CPU capability, attention backend, huge pages, "
+                               "bytes the caching CPU allocator may keep",
                                self._values, compute_info or dict, skip_empty=True))
         self._requests: dict[str, _Tracked] = {}
 
