@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# The Triton attention backend on a CUDA machine, in one command (about 1-3 minutes):
+# The Triton attention backend and decode CUDA graphs on a CUDA machine, in one command
+# (about 2-5 minutes):
 #   (a) the parity tests (tests/kernels/test_triton_attention.py) compiled for the GPU, against
-#       the torch reference backend (no TRITON_INTERPRET);
+#       the torch reference backend (no TRITON_INTERPRET), and decode through captured CUDA
+#       graphs against eager decode, token for token (tests/kernels/test_decode_graphs.py);
 #   (b) timings of the Triton and torch backends at Qwen3-0.6B-like shapes, as a markdown table
-#       with the GPU, the commit and the torch/triton versions (benchmarks/gpu_check.py).
-# Exits non-zero if a parity test or a timed shape's parity fails. Needs the repo's venv
+#       with the GPU, the commit and the torch/triton versions (benchmarks/gpu_check.py);
+#   (c) decode tokens/s with CUDA graphs against eager, Qwen3-0.6B shape, batches 1, 8 and 32
+#       (benchmarks/bench_decode_graphs.py).
+# Exits non-zero if a parity test or a timed shape's parity fails (every part runs regardless). Needs the repo's venv
 # (`make install`). On a machine without CUDA it says so, runs the tests and a tiny smoke run
 # through Triton's interpreter instead (a check of this script), and exits 0 unless they fail.
 #
@@ -18,14 +22,16 @@ status=0
 if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "== (a) Triton parity tests on $("$PY" -c 'import torch; print(torch.cuda.get_device_name())')"
     env -u TRITON_INTERPRET "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
-        || status=1
+        tests/kernels/test_decode_graphs.py || status=1
     echo "== (b) Triton vs torch reference timings"
     env -u TRITON_INTERPRET "$PY" benchmarks/gpu_check.py || status=1
+    echo "== (c) decode: CUDA graphs vs eager"
+    env -u TRITON_INTERPRET "$PY" benchmarks/bench_decode_graphs.py || status=1
 else
     echo "gpu_check: no CUDA device here: SKIPPING the CUDA parity tests and timings;"
     echo "gpu_check: running the same tests and a tiny smoke run in Triton's CPU interpreter instead"
     TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
-        || status=1
+        tests/kernels/test_decode_graphs.py || status=1
     TRITON_INTERPRET=1 "$PY" benchmarks/gpu_check.py --quick || status=1
 fi
 

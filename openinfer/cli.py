@@ -130,6 +130,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="torch (reference), cpu (C++ paged kernel), auto (the fastest that "
                         "runs here; $OPENINFER_ATTENTION_BACKEND overrides auto)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly, without CUDA graphs (no effect on a CPU)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="bitwise-identical logits for a request whatever else is in the batch "
                         "(CPU only; slower)")
@@ -180,6 +182,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_transfer_timeout=args.kv_transfer_timeout, kv_lease_s=args.kv_lease_timeout,
         kv_load_failure_policy=args.kv_load_failure_policy,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         batch_invariant=args.batch_invariant,
         moe_expert_stats=args.moe_expert_stats,
         speculative_config=args.speculative_config,

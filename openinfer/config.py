@@ -339,6 +339,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     """torch (the reference), cpu (the C++ paged kernel) or auto (the fastest that runs here;
     see openinfer/attention/selector.py)."""
+    enforce_eager: bool = False
+    """CUDA: run decode steps eagerly instead of replaying CUDA graphs
+    (openinfer/engine/decode_graphs.py); no effect on a CPU."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (``--speculative-config``); None: off."""
     grammar_cache_size: int = 256
@@ -407,6 +410,7 @@ class EngineConfig:
         kv_load_failure_policy: str = "recompute",
         kv_transfer_secret: str | None = None,
         attention_backend: str = "auto",
+        enforce_eager: bool = False,
         batch_invariant: bool = False,
         moe_expert_stats: bool = False,
         speculative_config: str | dict | SpeculativeConfig | None = None,
@@ -479,6 +483,7 @@ class EngineConfig:
                 port=kv_transfer_port, timeout_s=kv_transfer_timeout, lease_s=kv_lease_s,
                 load_failure_policy=kv_load_failure_policy, secret=kv_transfer_secret),
             attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
             moe_expert_stats=moe_expert_stats,
             speculative=SpeculativeConfig.parse(speculative_config),
             tensor_parallel_size=tensor_parallel_size,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import pytest
 
 from openinfer.attention import AttentionBackend, select_attention_backend
@@ -19,3 +22,23 @@ def attention_backend(name: str) -> AttentionBackend:
         if load_cpu_attention() is None:
             pytest.skip("the CPU attention kernel cannot be built here")
     return select_attention_backend(name, "cpu")
+
+
+def use_interpreter() -> None:
+    """Make every jit function the Triton backend calls an interpreted one.
+
+    ``triton.jit`` reads ``TRITON_INTERPRET`` when a function is *defined*, and in a full test
+    run triton is already imported (torch._dynamo imports it) before a test module can set the
+    variable: so this re-defines triton.language's own jit helpers (tl.zeros, tl.max, tl.sum,
+    ...) and this project's kernels in interpreter mode. Call it with TRITON_INTERPRET=1 set."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.standard.zeros, InterpretedFunction):
+        for module in (tl.standard, tl.random, tl):
+            importlib.reload(module)
+    kernels = sys.modules.get("openinfer.kernels.triton_attention")
+    if kernels is not None and not kernels.interpreted():
+        importlib.reload(kernels)
+        if "openinfer.attention.triton" in sys.modules:
+            importlib.reload(sys.modules["openinfer.attention.triton"])

@@ -65,6 +65,7 @@ ROWS: list[tuple[tuple[str, ...], str, object]] = [
     (("--async-scheduling",), "scheduler.async_scheduling", True),
     (("--seed", "17"), "seed", 17),
     (("--attention-backend", "torch"), "attention_backend", "torch"),
+    (("--enforce-eager",), "enforce_eager", True),
     (("--batch-invariant",), "model.batch_invariant", True),
     (("--moe-expert-stats",), "moe_expert_stats", True),
     (("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'),

@@ -60,8 +60,6 @@ class EngineCore:
         self.config = config
         mc, cache = config.model, config.cache
         self.executor = make_executor(config, progress)
-        self.compute_info: dict = self.executor.call("compute_info_labels")
-        """How this engine computes (the labels of the compute_info metric)."""
         groups = group_layers(self.executor.call("kv_cache_specs"))
         num_blocks = min(self.executor.collective_rpc("kv_cache_memory")) // page_bytes(groups)
         # An instance that lends KV to decode instances keeps window layers' blocks whole for
@@ -86,6 +84,8 @@ class EngineCore:
             raise ValueError("this model has sliding-window layers only: the host/file KV tiers "
                              "and disaggregation need a full-attention layer group")
         self.executor.collective_rpc("initialize_kv_cache", groups, num_blocks)
+        self.compute_info: dict = self.executor.call("compute_info_labels")
+        """How this engine computes (the labels of the compute_info metric)."""
         spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv,
                                    config.kv_transfer.load_failure_policy, spec,

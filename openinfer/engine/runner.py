@@ -21,6 +21,7 @@ from torch import nn
 from openinfer.attention.backend import AttentionBackend
 from openinfer.attention.metadata import AttentionMetadata
 from openinfer.distributed.context_parallel import get_cp, plan_step
+from openinfer.engine.decode_graphs import DecodeGraphs
 from openinfer.engine.kv_cache import per_layer_views
 from openinfer.engine.outputs import (
     GrammarBitmask,
@@ -99,6 +100,8 @@ class ModelRunner:
         self.drafter = drafter
         """A model drafter (its layers follow the target's in ``layer_caches``)."""
         self._step: _ForwardStep | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        """CUDA graphs for decode-only steps (engine/decode_graphs.py), set by the worker."""
         self.cp = get_cp()
         """Prefill context parallelism: this rank's place (size 1: off)."""
         if self.cp.size > 1 and (len(groups) != 1 or not isinstance(groups[0].spec,
@@ -159,10 +162,22 @@ class ModelRunner:
                 block_tables=[r.block_ids[g] for r in batch],
                 block_size=self.block_size, device=self.device) for g in range(len(self.groups))]
             metas = [group_metas[g] for g in self.layer_group]
-            hidden = self.model(input_ids_t, positions_t, self.layer_caches, metas)
+            graph_size = self._graph_size(query_lens, drafts, group_metas)
+            if graph_size is not None:
+                hidden = self.decode_graphs.run(graph_size, input_ids_t, positions_t, group_metas)
+            else:
+                hidden = self.model(input_ids_t, positions_t, self.layer_caches, metas)
         self._step = _ForwardStep(sched, StepBatch(
             batch, query_lens, [r.num_computed_tokens for r in batch], input_ids_t,
             positions_t, metas, hidden))
+
+    def _graph_size(self, query_lens: list[int], drafts: dict[str, list[int]],
+                    group_metas: list[AttentionMetadata]) -> int | None:
+        """The decode graph a step replays: only a step of plain decodes (one token each,
+        nothing to verify); None runs it eagerly."""
+        if self.decode_graphs is None or drafts or any(n != 1 for n in query_lens):
+            return None
+        return self.decode_graphs.size_for(len(query_lens), group_metas)
 
     def _forward_context_parallel(self, batch: list[RunnerRequest], query_lens: list[int],
                                   seq_lens: list[int], input_ids: torch.Tensor,

@@ -30,6 +30,7 @@ from openinfer.config import (
 from openinfer.cpu_features import cpu_capability
 from openinfer.distributed.context_parallel import get_cp
 from openinfer.distributed.parallel_state import expert_parallel, get_tp, init_data_parallel_group
+from openinfer.engine.decode_graphs import DecodeGraphs
 from openinfer.engine.kv_cache import allocate_caches
 from openinfer.engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from openinfer.engine.runner import ModelRunner
@@ -105,9 +106,10 @@ class Worker:
         self.compute_info = {"dtype": self.dtype_name, "gemm": gemm.label,
                              "cpu_capability": cpu_capability(), "attention": self.attention.name,
                              "attention_bf16_dot": attention_dot, "huge_pages": huge_pages,
-                             "cpu_allocator_cache": str(kept_bytes)}
+                             "cpu_allocator_cache": str(kept_bytes), "cuda_graphs": ""}
         """How this worker computes (the labels of the compute_info metric; cpu_allocator_cache: the
-        bytes of freed blocks the caching CPU allocator may keep, 0 where it is off)."""
+        bytes of freed blocks the caching CPU allocator may keep, 0 where it is off; cuda_graphs:
+        the largest decode batch that replays a CUDA graph, empty where none does)."""
         self.draft_model = self._load_draft_model(progress)
         self.runner: ModelRunner | None = None
         self.mover: BlockMover | None = None
@@ -249,6 +251,43 @@ class Worker:
                                   proposer=make_token_proposer(spec),
                                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                                   drafter=drafter)
+        self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> None:
+        """CUDA graphs for the runner's decode steps (engine/decode_graphs.py), where they
+        apply; a model whose forward pass cannot be captured runs eagerly, after a warning."""
+        config = self.config
+        if torch.device(config.device).type != "cuda" or config.enforce_eager:
+            return
+        refusal = self._decode_graphs_refusal()
+        if refusal is not None:
+            logger.info("CUDA graphs: off (%s); decode runs eagerly", refusal)
+            return
+        graphs = DecodeGraphs(self.model, self.runner.layer_caches, self.runner.layer_group,
+                              len(self.groups), self.attention, config.cache.block_size,
+                              config.model.max_model_len, config.scheduler.max_num_seqs,
+                              torch.device(config.device), capture=True)
+        try:
+            graphs.capture_all()
+        except Exception as exc:  # an op that cannot be captured (a host sync, a dynamic shape)
+            logger.warning("CUDA graphs: off, the model's decode step could not be captured "
+                           "(%s: %s); decode runs eagerly (--enforce-eager skips trying)",
+                           type(exc).__name__, exc)
+            return
+        self.runner.decode_graphs = graphs
+        self.compute_info["cuda_graphs"] = str(graphs.sizes[-1])
+
+    def _decode_graphs_refusal(self) -> str | None:
+        """Why decode steps cannot replay graphs here (not yet built for these), or None."""
+        if self.attention.name != "triton":
+            return f"the {self.attention.name} attention backend plans from each step's lengths"
+        if self.runner.drafter is not None:
+            return "a model drafter reads the step's metadata"
+        if get_tp().size > 1 or get_cp().size > 1 or self.lockstep:
+            return "tensor, context or data parallelism (collectives are not captured yet)"
+        if self.balancer is not None:
+            return "expert load balancing moves weights between steps"
+        return None
 
     def profile_step_seconds(self, rows: list[int], query_len: int) -> list[tuple[int, float]]:
         """Seconds of one model step at each number of rows (confidence scheduling's SPS)."""

@@ -11,7 +11,7 @@ rank, "0" for a lone server). Counters end in ``_total``. What each series reads
   (``observe``: tokens, latencies, lengths, finish reasons), seen in this process;
 * ``cache_config_info``: the KV cache's configuration as labels of a gauge set to 1;
 * ``compute_info``: how the engine computes (dtype, GEMM paths, CPU capability, attention
-  backend, huge pages, the caching CPU allocator's limit), as the engine core reported it
+  backend, huge pages, the caching CPU allocator's limit, CUDA graphs), as the engine core reported it
   when ready, the same way.
 
 A request's timing comes from its RequestMetrics (monotonic seconds; the scheduling time
@@ -167,7 +167,8 @@ class ServerMetrics:
                                self._values, cache_info or dict))
         r.register(_InfoSeries(p + "compute_info", "How the engine computes: dtype, GEMM paths "
                                "(openinfer.layers.gemm), CPU capability, attention backend, huge pages, "
-                               "bytes the caching CPU allocator may keep",
+                               "bytes the caching CPU allocator may keep, largest decode batch "
+                               "replayed as a CUDA graph",
                                self._values, compute_info or dict, skip_empty=True))
         self._requests: dict[str, _Tracked] = {}
 

@@ -17,7 +17,6 @@ NaN block or far out of range, so one stray read turns its output NaN.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import subprocess
@@ -33,20 +32,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
 
-def use_interpreter() -> None:
-    """Make every jit function this backend calls an interpreted one (see the docstring)."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.standard.zeros, InterpretedFunction):
-        for module in (tl.standard, tl.random, tl):
-            importlib.reload(module)
-    kernels = sys.modules.get("openinfer.kernels.triton_attention")
-    if kernels is not None and not kernels.interpreted():
-        importlib.reload(kernels)
-        if "openinfer.attention.triton" in sys.modules:
-            importlib.reload(sys.modules["openinfer.attention.triton"])
-
+from attention_support import use_interpreter  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     use_interpreter()
