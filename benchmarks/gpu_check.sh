@@ -8,14 +8,25 @@
 #       with the GPU, the commit and the torch/triton versions (benchmarks/gpu_check.py);
 #   (c) decode tokens/s with CUDA graphs against eager, Qwen3-0.6B shape, batches 1, 8 and 32
 #       (benchmarks/bench_decode_graphs.py).
-# Exits non-zero if a parity test or a timed shape's parity fails (every part runs regardless). Needs the repo's venv
-# (`make install`). On a machine without CUDA it says so, runs the tests and a tiny smoke run
+# Exits non-zero if a parity test or a timed shape's parity fails (every part runs regardless).
+# Needs the repo's venv (`make install`) or, on a lent GPU machine, the wheels below. On a machine without CUDA it says so, runs the tests and a tiny smoke run
 # through Triton's interpreter instead (a check of this script), and exits 0 unless they fail.
 #
 #   benchmarks/gpu_check.sh            # PYTHON=... to use another interpreter
+#
+# On a lent GPU machine: run benchmarks/gpu_wheels.sh here first, then one device call with
+# carry [".whl"] and the command `bash benchmarks/gpu_check.sh 2>&1 | tee $OUT/gpu_check.log`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
+if [ -z "${PYTHON:-}" ] && [ ! -x .venv/bin/python ] && [ -d .whl ]; then
+    # A lent GPU machine (the `device` tool, carrying .whl from benchmarks/gpu_wheels.sh): its
+    # image's python3 has torch and triton; openinfer's other packages travel as wheels.
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+    PY=python3
+fi
 export OPENINFER_COMMIT=${OPENINFER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 status=0
 
