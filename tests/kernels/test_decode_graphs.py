@@ -65,17 +65,24 @@ def _attach_eager_buffers(llm: LLM) -> DecodeGraphs:
     return graphs
 
 
-def test_decode_graphs_match_eager(qwen3_checkpoint):
-    # Five requests of different lengths that finish one by one: decode batches of 5, 4, 3,
-    # 2 and 1 run at capture sizes 8, 4, 4, 2 and 1 (padded rows at 5 and 3).
+@pytest.mark.parametrize("model", ["qwen3", "qwen3-window"])
+def test_decode_graphs_match_eager(model, qwen3_checkpoint, make_checkpoint):
+    """Five requests of different lengths that finish one by one: decode batches of 5, 4, 3,
+    2 and 1 run at capture sizes 8, 4, 4, 2 and 1 (padded rows at 5 and 3). ``qwen3-window``:
+    layer 0 full attention, layers 1-2 an 8-token sliding window (several KV groups, buffers
+    for each; the window group's tables hold released blocks)."""
+    checkpoint = qwen3_checkpoint if model == "qwen3" else make_checkpoint(
+        "Qwen3ForCausalLM", num_layers=3,
+        extra_config=dict(use_sliding_window=True, sliding_window=8, max_window_layers=1))
     prompts = [list(range(3 + 4 * i, 12 + 5 * i)) for i in range(5)]
     params = [SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True) for i in range(5)]
-    eager = _engine(qwen3_checkpoint, enforce_eager=True)
+    eager = _engine(checkpoint, enforce_eager=True)
     expected = [o.outputs[0].token_ids for o in eager.generate(
         [{"prompt_token_ids": p} for p in prompts], params)]
     assert eager.engine.core.executor.worker.runner.decode_graphs is None
+    assert (len(eager.engine.core.kv.groups) > 1) == (model == "qwen3-window")
 
-    llm = _engine(qwen3_checkpoint, enforce_eager=False)
+    llm = _engine(checkpoint, enforce_eager=False)
     runner = llm.engine.core.executor.worker.runner
     if DEVICE == "cuda":
         graphs = runner.decode_graphs
