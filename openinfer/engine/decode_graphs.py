@@ -16,8 +16,9 @@ the smallest captured size that holds it, copies its inputs into the buffers and
 
 A graph sees new values only through its buffers; every launch argument was fixed at capture.
 So each size's attention plan is made from ``max_model_len``, not from the step's longest
-context (split-KV cuts every decode's context into the same splits; a split past a sequence's
-end reads nothing and weighs nothing in the merge), and the block tables are as wide as
+context: the number of split-KV parts is planned for the longest context any replay may
+have, and the kernel sizes each sequence's splits from its own length (a split past its end
+reads nothing and weighs nothing in the merge). The block tables are as wide as
 ``max_model_len`` needs. Prefills, chunked prefills, drafts to verify, and batches larger than
 the largest size run eagerly.
 

@@ -28,7 +28,12 @@ first token), built once per step from the scheduler's Python ints, longest cont
 the longest programs start first. Decodes use ``BLOCK_M = max(16, GROUP_PAD)`` (16 is the
 smallest ``tl.dot``) with one program per (sequence, KV head); where that is too few programs
 to fill the GPU, the context is split over a third grid axis (split-KV): each split writes
-its unnormalised accumulator and ``(m, l)`` in fp32 and a second kernel merges them.
+its unnormalised accumulator and ``(m, l)`` in fp32 and a second kernel merges them. The
+number of splits is a launch argument; each *sequence's* split length is computed in the
+kernel from its own length (its visible keys over the splits, at least ``min_keys_per_split``,
+in whole key tiles), so a short context in a batch of long ones takes few splits and the
+launch depends on no step's lengths (a CUDA graph replays it for any lengths; a split past
+a sequence's end reads nothing and weighs nothing in the merge).
 
 Variants (per layer, the CPU kernel's): a sliding window (rows read keys ``position - window + 1
 .. position``; a tile's loop starts at its first row's window), tanh soft-capping of the scores,
@@ -119,7 +124,7 @@ def _attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt,
-    keys_per_split,
+    min_keys_per_split,
     num_q_heads,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
@@ -150,14 +155,17 @@ def _attention_kernel(
     q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_dim_valid, other=0.0)
     q = q.to(k_cache_ptr.dtype.element_ty)
 
-    # Keys this tile needs: up to its last row's position; with split-KV, this split's share.
+    # Keys this tile needs: up to its last row's position, from its first row's window start
+    # (blocks before it may be released); with split-KV, this split's share of them.
     kv_stop = tl.minimum(seq_len, context + tl.minimum(q_tile_start + BLOCK_Q, q_len))
     kv_start = 0
-    if SPLIT:
-        kv_start = split * keys_per_split
-        kv_stop = tl.minimum(kv_stop, kv_start + keys_per_split)
-    if WINDOWED:  # nothing before the tile's first row's window (those blocks may be released)
+    if WINDOWED:
         kv_start = tl.maximum(kv_start, context + q_tile_start - window + 1)
+    if SPLIT:
+        per_split = tl.maximum(tl.cdiv(kv_stop - kv_start, tl.num_programs(2)), min_keys_per_split)
+        per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N  # whole key tiles
+        kv_start = kv_start + split * per_split
+        kv_stop = tl.minimum(kv_stop, kv_start + per_split)
 
     # A finite floor for the running max: a row with no visible key yet keeps alpha = 1 and
     # p = exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.
@@ -266,7 +274,8 @@ class AttentionPlan:
     decode_tiles: torch.Tensor
     """[2, num_decodes] int32: (sequence, first token) of each decode program: (b, 0)."""
     decode_splits: int
-    keys_per_split: int
+    min_keys_per_split: int
+    """A decode's splits cover at least this many keys each (a shorter context uses fewer)."""
     prefill_tiles: torch.Tensor
     """[2, n] int32: (sequence, first token) of each prefill program, longest context first."""
     prefill_block_q: int
@@ -288,8 +297,9 @@ def _sm_count(device_index: int) -> int:
 
 def decode_splits(num_decodes: int, num_kv_heads: int, max_decode_len: int, device: torch.device,
                   forced: int | None = None) -> int:
-    """How many parts each decode's context is split into: enough programs for ~2 per SM, but
-    at least MIN_KEYS_PER_SPLIT keys each. No split in the interpreter (it only costs time there)
+    """How many parts the longest decode context (``max_decode_len``; a CUDA graph passes
+    ``max_model_len``) may be split into: enough programs for ~2 per SM, but at least
+    MIN_KEYS_PER_SPLIT keys each. No split in the interpreter (it only costs time there)
     unless ``forced``."""
     if forced is not None:
         return max(1, min(forced, -(-max_decode_len // DECODE_BLOCK_N)))
@@ -321,14 +331,13 @@ def plan_attention(query_lens: list[int], seq_lens: list[int], num_decodes: int,
     prefill = np.stack([seqs[order], firsts[order]]).astype(np.int32)
     decode = np.stack([np.arange(num_decodes), np.zeros(num_decodes, dtype=np.int64)]).astype(np.int32)
     max_decode = max(seq_lens[:num_decodes], default=0)
-    splits = decode_splits(num_decodes, num_kv_heads, max_decode, device, num_kv_splits)
-    per_split = -(-max(max_decode, 1) // splits)
-    per_split = -(-per_split // DECODE_BLOCK_N) * DECODE_BLOCK_N  # whole key tiles per split
     return AttentionPlan(
         num_decodes=num_decodes,
         decode_tiles=torch.from_numpy(decode).to(device),
-        decode_splits=-(-max(max_decode, 1) // per_split),
-        keys_per_split=per_split,
+        decode_splits=decode_splits(num_decodes, num_kv_heads, max_decode, device, num_kv_splits),
+        # Forced splits (tests) cut even short contexts; planned ones keep a split's fixed
+        # cost small beside its keys.
+        min_keys_per_split=DECODE_BLOCK_N if num_kv_splits is not None else MIN_KEYS_PER_SPLIT,
         prefill_tiles=torch.from_numpy(prefill).to(device),
         prefill_block_q=block_q,
     )
@@ -393,7 +402,7 @@ def _decode(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor, value_c
     part_m = torch.empty(nd, num_q_heads, splits, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     _attention_kernel[grid](out, q, key_cache, value_cache, *args, *tiles, part_acc, part_m, part_l,
-                            *variant, *strides, plan.keys_per_split, num_q_heads, SPLIT=True,
+                            *variant, *strides, plan.min_keys_per_split, num_q_heads, SPLIT=True,
                             **launch)
     _merge_splits_kernel[(nd, num_q_heads)](
         out, part_acc, part_m, part_l, args[1], variant[0], *out.stride()[:2], splits,

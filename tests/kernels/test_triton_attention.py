@@ -206,10 +206,12 @@ def test_other_block_sizes(block_size):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_split_kv_decode(dtype):
-    # Three splits of 64-key tiles: the short decodes leave later splits empty.
+    # Three splits, each sequence's sized from its own length (at least one 64-key tile): the
+    # short decodes leave later splits empty; 400 keys make splits of three tiles (192 keys).
     backend = TritonAttentionBackend(num_kv_splits=3)
     check(make_case([1, 1, 1], [1, 100, 170], heads=4, kv_heads=2, dtype=dtype), backend)
     check(make_case([1, 1, 30], [130, 60, 90], heads=6, kv_heads=2, dtype=dtype), backend)
+    check(make_case([1, 1], [400, 70], heads=4, kv_heads=2, dtype=dtype), backend)
 
 
 def test_plan_covers_every_prefill_token_once():
