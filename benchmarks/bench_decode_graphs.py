@@ -1,12 +1,13 @@
 """Decode through CUDA graphs against eager decode, one engine each, interleaved in one run.
 
 A random-weight Qwen3-0.6B-shaped checkpoint (28 layers, hidden 1024, 16 query heads, 8 KV
-heads, head_dim 128, bf16) is built once; two engines load it on the GPU, one capturing decode
-graphs and one with ``enforce_eager``. For each batch size the engines take turns (eager,
-graphs, eager, graphs, ...): ``batch`` prompts of 32 tokens generate 1 token and then
-``1 + DECODE_TOKENS`` tokens; decode tokens/s = batch x DECODE_TOKENS / (the difference of the
-two walls). Prints a markdown table (GPU, commit, versions; median tokens/s of each engine,
-their ratio and the spread of the ratio over the repeats).
+heads, head_dim 128, bf16) is built once; three engines load it on the GPU: ``eager``
+(``enforce_eager``), ``graphs`` (decode graphs captured) and ``graphs+async`` (graphs and
+asynchronous scheduling: step N+1 scheduled while step N runs). For each batch size the engines
+take turns: ``batch`` prompts of 32 tokens generate 1 token and then ``1 + DECODE_TOKENS``
+tokens; decode tokens/s = batch x DECODE_TOKENS / (the difference of the two walls). Prints a
+markdown table (GPU, commit, versions; median tokens/s of each engine, and the ratios to eager
+with their spread over the repeats).
 
 Needs CUDA (it says so and exits 0 without it). Called by ``benchmarks/gpu_check.sh``.
 
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PROMPT_TOKENS = 32
 DECODE_TOKENS = 96
+ENGINES = ("eager", "graphs", "graphs+async")
 
 
 def build_checkpoint(path: Path) -> None:
@@ -81,25 +83,28 @@ def main() -> int:
         if args.model is None:
             build_checkpoint(Path(tmp))
         engines = {name: LLM(model, device="cuda", dtype="bfloat16", skip_tokenizer_init=True,
-                             enforce_eager=name == "eager", max_num_seqs=max(args.batches),
-                             max_model_len=1024, kv_cache_memory=2 * 2**30, progress=False)
-                   for name in ("eager", "graphs")}
+                             enforce_eager=name == "eager", async_scheduling=name.endswith("async"),
+                             max_num_seqs=max(args.batches), max_model_len=1024,
+                             kv_cache_memory=2 * 2**30, progress=False)
+                   for name in ENGINES}
         graphs = engines["graphs"].engine.core.executor.worker.runner.decode_graphs
         print(f"GPU: {torch.cuda.get_device_name()}  \ncommit: {args.commit}  \n"
               f"torch {torch.__version__}, triton {triton.__version__}; Qwen3-0.6B shape, "
               f"random bf16 weights; {PROMPT_TOKENS}-token prompts, {DECODE_TOKENS} decode tokens; "
               f"graphs captured: {sorted(graphs.graphs) if graphs else 'NONE'}\n")
-        print("| batch | eager tok/s | graphs tok/s | graphs / eager | ratio range |")
-        print("|---:|---:|---:|---:|---:|", flush=True)
+        print("| batch | " + " | ".join(f"{name} tok/s" for name in ENGINES)
+              + " | graphs / eager [range] | graphs+async / eager [range] |")
+        print("|---:" * (len(ENGINES) + 3) + "|", flush=True)
         for batch in args.batches:
-            rates: dict[str, list[float]] = {"eager": [], "graphs": []}
+            rates: dict[str, list[float]] = {name: [] for name in ENGINES}
             for _ in range(args.repeats):
                 for name, llm in engines.items():
                     rates[name].append(decode_tokens_per_s(llm, batch))
-            ratios = [g / e for g, e in zip(rates["graphs"], rates["eager"])]
-            eager, fast = statistics.median(rates["eager"]), statistics.median(rates["graphs"])
-            print(f"| {batch} | {eager:.0f} | {fast:.0f} | {fast / eager:.2f}x | "
-                  f"{min(ratios):.2f}-{max(ratios):.2f}x |", flush=True)
+            cells = [f"{statistics.median(rates[name]):.0f}" for name in ENGINES]
+            for name in ENGINES[1:]:
+                ratios = sorted(f / e for f, e in zip(rates[name], rates["eager"]))
+                cells.append(f"{statistics.median(ratios):.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+            print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
     return 0
 
 

@@ -6,7 +6,8 @@
 #       graphs against eager decode, token for token (tests/kernels/test_decode_graphs.py);
 #   (b) timings of the Triton and torch backends at Qwen3-0.6B-like shapes, as a markdown table
 #       with the GPU, the commit and the torch/triton versions (benchmarks/gpu_check.py);
-#   (c) decode tokens/s with CUDA graphs against eager, Qwen3-0.6B shape, batches 1, 8 and 32
+#   (c) decode tokens/s with CUDA graphs (and graphs + async scheduling) against eager,
+#       Qwen3-0.6B shape, batches 1, 8 and 32
 #       (benchmarks/bench_decode_graphs.py).
 # Exits non-zero if a parity test or a timed shape's parity fails (every part runs regardless).
 # Needs the repo's venv (`make install`) or, on a lent GPU machine, the wheels below. On a machine without CUDA it says so, runs the tests and a tiny smoke run
