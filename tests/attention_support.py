@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import pytest
+import torch
 
 from openinfer.attention import AttentionBackend, select_attention_backend
 
@@ -42,3 +44,22 @@ def use_interpreter() -> None:
         importlib.reload(kernels)
         if "openinfer.attention.triton" in sys.modules:
             importlib.reload(sys.modules["openinfer.attention.triton"])
+
+
+def triton_test_device() -> str:
+    """Where a Triton kernel test module runs its kernels, prepared before it imports them:
+    ``cuda`` on a machine with a GPU (compiled kernels), else ``cpu`` in Triton's interpreter
+    (TRITON_INTERPRET=1, set here unless the environment says otherwise). Skips the module
+    where triton is not installed, or where neither can run."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        use_interpreter()
+    from openinfer.kernels import triton_attention
+
+    device = "cpu" if triton_attention.interpreted() else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU, and TRITON_INTERPRET is set to something other than 1",
+                    allow_module_level=True)
+    return device

@@ -11,28 +11,13 @@ is what every padded step attends with.
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
+from attention_support import triton_test_device
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
-
-from attention_support import use_interpreter  # noqa: E402
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    use_interpreter()
+DEVICE = triton_test_device()
 
 from openinfer import LLM, SamplingParams  # noqa: E402
 from openinfer.engine.decode_graphs import DecodeGraphs, capture_sizes  # noqa: E402
-from openinfer.kernels import triton_attention  # noqa: E402
-
-DEVICE = "cpu" if triton_attention.interpreted() else "cuda"
-if DEVICE == "cuda" and not torch.cuda.is_available():
-    pytest.skip("no GPU, and TRITON_INTERPRET is set to something other than 1",
-                allow_module_level=True)
 
 MAX_NUM_SEQS = 8
 

@@ -26,26 +26,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_support import triton_test_device
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
-
-
-from attention_support import use_interpreter  # noqa: E402
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    use_interpreter()
+DEVICE = triton_test_device()
 
 from openinfer.attention import AttentionMetadata, select_attention_backend  # noqa: E402
 from openinfer.attention.reference import TorchAttentionBackend  # noqa: E402
 from openinfer.attention.triton import TritonAttentionBackend  # noqa: E402
 from openinfer.kernels import triton_attention  # noqa: E402
-
-DEVICE = "cpu" if triton_attention.interpreted() else "cuda"
-if DEVICE == "cuda" and not torch.cuda.is_available():
-    pytest.skip("no GPU, and TRITON_INTERPRET is set to something other than 1",
-                allow_module_level=True)
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 FAR = 2**30  # a block-table padding entry far past the cache
