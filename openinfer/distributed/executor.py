@@ -93,10 +93,8 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         # Two ranks' all-reduce adds two partial sums per element (exact whichever first);
         # over more ranks the order of the sums follows the tensor's size, so the batch.
         "--batch-invariant on more than 2 ranks": config.model.batch_invariant and size > 2,
-        # The engine core tells which blocks the store holds by testing each rank's file,
-        # and a prefill instance's ranks lend their shares from its one host.
-        "the file store (--kv-store-dir) on ranks of other machines":
-            config.cache.kv_store_dir is not None and _ranks_elsewhere(config),
+        # A prefill instance's ranks lend their shares from its one host. (The file store
+        # runs with ranks elsewhere where every node mounts it: the core checks at start-up.)
         "disaggregation (--role / --kv-transfer-port)":
             _disaggregated(config) and _ranks_elsewhere(config)})
 

@@ -165,8 +165,9 @@ class EngineCore:
         layout = self._block_layout(groups)
         num_slots = host_memory // layout.block_bytes
         host = HostCacheIndex(num_slots)
-        store_dirs = self.executor.collective_rpc("attach_tiers", layout, num_slots)
-        store_contains = StoreMembership(store_dirs) if store_dirs[0] is not None else None
+        stores = self.executor.collective_rpc("attach_tiers", layout, num_slots)
+        # (With ranks on other machines, a store is only usable on a mount they all share.)
+        store_contains = StoreMembership.of_ranks(stores) if stores[0] is not None else None
         self.kv.attach_tiers(host, store_contains)
         logger.info("KV tiers: L2 %d host blocks%s", num_slots,
                     f", L3 {cache.kv_store_dir}" if store_contains else "")

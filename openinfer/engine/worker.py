@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -54,7 +53,7 @@ from openinfer.spec.drafters import make_token_proposer
 from openinfer.spec.mtp import MTPDrafter, mtp_layers
 from openinfer.transfer.block_mover import BlockMover
 from openinfer.transfer.connector import make_connector
-from openinfer.transfer.file_store import FileStore, rank_fingerprint
+from openinfer.transfer.file_store import FileStore, RankStore, rank_fingerprint
 from openinfer.transfer.kv_server import KVServer
 
 logger = logging.getLogger(__name__)
@@ -293,16 +292,17 @@ class Worker:
         """Seconds of one model step at each number of rows (confidence scheduling's SPS)."""
         return self.runner.profile_step_seconds(rows, query_len)
 
-    def attach_tiers(self, layout: BlockLayout, num_host_slots: int) -> Path | None:
+    def attach_tiers(self, layout: BlockLayout, num_host_slots: int) -> RankStore | None:
         """The host pool (L2) and, when configured, the file store (L3); returns the
-        directory this worker's block files go to (None without a store). A tensor-parallel
-        rank keeps its share of each block (its KV heads) in its own host pool and files."""
+        directory this worker's block files go to and the probe it wrote there (None without
+        a store). A tensor-parallel rank keeps its share of each block (its KV heads) in its
+        own host pool and files."""
         cache = self.config.cache
         store = None
         if cache.kv_store_dir is not None:
             store = FileStore(cache.kv_store_dir, self._share_of(layout), cache.kv_store_bytes)
         self.mover = BlockMover(layout, self._layout_caches(layout), num_host_slots, store)
-        return store.dir if store is not None else None
+        return RankStore(store.dir, store.write_probe()) if store is not None else None
 
     @staticmethod
     def _share_of(layout: BlockLayout) -> BlockLayout:

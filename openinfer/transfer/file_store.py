@@ -31,12 +31,15 @@ import struct
 import threading
 import uuid
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.spec import BlockLayout
 
 MAGIC = b"OIKVBLK\x00"
+PROBE_PREFIX = ".probe-"
+"""A rank's start-up probe file (a dot file: never taken for a block)."""
 FORMAT_VERSION = 2  # 2: the header names a BlockLayout (layer groups)
 SUFFIX = ".kvblock"
 _LEN = struct.Struct("<I")
@@ -79,12 +82,36 @@ def _block_path(directory: Path, block_hash: BlockHash) -> Path:
     return directory / name[:2] / f"{name}{SUFFIX}"
 
 
+@dataclass(frozen=True)
+class RankStore:
+    """Where one rank's block files go, and the probe file it wrote there at start-up."""
+
+    directory: Path
+    probe: str
+
+
 class StoreMembership:
     """Whether a block is in the store: every rank's file of it is there. The engine core
-    asks this (a file test per rank) from its own process; the ranks read and write."""
+    asks this (a file test per rank) from its own process; the ranks read and write. So
+    ranks on other machines need a store every node mounts at the same path (3FS, NFS):
+    ``of_ranks`` makes sure at start-up."""
 
     def __init__(self, directories: list[Path]) -> None:
         self.directories = directories
+
+    @staticmethod
+    def of_ranks(stores: list[RankStore]) -> StoreMembership:
+        """The membership test over the ranks' directories, once the probe each rank wrote is
+        found from here (then removed); ValueError naming the first rank whose probe is not."""
+        for rank, store in enumerate(stores):
+            if not (store.directory / store.probe).is_file():
+                raise ValueError(
+                    f"--kv-store-dir: rank {rank} keeps its blocks in {store.directory}, which "
+                    "the engine core's machine does not see; with ranks on other machines the "
+                    "store must be one directory every node mounts at the same path (3FS, NFS)")
+        for store in stores:
+            (store.directory / store.probe).unlink(missing_ok=True)
+        return StoreMembership([store.directory for store in stores])
 
     def __call__(self, block_hash: BlockHash) -> bool:
         return all(_block_path(d, block_hash).is_file() for d in self.directories)
@@ -103,6 +130,13 @@ class FileStore:
         self.num_deleted_bad = 0
         self.num_evicted = 0
         self._lock = threading.Lock()
+
+    def write_probe(self) -> str:
+        """A file of this process's own name in the directory, for the engine core to look
+        for (``StoreMembership.of_ranks``); returns its name."""
+        name = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+        (self.dir / name).write_text(f"{os.uname().nodename} {os.getpid()}\n")
+        return name
 
     def path_of(self, block_hash: BlockHash) -> Path:
         return _block_path(self.dir, block_hash)

@@ -17,7 +17,12 @@ from openinfer import LLM, SamplingParams
 from openinfer.config import EngineConfig
 from openinfer.distributed.executor import RankFailed
 from openinfer.engine.core import EngineCore
-from openinfer.transfer.file_store import model_fingerprint
+from openinfer.transfer.file_store import (
+    PROBE_PREFIX,
+    RankStore,
+    StoreMembership,
+    model_fingerprint,
+)
 
 
 def _child_processes() -> list[psutil.Process]:
@@ -79,6 +84,26 @@ def test_two_ranks_give_the_tokens_and_logprobs_of_one(parallel_checkpoints, nam
     assert not two.engine.core.executor.alive
 
 
+def test_a_store_the_engine_core_does_not_see_is_refused(tmp_path):
+    """Ranks on other machines write their files where they mount --kv-store-dir; the engine
+    core tests them from its own machine, so each rank's start-up probe must be visible
+    there (a shared mount). Rank 1's probe missing: refused, naming the rank. Two ranks in
+    one directory (context parallelism) each find their own."""
+    dirs = [tmp_path / "rank0", tmp_path / "rank1"]
+    for d in dirs:
+        d.mkdir()
+    (dirs[0] / f"{PROBE_PREFIX}a").write_text("node0")
+    stores = [RankStore(dirs[0], f"{PROBE_PREFIX}a"), RankStore(dirs[1], f"{PROBE_PREFIX}b")]
+    with pytest.raises(ValueError, match=r"rank 1 keeps its blocks in .*rank1, which the engine "
+                                         r"core's machine does not see.*\(3FS, NFS\)"):
+        StoreMembership.of_ranks(stores)
+    (dirs[1] / f"{PROBE_PREFIX}b").write_text("node1")
+    (dirs[0] / f"{PROBE_PREFIX}c").write_text("node0, another rank")
+    shared = stores + [RankStore(dirs[0], f"{PROBE_PREFIX}c")]
+    assert StoreMembership.of_ranks(shared).directories == [dirs[0], dirs[1], dirs[0]]
+    assert not list(tmp_path.rglob(f"{PROBE_PREFIX}*")), "the probes stay behind"
+
+
 def test_impossible_splits_are_refused_at_start_up(make_checkpoint):
     odd_heads, fine = make_checkpoint(num_heads=3, num_kv_heads=1), make_checkpoint()
     cases = [
@@ -87,8 +112,6 @@ def test_impossible_splits_are_refused_at_start_up(make_checkpoint):
         (fine, dict(tensor_parallel_size=(psutil.cpu_count() or 1) * 4),
          "more than CPU cores"),
         (fine, dict(tensor_parallel_size=2, nnodes=3), "2 ranks do not split evenly over nnodes 3"),
-        (fine, dict(tensor_parallel_size=2, nnodes=2, kv_store_dir="/nonexistent"),
-         "does not run with the file store (--kv-store-dir) on ranks of other machines"),
         (fine, dict(tensor_parallel_size=2, nnodes=2, kv_role="prefill"),
          "does not run with disaggregation (--role / --kv-transfer-port)"),
         (fine, dict(tensor_parallel_size=2, speculative_config={

@@ -144,10 +144,13 @@ def _server_texts(base: str, prompts: list[list[int]], max_tokens: int) -> list[
 def test_tensor_parallel_over_two_nodes_answers_as_one_rank(qwen3_checkpoint, tmp_path,
                                                              monkeypatch):
     """`serve -tp 2 --nnodes 2` (node 0: the server and rank 0) with `serve --node-rank 1`
-    (rank 1, headless): the answers of one rank; the headless node's rank dying turns the
-    server unhealthy, and node 0's engine ends (no orphan). Both nodes are this machine."""
-    prompts = [[7, 300, 41, 9, 12] * 3, [500, 3, 77]]
+    (rank 1, headless): the answers of one rank, with the file store on a directory both
+    nodes see (each rank's share in its own files, read back once L1 and L2 forget); the
+    headless node's rank dying turns the server unhealthy, and node 0's engine ends (no
+    orphan). Both nodes are this machine."""
+    prompts = [[7, 300, 41, 9, 12] * 8, [500, 3, 77]]
     want = _offline_texts(qwen3_checkpoint, prompts, 8)
+    store = tmp_path / "store"
     port = _free_port_pair()
     nodes = ["--nnodes", "2", "--master-port", str(port)]
     monkeypatch.setenv("OPENINFER_NODE_SECRET", "test-secret")
@@ -157,9 +160,19 @@ def test_tensor_parallel_over_two_nodes_answers_as_one_rank(qwen3_checkpoint, tm
              "-tp", "2", *nodes, "--node-rank", "1", "--headless"], stdout=log,
             stderr=subprocess.STDOUT)
     try:
-        base, proc = start_server(qwen3_checkpoint, "-tp", "2", *nodes)
+        base, proc = start_server(qwen3_checkpoint, "-tp", "2", *nodes, "--kv-host-memory",
+                                  "4MiB", "--kv-store-dir", str(store))
         try:
             assert _server_texts(base, prompts, 8) == want
+            # The 40-token prompt's first two blocks, a file per rank, read back from both.
+            deadline = time.monotonic() + 30
+            while len(list(store.rglob("*.kvblock"))) < 2 * 2:
+                assert time.monotonic() < deadline, list(store.rglob("*"))
+                time.sleep(0.05)
+            assert not list(store.rglob(".probe-*")), "a start-up probe was left behind"
+            _reset_cache(base)
+            assert _server_texts(base, prompts[:1], 8) == want[:1]
+            assert metrics(base)["openinfer:prefix_cache_hits_by_tier_total[L3]"] == 32
             remote = [p for p in psutil.Process(headless.pid).children()
                       if "resource_tracker" not in " ".join(p.cmdline())]
             assert len(remote) == 1
