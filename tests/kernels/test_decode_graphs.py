@@ -65,6 +65,12 @@ def test_decode_graphs_match_eager(model, qwen3_checkpoint, make_checkpoint):
     expected = [o.outputs[0].token_ids for o in eager.generate(
         [{"prompt_token_ids": p} for p in prompts], params)]
     assert eager.engine.core.executor.worker.runner.decode_graphs is None
+    # The Triton backend's eager path itself gives the CPU engine's tokens (on a GPU: the
+    # first check that the whole engine runs right there).
+    on_cpu = LLM(str(checkpoint), device="cpu", max_num_seqs=MAX_NUM_SEQS, max_model_len=256,
+                 kv_cache_memory=4 * 2**20, seed=0)
+    assert [o.outputs[0].token_ids for o in on_cpu.generate(
+        [{"prompt_token_ids": p} for p in prompts], params)] == expected
     assert (len(eager.engine.core.kv.groups) > 1) == (model == "qwen3-window")
 
     llm = _engine(checkpoint, enforce_eager=False)
