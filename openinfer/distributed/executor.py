@@ -93,10 +93,12 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         # Two ranks' all-reduce adds two partial sums per element (exact whichever first);
         # over more ranks the order of the sums follows the tensor's size, so the batch.
         "--batch-invariant on more than 2 ranks": config.model.batch_invariant and size > 2,
-        # A prefill instance's ranks lend their shares from its one host. (The file store
-        # runs with ranks elsewhere where every node mounts it: the core checks at start-up.)
+        # (Overrides the multi-rank default.) With --nnodes each node's ranks lend their
+        # shares from that node; Ray places ranks itself, and its ranks are not told where
+        # they run yet. (The file store runs with ranks elsewhere where every node mounts
+        # it: the core checks at start-up.)
         "disaggregation (--role / --kv-transfer-port)":
-            _disaggregated(config) and _ranks_elsewhere(config)})
+            _disaggregated(config) and config.distributed_executor_backend == "ray"})
 
 
 def _check_split(architecture: str, hf: dict, size: int, expert_parallel: bool,
@@ -193,11 +195,6 @@ def _refuse_unsupported(config: EngineConfig, what: str,
 
 def _disaggregated(config: EngineConfig) -> bool:
     return config.kv_transfer.role != "both" or config.kv_transfer.port is not None
-
-
-def _ranks_elsewhere(config: EngineConfig) -> bool:
-    """Whether ranks may run on other machines than the engine core's."""
-    return config.nodes.nnodes > 1 or config.distributed_executor_backend == "ray"
 
 
 class RankFailed(RuntimeError):

@@ -24,8 +24,10 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import socket
 import threading
 import time
+from dataclasses import replace
 from multiprocessing.connection import AuthenticationError, Client, Connection, Listener, wait
 
 from openinfer.config import EngineConfig, NodesConfig
@@ -152,8 +154,22 @@ def _remote_rank_main(nodes: NodesConfig, rank: int, local_index: int, ranks_her
         config = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         raise SystemExit(f"rank {rank}: node 0 refused it (see its log)") from None
-    serve_rank(config, rank, init_method(nodes), conn, progress=False,
-               cuda_index=local_index, ranks_here=ranks_here)
+    serve_rank(kv_transfer_from_here(config, conn), rank, init_method(nodes), conn,
+               progress=False, cuda_index=local_index, ranks_here=ranks_here)
+
+
+def kv_transfer_from_here(config: EngineConfig, conn: Connection) -> EngineConfig:
+    """Node 0's config for a rank of this node: a prefill instance's rank lends its share of
+    the blocks from this node, on ``$OPENINFER_KV_TRANSFER_HOST`` (set on this node) or else
+    the address this node reaches node 0 from (``--kv-transfer-host`` is node 0's)."""
+    kt = config.kv_transfer
+    if not kt.serves_kv:
+        return config
+    host = os.environ.get("OPENINFER_KV_TRANSFER_HOST")
+    if not host:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            host = sock.getsockname()[0]
+    return replace(config, kv_transfer=replace(kt, host=host))
 
 
 def _connect(nodes: NodesConfig) -> Connection:

@@ -95,6 +95,8 @@ class EngineCore:
         self._reads = ReadsAcrossRanks(config.num_ranks)
         self._leases_ended = EveryRank(config.num_ranks)
         self._kv_server_ports: list[int] = []
+        self._kv_server_hosts: list[str] = []
+        """Each rank's KV server host, where they differ (ranks on several machines)."""
         self.has_tiers = self._attach_kv_tiers(groups)
         self._lease_requests: dict[str, str] = {}  # live KV lease id -> its request
         self.num_aborted = 0
@@ -185,10 +187,14 @@ class EngineCore:
         self.executor.collective_rpc("attach_kv_transfer", self._block_layout(groups), pulls,
                                      kt.serves_kv)
         self.kv.can_pull = pulls
-        # Every rank's KV server lends its share of the blocks, on a port of its own.
-        addresses = self.executor.collective_rpc("kv_server_address")
-        self._kv_server_ports = [address[1] for address in addresses if address]
-        return addresses[0]
+        # Every rank's KV server lends its share of the blocks, on a port of its own (and,
+        # with ranks on other machines, on a host of its own).
+        addresses = [address for address in self.executor.collective_rpc("kv_server_address")
+                     if address]
+        self._kv_server_ports = [port for _, port in addresses]
+        hosts = [host for host, _ in addresses]
+        self._kv_server_hosts = hosts if len(set(hosts)) > 1 else []
+        return addresses[0] if addresses else None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
@@ -313,6 +319,8 @@ class EngineCore:
                                           remote_port=port)
             if len(self._kv_server_ports) > 1:
                 out.kv_transfer_params["remote_rank_ports"] = self._kv_server_ports
+            if self._kv_server_hosts:
+                out.kv_transfer_params["remote_rank_hosts"] = self._kv_server_hosts
         self.collect_leases()
         failed, self.scheduler.failed = self.scheduler.failed, []
         return [EngineCoreOutput(req.request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value,

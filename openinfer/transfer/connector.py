@@ -51,8 +51,8 @@ def release_lease(params: KVTransferParams, secret: str | None, timeout_s: float
     frame = {"op": "release", "lease": params.remote_lease_id}
     if secret:
         frame["secret"] = secret
-    for port in params.all_ports:
-        with socket.create_connection((params.remote_host, port), timeout=timeout_s) as sock:
+    for host, port in params.all_addresses:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
             send_frame(sock, frame)
             reply, _ = recv_frame(sock, 0)
         if reply.get("op") != "ok":

@@ -5,7 +5,9 @@
     its answer, to a decode: {"remote_host", "remote_port", "remote_lease_id",
                               "remote_block_hashes": [hex, ...]}
                              (+ "remote_rank_ports": [port, ...] from a tensor-parallel
-                              prefill instance: rank r's share of the blocks is on port r)
+                              prefill instance: rank r's share of the blocks is on port r,
+                              + "remote_rank_hosts": [host, ...] where its ranks run on
+                              several machines: rank r's is on host r)
 
 Block hashes are hex strings in JSON and bytes inside openinfer (msgpack carries bytes).
 """
@@ -16,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 FIELDS = ("do_remote_decode", "remote_host", "remote_port", "remote_lease_id",
-          "remote_block_hashes", "remote_rank_ports")
+          "remote_block_hashes", "remote_rank_ports", "remote_rank_hosts")
 
 
 @dataclass(frozen=True)
@@ -31,20 +33,29 @@ class KVTransferParams:
     remote_rank_ports: tuple[int, ...] = ()
     """A tensor-parallel prefill instance's KV server port of each rank (rank 0's is
     ``remote_port``): each rank of the decode instance pulls its share from its own."""
+    remote_rank_hosts: tuple[str, ...] = ()
+    """With the prefill instance's ranks on several machines, each rank's KV server host
+    (rank 0's is ``remote_host``); empty when they all listen on ``remote_host``."""
 
     def for_rank(self, rank: int) -> KVTransferParams:
         """What tensor-parallel rank ``rank`` of the decode instance pulls from: the same
-        lease on its own rank's port (port 0, refused, when the prefill side has no such
-        rank, so that share and the block fail and are recomputed)."""
+        lease on its own rank's host and port (port 0, refused, when the prefill side has no
+        such rank, so that share and the block fail and are recomputed)."""
         if not self.remote_rank_ports:
             return self
         port = self.remote_rank_ports[rank] if rank < len(self.remote_rank_ports) else 0
-        return replace(self, remote_port=port, remote_rank_ports=())
+        host = (self.remote_rank_hosts[rank] if rank < len(self.remote_rank_hosts)
+                else self.remote_host)
+        return replace(self, remote_host=host, remote_port=port, remote_rank_ports=(),
+                       remote_rank_hosts=())
 
     @property
-    def all_ports(self) -> tuple[int, ...]:
-        """Every port holding the lease: each rank's, or the one."""
-        return self.remote_rank_ports or (self.remote_port,)
+    def all_addresses(self) -> list[tuple[str | None, int | None]]:
+        """Every (host, port) holding the lease: each rank's, or the one."""
+        if not self.remote_rank_ports:
+            return [(self.remote_host, self.remote_port)]
+        return [(rank.remote_host, rank.remote_port)
+                for rank in map(self.for_rank, range(len(self.remote_rank_ports)))]
 
     @property
     def pulls(self) -> bool:
@@ -90,7 +101,13 @@ class KVTransferParams:
                 for p in rank_ports)) or (rank_ports and rank_ports[0] != port):
             raise ValueError("kv_transfer_params.remote_rank_ports must be a list of port "
                              "numbers, remote_port first")
-        return KVTransferParams(do_remote_decode, host, port, lease, hashes, tuple(rank_ports))
+        rank_hosts = value.get("remote_rank_hosts") or ()
+        if not (isinstance(rank_hosts, list | tuple) and all(isinstance(h, str) for h in rank_hosts)
+                ) or (rank_hosts and (len(rank_hosts) != len(rank_ports) or rank_hosts[0] != host)):
+            raise ValueError("kv_transfer_params.remote_rank_hosts must be a list of host names, "
+                             "one per remote_rank_ports entry, remote_host first")
+        return KVTransferParams(do_remote_decode, host, port, lease, hashes, tuple(rank_ports),
+                                tuple(rank_hosts))
 
     def to_dict(self, hex_hashes: bool = False) -> dict[str, Any]:
         """The fields that are set (hashes as hex for JSON, bytes for msgpack)."""
@@ -105,4 +122,6 @@ class KVTransferParams:
                                           for h in self.remote_block_hashes]
         if self.remote_rank_ports:
             out["remote_rank_ports"] = list(self.remote_rank_ports)
+        if self.remote_rank_hosts:
+            out["remote_rank_hosts"] = list(self.remote_rank_hosts)
         return out

@@ -112,7 +112,7 @@ def test_impossible_splits_are_refused_at_start_up(make_checkpoint):
         (fine, dict(tensor_parallel_size=(psutil.cpu_count() or 1) * 4),
          "more than CPU cores"),
         (fine, dict(tensor_parallel_size=2, nnodes=3), "2 ranks do not split evenly over nnodes 3"),
-        (fine, dict(tensor_parallel_size=2, nnodes=2, kv_role="prefill"),
+        (fine, dict(tensor_parallel_size=2, distributed_executor_backend="ray", kv_role="prefill"),
          "does not run with disaggregation (--role / --kv-transfer-port)"),
         (fine, dict(tensor_parallel_size=2, speculative_config={
             "method": "draft_model", "model": str(odd_heads), "num_speculative_tokens": 2}),

@@ -355,6 +355,9 @@ def _post(base: str, path: str, body: bytes | dict) -> tuple[int, dict]:
     ({"model": MODEL, "prompt": "hi", "kv_transfer_params": {
         "remote_host": "h", "remote_port": 1, "remote_block_hashes": ["zz"]}}, 400,
      "kv_transfer_params"),
+    ({"model": MODEL, "prompt": "hi", "kv_transfer_params": {  # a host per rank port
+        "remote_host": "h", "remote_port": 1, "remote_rank_ports": [1, 2],
+        "remote_rank_hosts": ["h"]}}, 400, "kv_transfer_params"),
     # Caps on what one request may ask for.
     ({"model": MODEL, "prompt": "hi", "n": MAX_N + 1}, 400, "n"),
     ({"model": MODEL, "prompt": "hi", "stop": ["x"] * (MAX_STOP + 1)}, 400, "stop"),

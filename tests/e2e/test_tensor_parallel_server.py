@@ -8,6 +8,7 @@ one rank while its experts are moved between the ranks; with
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -191,6 +192,51 @@ def test_tensor_parallel_over_two_nodes_answers_as_one_rank(qwen3_checkpoint, tm
         if headless.poll() is None:
             headless.kill()
         headless.wait(timeout=10)
+
+
+def test_a_prefill_instance_over_two_nodes_lends_each_share_from_its_node(qwen3_checkpoint,
+                                                                         monkeypatch):
+    """Disaggregation with a prefill instance's ranks on two nodes: each rank lends its share
+    of the blocks from its own node (node 1's on its $OPENINFER_KV_TRANSFER_HOST, 127.0.0.2
+    here), the answer names each rank's host (remote_rank_hosts), and each rank of a TP=2
+    decode instance pulls its share from there: every block pulled, the colocated tokens."""
+    prompts = [[(7 * i + j) % 900 + 3 for j in range(40)] for i in range(2)]  # 2 full blocks
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(str(qwen3_checkpoint), progress=False)
+                .generate(prompts, SamplingParams(**greedy))]
+    port = _free_port_pair()
+    nodes = dict(nnodes=2, master_port=port)
+    monkeypatch.setenv("OPENINFER_NODE_SECRET", "test-secret")
+    headless = subprocess.Popen(
+        [sys.executable, "-m", "openinfer", "serve", "--model", str(qwen3_checkpoint), "-tp", "2",
+         "--nnodes", "2", "--master-port", str(port), "--node-rank", "1", "--headless"],
+        env={**os.environ, "OPENINFER_KV_TRANSFER_HOST": "127.0.0.2"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    prefill = decode = None
+    try:
+        prefill = LLM(str(qwen3_checkpoint), progress=False, tensor_parallel_size=2,
+                      kv_role="prefill", **nodes)
+        decode = LLM(str(qwen3_checkpoint), progress=False, tensor_parallel_size=2,
+                     kv_role="decode")
+        lent = prefill.generate(prompts, SamplingParams(
+            temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+        params = [o.kv_transfer_params for o in lent]
+        assert all(p["remote_rank_hosts"] == ["127.0.0.1", "127.0.0.2"] for p in params), params
+        outs = decode.generate(prompts, [SamplingParams(**greedy, kv_transfer_params=p)
+                                         for p in params])
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        core = decode.engine.core
+        assert core.scheduler.num_remote_blocks_pulled == 2 * 2
+        assert core.stats()["kv_remote_pull_failures"] == 0
+    finally:
+        for llm in (prefill, decode):
+            if llm is not None:
+                llm.engine.core.shutdown()
+        try:
+            headless.wait(timeout=30)  # it ends with node 0's engine
+        finally:
+            if headless.poll() is None:
+                headless.kill()
 
 
 def _wait_unhealthy(base: str, reason: str) -> None:
