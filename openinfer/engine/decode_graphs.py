@@ -56,8 +56,8 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Static buffers and one captured forward pass per capture size (see the module
     docstring). ``model(input_ids, positions, layer_caches, metas)`` is the runner's model;
-    ``layer_group`` maps each layer to its KV group; ``max_blocks`` is the block-table width
-    (blocks of ``max_model_len``)."""
+    ``layer_group`` maps each layer to its KV group; the block tables are as wide as
+    ``max_model_len``'s blocks (``max_blocks``)."""
 
     def __init__(self, model: Callable, layer_caches: list[torch.Tensor], layer_group: list[int],
                  num_groups: int, backend: AttentionBackend, block_size: int, max_model_len: int,
