@@ -1,7 +1,7 @@
 """CPU GEMM plans: y = x @ W^T + b by the fastest correct path for this CPU, chosen at load.
 
-    load_model ── load_weights ── plan_gemms(model) ──> every GemmLayer (Linear, MergedLinear,
-                                                         LMHead) gets a GemmPlan
+    load_model ── load_weights ── process_weights_after_loading ── plan_gemms(model)
+                                  ──> every GemmLayer (Linear, MergedLinear, LMHead) gets a GemmPlan
 
 The paths, and the weight formats they read, are in openinfer/layers/gemm_paths.py.
 
@@ -41,8 +41,10 @@ cached for the process, so a model's 30 identical layers are timed once:
      whichever format's paths are faster over the buckets (``choose_paths``). A packed weight
      replaces the plain one: the layer's ``weight`` becomes a meta tensor of the same shape
      (``parameters()`` still counts it; reading it fails). A weight another module shares (a
-     tied embedding) stays plain. A layer gets a second copy, in another format, only if that
-     makes some bucket ``EXTRA_COPY_MARGIN`` (1.05x) faster, and only while the process's budget for
+     tied embedding) stays plain; a module that needs weights derived from a planned layer's
+     (MLA's absorbed maps) makes them in ``process_weights_after_loading``, before the plans.
+     A layer gets a second copy, in another format, only if that makes some bucket
+     ``EXTRA_COPY_MARGIN`` (1.05x) faster, and only while the process's budget for
      such copies lasts (``OPENINFER_CPU_GEMM_EXTRA_MEMORY``: a byte size such as ``2GiB``, 0 for
      none; by default a quarter of the memory available at load). The case it is for: on
      Intel cores with AMX, the amx path reads its weight 1.4-2.5x faster than oneDNN for the

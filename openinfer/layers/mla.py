@@ -79,15 +79,17 @@ class MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(total_heads * self.v_dim, hidden, bias=bias)
         self.rotary = rotary
         self.scale = yarn_softmax_scale(hf, qk_dim)
-        self._absorbed_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.w_uk: torch.Tensor | None = None
+        """W_UK as [H, nope, latent]: the absorbed decode's query map (process_weights_after_loading)."""
+        self.w_uv_t: torch.Tensor | None = None
+        """W_UV^T as [H, latent, v]: the absorbed decode's output map."""
 
-    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK as [H, nope, latent], W_UV^T as [H, latent, v]), split from kv_b_proj once."""
-        if self._absorbed_weights is None:
-            w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
-            self._absorbed_weights = (w[:, :self.nope_dim].contiguous(),
-                                      w[:, self.nope_dim:].transpose(1, 2).contiguous())
-        return self._absorbed_weights
+    def process_weights_after_loading(self) -> None:
+        """Splits kv_b_proj into the absorbed decode's two maps, once, after the weights load
+        and before a GEMM plan may pack kv_b_proj and free its plain weight."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
+        self.w_uk = w[:, :self.nope_dim].contiguous()
+        self.w_uv_t = w[:, self.nope_dim:].transpose(1, 2).contiguous()
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -117,7 +119,7 @@ class MLAAttention(nn.Module):
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
         """Decodes: every head attends to the latent entries as one shared K/V head."""
-        w_uk, w_uv_t = self.absorbed_weights()
+        w_uk, w_uv_t = self.w_uk, self.w_uv_t
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, latent]
         query = torch.cat([q_latent, q_pe.to(q_latent.dtype)], -1)
         # The entries are both the keys and the values: one [2, blocks, bs, 1, latent + rope] view.

@@ -40,11 +40,22 @@ def load_model(config: ModelConfig, device: str | torch.device = "cpu",
     with torch.device(device), _default_dtype(config.dtype):
         model = cls(config.hf_config)
     load_weights(model, Path(config.path), progress=progress, hf_config=config.hf_config)
+    process_weights_after_loading(model)
     if config.batch_invariant:
         make_batch_invariant(model)
     else:
         plan_gemms(model, gemm)
     return model.eval()
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Runs every module's ``process_weights_after_loading()`` (vLLM's name): weights derived
+    from loaded ones (MLA's absorbed maps) are made here, before a GEMM plan may replace a
+    planned layer's plain weight by a meta tensor; after the plans, only the plan reads it."""
+    for module in model.modules():
+        prepare = getattr(module, "process_weights_after_loading", None)
+        if prepare is not None:
+            prepare()
 
 
 def load_weights(model: nn.Module, path: Path, progress: bool = True,
