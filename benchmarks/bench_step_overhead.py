@@ -40,11 +40,11 @@ from openinfer import LLM, SamplingParams
 from openinfer.cpu_features import cpu_capability
 from openinfer.engine.llm_engine import LLMEngine
 from openinfer.engine.output_processor import OutputProcessor
-from openinfer.engine.runner import ModelRunner
 from openinfer.engine.scheduler import Scheduler
 from openinfer.kernels import cpu_attention
 from openinfer.layers import gemm_paths
 from openinfer.layers.attention import Attention
+from openinfer.worker.runner import ModelRunner
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS_MODELS = [Path("/root/.cache/openinfer-peers/models/qwen3-0.4b-random-fp32"),

@@ -230,7 +230,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit("--cache-salt-per-api-key needs --api-key (the keys it salts by)")
     if args.headless or args.node_rank > 0:
         from openinfer.config import NodesConfig
-        from openinfer.distributed.nodes import serve_headless
+        from openinfer.executor.nodes import serve_headless
 
         if args.node_rank == 0:
             raise SystemExit("--headless is for the nodes other than 0 (--node-rank I)")

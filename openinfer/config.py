@@ -341,7 +341,7 @@ class EngineConfig:
     see openinfer/attention/selector.py)."""
     enforce_eager: bool = False
     """CUDA: run decode steps eagerly instead of replaying CUDA graphs
-    (openinfer/engine/decode_graphs.py); no effect on a CPU."""
+    (openinfer/worker/decode_graphs.py); no effect on a CPU."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (``--speculative-config``); None: off."""
     grammar_cache_size: int = 256
@@ -367,7 +367,7 @@ class EngineConfig:
     """Ranks (worker processes, each with the whole model and KV cache) that split a long
     prompt chunk's tokens between them (openinfer/distributed/context_parallel.py)."""
     nodes: NodesConfig = field(default_factory=NodesConfig)
-    """The machines the ranks run on (the ``mp`` backend; openinfer/distributed/nodes.py)."""
+    """The machines the ranks run on (the ``mp`` backend; openinfer/executor/nodes.py)."""
 
     @property
     def num_ranks(self) -> int:

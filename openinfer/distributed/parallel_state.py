@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,9 @@ COLLECTIVES: dict[str, list[int]] = {"all_reduce": [0, 0], "all_gather": [0, 0],
                                      "reduce_scatter": [0, 0], "all_to_all": [0, 0]}
 """Calls and payload bytes (this rank's tensor) of each collective so far, for
 benchmarks/bench_tensor_parallel.py (two integer adds per call)."""
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+"""Backstop for a collective whose peer hangs (a dead peer fails it at once)."""
 
 
 @dataclass(frozen=True)
@@ -175,8 +179,6 @@ def expert_parallel(config) -> Iterator[ExpertParallel]:
 def init_data_parallel_group(config) -> None:
     """Join this engine's data-parallel rank to the group of all of them (gloo on CPU,
     NCCL on CUDA), rendezvousing at ``config.data_parallel``'s address and port."""
-    from openinfer.distributed.executor import COLLECTIVE_TIMEOUT
-
     dp = config.data_parallel
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{dp.address}:{dp.rpc_port}",

@@ -15,7 +15,7 @@ into outputs. A step that needs the previous step's tokens before it can be sche
 (speculative drafts, grammar masks) runs the synchronous way, after the one in flight.
 
 It speaks token ids only; text lives in the front end (offline LLM or API server), and
-tensors in the workers behind the executor (engine/executor.py, engine/worker.py).
+tensors in the workers behind the executor (executor/, worker/worker.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import torch
 
 from openinfer.config import DEFAULT_KV_HOST_MEMORY_WITH_STORE, EngineConfig
 from openinfer.cpu_features import cpu_model_name
-from openinfer.engine.executor import make_executor
 from openinfer.engine.input_processor import load_tokenizer
 from openinfer.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from openinfer.engine.rank_results import (
@@ -43,6 +42,7 @@ from openinfer.engine.rank_results import (
 )
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
+from openinfer.executor import make_executor
 from openinfer.kv.events import KVEventPublisher, to_wire
 from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.kv_manager import KVCacheManager, KVEvent

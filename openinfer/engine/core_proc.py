@@ -7,11 +7,9 @@ when idle, waking every second to exit if its parent died (no orphan processes).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
-import sys
 import traceback
 
 import zmq
@@ -21,6 +19,7 @@ from openinfer.engine import protocol
 from openinfer.engine.core import EngineCore
 from openinfer.gc_heap import freeze_heap
 from openinfer.logger import PeriodicStats, configure_logging
+from openinfer.procs import die_with
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 1000
@@ -65,19 +64,6 @@ def run_engine_core(engine_options: dict, input_addr: str, output_addr: str,
         outputs.close(linger=1000)
         inputs.close(linger=0)
         ctx.term()
-
-
-def die_with(parent_pid: int) -> None:
-    """Have the kernel kill this process when its parent (the front end; for a
-    tensor-parallel rank, the engine core) dies, even mid-load or blocked
-    in a send to the front end's vanished socket (Linux; elsewhere the idle loop's
-    parent check is all there is)."""
-    if not sys.platform.startswith("linux"):
-        return
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # it died before the line above took effect
-        os._exit(1)
 
 
 def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:

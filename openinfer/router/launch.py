@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 
+from openinfer.procs import free_ports, strip_flags
 from openinfer.router.policies import POLICIES, RouterConfig
 from openinfer.server.listener import base_url, bind_socket, serve
 
@@ -93,7 +94,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     """Start ``--data-parallel-size`` replicas of this serve command on free loopback ports
     (or as Ray actors: --backend ray), each publishing KV events, and the router in front
     of them on --host/--port."""
-    child_argv = _strip(argv, {"--data-parallel-size", "--port", "--host", "--policy",
+    child_argv = strip_flags(argv, {"--data-parallel-size", "--port", "--host", "--policy",
                                "--balance-abs", "--balance-rel", "--kv-events-endpoint",
                                "--kv-events-replay-endpoint", "--backend", "--ray-address",
                                "--ray-num-cpus-per-replica", "--disaggregate", "--role",
@@ -195,33 +196,6 @@ def _serve_on_ray(args: argparse.Namespace, child_argv: list[str], sock: socket.
         if stop is not None:
             stop()  # the replicas, then ray.shutdown(): no Ray process outlives us
     return 0
-
-
-def _strip(argv: list[str], flags: set[str]) -> list[str]:
-    """argv without the given flags (and their values), leaving 'serve' out too."""
-    out, skip = [], False
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in flags:
-            skip = "=" not in arg and i + 1 < len(argv)
-            continue
-        if arg == "serve" and not out:
-            continue
-        out.append(arg)
-    return out
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports free on ``host`` now ("" for every interface of this
-    machine): all held bound together while they are picked, so none is picked twice."""
-    with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in socks]
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:

@@ -24,9 +24,10 @@ import time
 import urllib.request
 from collections.abc import Callable
 
+from openinfer.procs import PR_SET_PDEATHSIG, free_ports, strip_flags
+
 STARTUP_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class ReplicaActor:
@@ -46,7 +47,6 @@ class ReplicaActor:
         """Start the replica on free ports of this node; its URL once it is healthy."""
         import ray
 
-        from openinfer.router.launch import free_ports
 
         port, events, replay = free_ports(3, "")
         # 0.0.0.0 and tcp://*: the router usually runs on another node. It learns the event
@@ -109,10 +109,9 @@ def start_ray_replicas(args: argparse.Namespace,
     num_gpus = 0
     if args.device.startswith("cuda"):
         # One GPU each: Ray picks it (CUDA_VISIBLE_DEVICES), so cuda:N would point past it.
-        from openinfer.router.launch import _strip
 
         num_gpus = 1
-        child_argv = [*_strip(child_argv, {"--device"}), "--device", "cuda"]
+        child_argv = [*strip_flags(child_argv, {"--device"}), "--device", "cuda"]
         have = ray.cluster_resources().get("GPU", 0)
         if not args.ray_address and have < args.data_parallel_size:  # else: pending forever
             ray.shutdown()

@@ -31,7 +31,7 @@ from openinfer.layers.sampler import Sampler, SamplingRow, argmax
 from openinfer.spec.proposer import Draft
 
 if TYPE_CHECKING:
-    from openinfer.engine.runner import ModelRunner, RunnerRequest
+    from openinfer.worker.runner import ModelRunner, RunnerRequest
 
 DRAFT_STREAM = 2
 """Seeded rows' noise stream for the drafter's draws (verification uses 0 and 1)."""

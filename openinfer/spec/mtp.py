@@ -24,7 +24,7 @@ from openinfer.spec.draft_model import ModelDrafter, StepBatch, finish_drafts, p
 from openinfer.spec.proposer import Draft
 
 if TYPE_CHECKING:
-    from openinfer.engine.runner import ModelRunner, RunnerRequest
+    from openinfer.worker.runner import ModelRunner, RunnerRequest
 
 
 def mtp_layers(model: nn.Module) -> nn.ModuleList | None:

@@ -15,8 +15,8 @@ from conftest import CHECKPOINTS
 
 from openinfer import LLM, SamplingParams
 from openinfer.config import EngineConfig
-from openinfer.distributed.executor import RankFailed
 from openinfer.engine.core import EngineCore
+from openinfer.executor.multiproc import RankFailed
 from openinfer.transfer.file_store import (
     PROBE_PREFIX,
     RankStore,

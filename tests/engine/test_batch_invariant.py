@@ -16,7 +16,7 @@ from openinfer import LLM, SamplingParams
 from openinfer.attention import build_attention_metadata
 from openinfer.cli import build_parser, engine_kwargs
 from openinfer.config import EngineConfig
-from openinfer.distributed.executor import check_tensor_parallel
+from openinfer.executor.checks import check_tensor_parallel
 from openinfer.kernels.cpu_attention import paged_attention_reference
 from openinfer.layers import batch_invariant, gemm
 from openinfer.layers.batch_invariant import (

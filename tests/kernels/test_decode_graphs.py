@@ -1,4 +1,4 @@
-"""Decode steps through CUDA graphs (openinfer/engine/decode_graphs.py) yield the eager path's
+"""Decode steps through CUDA graphs (openinfer/worker/decode_graphs.py) yield the eager path's
 tokens.
 
 On a CUDA machine (``benchmarks/gpu_check.sh``) the worker captures the graphs itself and
@@ -17,7 +17,7 @@ from attention_support import triton_test_device
 DEVICE = triton_test_device()
 
 from openinfer import LLM, SamplingParams  # noqa: E402
-from openinfer.engine.decode_graphs import DecodeGraphs, capture_sizes  # noqa: E402
+from openinfer.worker.decode_graphs import DecodeGraphs, capture_sizes  # noqa: E402
 
 MAX_NUM_SEQS = 8
 

@@ -405,7 +405,7 @@ def test_the_engine_reports_how_it_computes(qwen3_checkpoint, monkeypatch):
 def test_a_bf16_engine_reports_the_attention_products_it_chose(qwen3_checkpoint, caplog):
     if load_cpu_attention() is None:
         pytest.skip("no CPU kernel extension")
-    with caplog.at_level(logging.INFO, logger="openinfer.engine.worker"):
+    with caplog.at_level(logging.INFO, logger="openinfer.worker.worker"):
         llm = LLM(str(qwen3_checkpoint), dtype="bfloat16", progress=False, kv_cache_memory=1 << 24)
     chosen = llm.engine.core.compute_info["attention_bf16_dot"]
     assert chosen in bf16_dot_paths() and chosen == bf16_dot()

@@ -24,11 +24,11 @@ from openinfer import LLM, SamplingParams
 from openinfer.attention import select_attention_backend
 from openinfer.config import ModelConfig
 from openinfer.engine.input_processor import load_tokenizer
-from openinfer.engine.kv_cache import allocate_group_cache, layer_views
 from openinfer.kv.spec import FullAttentionSpec, group_layers
 from openinfer.models.loader import load_model
 from openinfer.models.source import resolve_model
 from openinfer.transfer.file_store import model_fingerprint
+from openinfer.worker.kv_cache import allocate_group_cache, layer_views
 
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 BLOCK = 4

@@ -11,9 +11,9 @@ from attention_support import ATTENTION_BACKENDS, attention_backend
 import openinfer.config
 from openinfer import LLM, SamplingParams
 from openinfer.config import ModelConfig
-from openinfer.engine.kv_cache import allocate_group_cache, per_layer_views
 from openinfer.kv.spec import group_layers
 from openinfer.models.loader import load_model
+from openinfer.worker.kv_cache import allocate_group_cache, per_layer_views
 
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 BLOCK = 4  # small blocks so prompts span many of them

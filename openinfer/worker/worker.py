@@ -1,6 +1,6 @@
 """A worker: one device's model, its KV cache tensors, and the bytes that move in and out
 of them (host tier, file store, KV transfer). The engine core never touches a tensor; it
-talks to workers through an executor (engine/executor.py).
+talks to workers through an executor (executor/).
 
     EngineCore ──SchedulerOutput──> Executor ──> Worker ──> ModelRunner ──> model
                <─ModelRunnerOutput──          <── KV I/O completions, leases
@@ -29,10 +29,7 @@ from openinfer.config import (
 from openinfer.cpu_features import cpu_capability
 from openinfer.distributed.context_parallel import get_cp
 from openinfer.distributed.parallel_state import expert_parallel, get_tp, init_data_parallel_group
-from openinfer.engine.decode_graphs import DecodeGraphs
-from openinfer.engine.kv_cache import allocate_caches
 from openinfer.engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
-from openinfer.engine.runner import ModelRunner
 from openinfer.huge_pages import huge_pages_in_use, system_mode
 from openinfer.kernels.cpu_attention import (
     BF16_DOT_ENV,
@@ -55,6 +52,9 @@ from openinfer.transfer.block_mover import BlockMover
 from openinfer.transfer.connector import make_connector
 from openinfer.transfer.file_store import FileStore, RankStore, rank_fingerprint
 from openinfer.transfer.kv_server import KVServer
+from openinfer.worker.decode_graphs import DecodeGraphs
+from openinfer.worker.kv_cache import allocate_caches
+from openinfer.worker.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class Worker:
         """Model layer index -> its MoE experts, counting the tokens routed to them."""
         self.balancer = None
         if config.eplb is not None:
-            from openinfer.distributed.expert_balancer import ExpertBalancer
+            from openinfer.worker.expert_balancer import ExpertBalancer
 
             # Groups of experts the routing picks first (DeepSeek-V3's n_group) and the
             # machines the ranks span (--nnodes; a data-parallel group's are not known)
@@ -253,7 +253,7 @@ class Worker:
         self._capture_decode_graphs()
 
     def _capture_decode_graphs(self) -> None:
-        """CUDA graphs for the runner's decode steps (engine/decode_graphs.py), where they
+        """CUDA graphs for the runner's decode steps (worker/decode_graphs.py), where they
         apply; a model whose forward pass cannot be captured runs eagerly, after a warning."""
         config = self.config
         if torch.device(config.device).type != "cuda" or config.enforce_eager:

@@ -31,6 +31,9 @@ from dataclasses import replace
 from multiprocessing.connection import AuthenticationError, Client, Connection, Listener, wait
 
 from openinfer.config import EngineConfig, NodesConfig
+from openinfer.executor.rank import serve_rank
+from openinfer.logger import configure_logging
+from openinfer.procs import die_with
 
 logger = logging.getLogger(__name__)
 
@@ -141,10 +144,6 @@ def serve_headless(nodes: NodesConfig, num_ranks: int) -> int:
 
 def _remote_rank_main(nodes: NodesConfig, rank: int, local_index: int, ranks_here: int,
                       parent_pid: int) -> None:
-    from openinfer.distributed.executor import serve_rank
-    from openinfer.engine.core_proc import die_with
-    from openinfer.logger import configure_logging
-
     die_with(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the headless parent decides when we stop
     configure_logging()

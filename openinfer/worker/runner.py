@@ -21,8 +21,6 @@ from torch import nn
 from openinfer.attention.backend import AttentionBackend
 from openinfer.attention.metadata import AttentionMetadata
 from openinfer.distributed.context_parallel import get_cp, plan_step
-from openinfer.engine.decode_graphs import DecodeGraphs
-from openinfer.engine.kv_cache import per_layer_views
 from openinfer.engine.outputs import (
     GrammarBitmask,
     ModelRunnerOutput,
@@ -35,6 +33,8 @@ from openinfer.sampling_params import SamplingParams
 from openinfer.spec.draft_model import ModelDrafter, StepBatch
 from openinfer.spec.proposer import TokenProposer
 from openinfer.spec.verifier import VerifyRequest, verify
+from openinfer.worker.decode_graphs import DecodeGraphs
+from openinfer.worker.kv_cache import per_layer_views
 
 
 @dataclass
@@ -74,7 +74,7 @@ class _ForwardStep:
 class ModelRunner:
     """Turns the scheduler's diff into the step's tensors, runs the model and samples.
 
-    ``kv_caches`` holds one tensor per layer group (engine/kv_cache.py); each step builds
+    ``kv_caches`` holds one tensor per layer group (worker/kv_cache.py); each step builds
     one attention metadata per group (its block tables) and hands every layer its
     group's."""
 
@@ -101,7 +101,7 @@ class ModelRunner:
         """A model drafter (its layers follow the target's in ``layer_caches``)."""
         self._step: _ForwardStep | None = None
         self.decode_graphs: DecodeGraphs | None = None
-        """CUDA graphs for decode-only steps (engine/decode_graphs.py), set by the worker."""
+        """CUDA graphs for decode-only steps (worker/decode_graphs.py), set by the worker."""
         self.cp = get_cp()
         """Prefill context parallelism: this rank's place (size 1: off)."""
         if self.cp.size > 1 and (len(groups) != 1 or not isinstance(groups[0].spec,

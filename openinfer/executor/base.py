@@ -17,12 +17,10 @@ never two at a time.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
-from openinfer.config import EngineConfig
 from openinfer.engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
-from openinfer.engine.worker import Worker
 
 
 class Executor(ABC):
@@ -60,54 +58,3 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         self.collective_rpc("shutdown")
-
-
-class UniprocExecutor(Executor):
-    """One worker in the engine core's process: in its thread, or with asynchronous
-    scheduling on a model thread of its own."""
-
-    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
-        self.worker = Worker(config, progress)
-        self._model_thread = (ThreadPoolExecutor(1, thread_name_prefix="openinfer-model")
-                              if config.scheduler.async_scheduling else None)
-        self._closed = False
-
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        call = getattr(self.worker, method)
-        if self._model_thread is None:
-            return [call(*args)]
-        return [self._model_thread.submit(call, *args).result()]
-
-    def submit_step(self, sched: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        if self._model_thread is None:
-            return super().submit_step(sched)
-        return self._model_thread.submit(self._run_step, sched)
-
-    def _run_step(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self.worker.execute_model(sched)
-        return self.worker.sample_tokens(None)
-
-    @property
-    def alive(self) -> bool:
-        return self._model_thread is None or not self._closed
-
-    def shutdown(self) -> None:
-        super().shutdown()
-        if self._model_thread is not None:
-            self._model_thread.shutdown()
-            self._closed = True
-
-
-def make_executor(config: EngineConfig, progress: bool = True) -> Executor:
-    from openinfer.distributed.executor import check_expert_parallel
-
-    check_expert_parallel(config)
-    if config.num_ranks != 1 and config.distributed_executor_backend == "ray":
-        from openinfer.distributed.ray_executor import RayExecutor
-
-        return RayExecutor(config, progress)
-    if config.num_ranks != 1:
-        from openinfer.distributed.executor import MultiprocExecutor
-
-        return MultiprocExecutor(config, progress)
-    return UniprocExecutor(config, progress)

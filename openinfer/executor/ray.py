@@ -23,8 +23,11 @@ from dataclasses import replace
 from typing import Any
 
 from openinfer.config import EngineConfig
-from openinfer.distributed.executor import RankFailed, check_context_parallel, check_tensor_parallel
-from openinfer.engine.executor import Executor
+from openinfer.executor.base import Executor
+from openinfer.executor.checks import check_context_parallel, check_tensor_parallel
+from openinfer.executor.multiproc import RankFailed
+from openinfer.executor.rank import start_worker
+from openinfer.logger import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +49,6 @@ class RankActor:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def start(self, config: EngineConfig, rank: int, init_method: str, progress: bool) -> None:
-        from openinfer.distributed.executor import start_worker
-        from openinfer.logger import configure_logging
-
         configure_logging()
         # Ray gives a GPU actor one device, as its cuda:0; a CPU actor its reserved cores
         # (OMP_NUM_THREADS), which it does not share with the other ranks.
