@@ -183,7 +183,7 @@ def main() -> None:
 
     import torch
 
-    from openinfer.models.source import resolve_model
+    from openinfer.model_source import resolve_model
 
     path = resolve_model("smollm2").path
     log("openinfer worker")

@@ -23,10 +23,10 @@ from doc_sections import write_section
 
 from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.kv.spec import FullAttentionSpec, MLALatentSpec
-from openinfer.layers.cpu_kernels import use_cpu_kernels
 from openinfer.layers.gemm import plan_gemms
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.moe import MoE, RoutingConfig
+from openinfer.models.platform import use_cpu_kernels
 
 REPO = Path(__file__).resolve().parent.parent
 HIDDEN, EXPERT_INTER, EXPERTS, TOP_K, SHARED = 1024, 256, 64, 6, 1

@@ -43,8 +43,8 @@ from doc_sections import write_section
 from offline_limits import cpu_busy_seconds, wait_until_quiet
 
 from openinfer import LLM, SamplingParams
-from openinfer.engine.input_processor import load_tokenizer
-from openinfer.models.source import resolve_model
+from openinfer.model_source import resolve_model
+from openinfer.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2"

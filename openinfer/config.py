@@ -6,14 +6,15 @@ import json
 import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from openinfer import cpu_allocator
 from openinfer.cpu_features import auto_cpu_dtype, cpu_flags
 from openinfer.spec.config import SpeculativeConfig
 from openinfer.units import env_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class ModelConfig:
 
     path: str
     """Local files: a checkpoint directory (format 'hf') or a .gguf file (format 'gguf'),
-    whatever ``--model`` named (see openinfer.models.source.resolve_model)."""
+    whatever ``--model`` named (see openinfer.model_source.resolve_model)."""
     architecture: str
     hf_config: dict = field(repr=False, hash=False, compare=False)
     """The raw config.json (or its GGUF equivalent); model classes read their own fields from it."""
@@ -78,12 +79,12 @@ class ModelConfig:
         """Resolve ``model`` (a directory, .gguf file, built-in name or Hub id) and read it."""
         if batch_invariant and device != "cpu":
             raise ValueError(f"batch_invariant: supported on CPU only, not on {device}")
-        from openinfer.models.source import resolve_model
+        from openinfer.model_source import resolve_model
 
         source = resolve_model(str(model))
         path = Path(source.path)
         if source.format == "gguf":
-            from openinfer.models.gguf import read_config
+            from openinfer.gguf_file import read_config
 
             hf = read_config(path)
         else:
@@ -501,6 +502,8 @@ class EngineConfig:
 def resolve_device(device: str) -> str:
     """``auto``: the first CUDA device when torch sees one, else the CPU."""
     if device == "auto":
+        import torch  # here only: the control plane imports this module and loads no torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
@@ -525,6 +528,8 @@ def _derive_max_model_len(hf: dict) -> int:
 
 
 def _resolve_dtype(dtype: str | torch.dtype, hf: dict, device: str) -> torch.dtype:
+    import torch  # here only: the control plane imports this module and loads no torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,

@@ -3,7 +3,8 @@
 The machines openinfer runs on change (an AVX2-only Zen 3 one day, a Zen 5 with AVX-512 and
 AVX512_BF16 the next), so nothing here hard-codes an answer: ``cpu_flags`` reads the ISA
 extensions, and the decisions (``auto_cpu_dtype``) take the flags as an argument, so tests can
-pose as any CPU.
+pose as any CPU. torch is imported where a function needs it: the scheduler and router import
+this module (through openinfer.config) and load no torch.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Collection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """Extensions with bf16 dot-product instructions (VDPBF16PS, AMX tiles): with one of them,
@@ -24,6 +27,8 @@ and runs slower than fp32 (3.7x at 32 rows, 5.5x at 512 on an AVX2 Zen 3)."""
 def cpu_flags() -> frozenset[str]:
     """The ISA extensions this CPU has, lower case as /proc/cpuinfo spells them (avx2,
     avx512_bf16, amx_bf16, ...): those torch's cpuinfo reports plus /proc/cpuinfo's flags."""
+    import torch
+
     flags: set[str] = set()
     get_capabilities = getattr(torch.cpu, "get_capabilities", None)
     if get_capabilities is not None:
@@ -45,6 +50,8 @@ def has_native_gemm(dtype: torch.dtype, flags: Collection[str]) -> bool:
     """Whether a CPU with ``flags`` multiplies ``dtype`` matrices with its own instructions
     (float32 always; bfloat16 with NATIVE_BF16_FLAGS; float16 with AVX512_FP16 or AMX_FP16)
     rather than by converting to float32 element by element, slower than float32 itself."""
+    import torch
+
     if dtype == torch.float32:
         return True
     if dtype == torch.bfloat16:
@@ -56,6 +63,8 @@ def has_native_gemm(dtype: torch.dtype, flags: Collection[str]) -> bool:
 
 def cpu_capability() -> str:
     """The vector ISA ATen's CPU kernels dispatch to: DEFAULT, AVX2, AVX512, ..."""
+    import torch
+
     return torch.backends.cpu.get_cpu_capability()
 
 
@@ -79,6 +88,8 @@ def last_level_cache_bytes() -> int | None:
 @functools.cache
 def cpu_model_name() -> str:
     """The CPU's marketing name (as /proc/cpuinfo or cpuinfo gives it), or 'unknown'."""
+    import torch
+
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         for line in cpuinfo.read_text().splitlines():
@@ -95,6 +106,8 @@ def auto_cpu_dtype(checkpoint_dtype: str | None, flags: Collection[str]) -> tupl
     has native bf16 dot products (``NATIVE_BF16_FLAGS``); float32 otherwise. float16
     checkpoints also run in float32: few CPUs have fast fp16 GEMMs.
     """
+    import torch
+
     name = checkpoint_dtype or "float32"
     if name != "bfloat16":
         return torch.float32, f"the checkpoint is {name}"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from openinfer.kv.remote import KVTransferParams
 from openinfer.structured.params import StructuredOutputsParams
-from openinfer.transfer.params import KVTransferParams
 
 # Temperatures below this are treated as greedy decoding.
 GREEDY_TEMPERATURE = 1e-5

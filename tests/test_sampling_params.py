@@ -99,7 +99,7 @@ def test_params_survive_the_engine_core_protocol():
 
 
 def test_kv_transfer_params_are_parsed_once_into_a_frozen_value():
-    from openinfer.transfer.params import KVTransferParams
+    from openinfer.kv.remote import KVTransferParams
 
     p = SamplingParams(kv_transfer_params={"remote_host": "10.0.0.1", "remote_port": 7000,
                                            "remote_lease_id": "r1",

@@ -8,8 +8,8 @@ import importlib
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 """``--attention-backend`` values (openinfer.attention.selector)."""
 
-_EXPORTS = {"AttentionBackend": "backend", "AttentionMetadata": "metadata",
-            "build_attention_metadata": "metadata", "TorchAttentionBackend": "reference",
+_EXPORTS = {"AttentionBackend": "base", "AttentionMetadata": "base",
+            "build_attention_metadata": "base", "TorchAttentionBackend": "reference",
             "select_attention_backend": "selector"}
 
 __all__ = ["ATTENTION_BACKENDS", *_EXPORTS]

@@ -4,19 +4,17 @@ table (openinfer/kernels/cpu_attention.py). Nothing is gathered or padded."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from openinfer.attention.backend import AttentionBackend
-from openinfer.attention.metadata import AttentionMetadata
+from openinfer.attention.base import (
+    AttentionBackend,
+    AttentionLayerShape,
+    AttentionMetadata,
+    NormWeights,
+    RotaryTables,
+)
 from openinfer.kernels import paged_attention as torch_kernels
 from openinfer.kernels.cpu_attention import bf16_dot, load_cpu_attention, paged_attention
-
-if TYPE_CHECKING:
-    from openinfer.layers.attention import Attention
-    from openinfer.layers.norm import RMSNorm
-    from openinfer.layers.rotary import RotaryEmbedding
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -51,8 +49,8 @@ class CPUAttentionBackend(AttentionBackend):
                         sinks=sinks)
         return out
 
-    def rope_attention(self, layer: Attention, positions: torch.Tensor, qkv: torch.Tensor,
-                       rotary: RotaryEmbedding, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
+    def rope_attention(self, layer: AttentionLayerShape, positions: torch.Tensor, qkv: torch.Tensor,
+                       rotary: RotaryTables, q_norm: NormWeights | None, k_norm: NormWeights | None,
                        cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """One C++ call (``RopeAttention``) where the layer's kernel applies: made at its first
         call for this dtype and kept on the layer, None for the layers it does not cover."""
@@ -89,8 +87,8 @@ def attention_step(meta: AttentionMetadata, positions: torch.Tensor):
     return step
 
 
-def rope_kernel(layer: Attention, dtype: torch.dtype, rotary: RotaryEmbedding, q_norm: RMSNorm | None,
-                k_norm: RMSNorm | None, cache: torch.Tensor):
+def rope_kernel(layer: AttentionLayerShape, dtype: torch.dtype, rotary: RotaryTables,
+                q_norm: NormWeights | None, k_norm: NormWeights | None, cache: torch.Tensor):
     """The layer's ``RopeAttention`` for activations of ``dtype``, or None where its separate
     calls would not all run in the extension (a rotation or norm the kernels do not compute, a
     cache of another dtype)."""

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from openinfer.attention.backend import AttentionBackend
-from openinfer.attention.metadata import AttentionMetadata
+from openinfer.attention.base import AttentionBackend, AttentionMetadata
 from openinfer.kernels.cpu_attention import masked_attention
 from openinfer.kernels.paged_attention import (
     batch_invariant_attention,

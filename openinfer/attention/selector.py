@@ -15,8 +15,9 @@ import os
 import torch
 
 from openinfer.attention import ATTENTION_BACKENDS
-from openinfer.attention.backend import AttentionBackend
+from openinfer.attention.base import AttentionBackend
 from openinfer.attention.reference import TorchAttentionBackend
+from openinfer.kernels.cpu_attention import load_cpu_attention
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,6 @@ def select_attention_backend(name: str, device: torch.device | str) -> Attention
     elif name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}")
-        from openinfer.kernels.cpu_attention import load_cpu_attention
-
         if load_cpu_attention() is not None:
             from openinfer.attention.cpu import CPUAttentionBackend
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from openinfer.attention.backend import AttentionBackend
-from openinfer.attention.metadata import AttentionMetadata
+from openinfer.attention.base import AttentionBackend, AttentionMetadata
 from openinfer.kernels.triton_attention import AttentionPlan, paged_attention, plan_attention, write_kv
 
 

@@ -25,6 +25,8 @@ import httpx
 
 from openinfer.bench import BenchError
 from openinfer.bench.client import ServerError, error_message
+from openinfer.model_source import resolve_model
+from openinfer.tokenizer import load_tokenizer
 
 Conversation = list[dict[str, Any]]
 """Chat messages: ``[{"role": ..., "content": ...}, ...]``."""
@@ -65,9 +67,6 @@ class LocalTokenizer:
         a built-in name), else ``AutoTokenizer.from_pretrained(name)``; BenchError naming the
         flag if both fail."""
         from transformers import AutoTokenizer
-
-        from openinfer.engine.input_processor import load_tokenizer
-        from openinfer.models.source import resolve_model
 
         try:
             try:

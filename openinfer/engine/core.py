@@ -32,7 +32,6 @@ import torch
 
 from openinfer.config import DEFAULT_KV_HOST_MEMORY_WITH_STORE, EngineConfig
 from openinfer.cpu_features import cpu_model_name
-from openinfer.engine.input_processor import load_tokenizer
 from openinfer.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from openinfer.engine.rank_results import (
     EveryRank,
@@ -50,6 +49,7 @@ from openinfer.kv.spec import BlockLayout, LayerGroup, SlidingWindowSpec, group_
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.confidence import PROFILE_ROWS, StepRateProfile
 from openinfer.structured.manager import StructuredOutputManager
+from openinfer.tokenizer import load_tokenizer
 from openinfer.transfer.file_store import StoreMembership, model_fingerprint
 
 logger = logging.getLogger(__name__)

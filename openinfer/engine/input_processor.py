@@ -6,7 +6,6 @@ a bad request raises ``ValueError`` (naming the field) and others are unaffected
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from openinfer.config import EngineConfig
 from openinfer.engine.output_processor import OutputProcessor
 from openinfer.sampling_params import SamplingParams
 from openinfer.structured.grammar import GrammarCompiler
+from openinfer.tokenizer import load_tokenizer
 
 PromptInput = str | Sequence[int] | dict
 
@@ -188,38 +188,6 @@ def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, Sampling
     if params.n == 1:
         return [(request_id, params)]
     return [(f"{i}_{request_id}", params.child(i)) for i in range(params.n)]
-
-
-def load_tokenizer(path: str):
-    """The tokenizer of a checkpoint directory (or Hub id), or the one a .gguf file describes
-    in its metadata, with the file's chat template. A GGUF without tokenizer metadata, or
-    with one transformers cannot build, is a ValueError naming the file."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # heavy: only when text is used
-
-    if not (path.lower().endswith(".gguf") and os.path.isfile(path)):
-        return AutoTokenizer.from_pretrained(path)
-    from openinfer.models import gguf
-
-    problem = gguf.tokenizer_metadata_problem(path)
-    if problem is not None:
-        raise ValueError(f"model: {path!r}: {problem}; pass a tokenizer (--tokenizer) or use "
-                         "token ids only (skip_tokenizer_init)")
-    folder, name = os.path.split(os.path.abspath(path))
-    # AutoTokenizer first parses the whole file again for a config, only to pick the class
-    # (seconds for a real vocabulary); a byte-level BPE is fully described by the metadata,
-    # and the generic fast class is what it gets anyway.
-    cls = PreTrainedTokenizerFast if gguf.tokenizer_model(path) == "gpt2" else AutoTokenizer
-    try:
-        tokenizer = cls.from_pretrained(folder, gguf_file=name)
-    except Exception as e:  # transformers' converters raise a variety of errors
-        message = " ".join(str(e).split())[:200]
-        raise ValueError(f"model: {path!r}: cannot build its tokenizer ({type(e).__name__}: "
-                         f"{message})") from None
-    # transformers copies the template today; the file is the authority either way.
-    template = gguf.chat_template(path)
-    if template is not None and tokenizer.chat_template != template:
-        tokenizer.chat_template = template
-    return tokenizer
 
 
 def _require_sampling_params(params: object) -> None:

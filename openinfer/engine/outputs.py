@@ -8,13 +8,15 @@ the blocks they gained. The runner keeps its own copy of each request's tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from openinfer.kv.plan import KVPlan
 from openinfer.outputs import PositionLogprobs
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.proposer import Draft
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass

@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from openinfer.kv.remote import KVTransferParams
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.proposer import Draft
-from openinfer.transfer.params import KVTransferParams
 
 if TYPE_CHECKING:
     from openinfer.structured.grammar import RequestGrammar

@@ -54,10 +54,10 @@ from openinfer.engine.request import Request, RequestStatus
 from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.kv.kv_manager import KVCacheManager, PrefixHit
 from openinfer.kv.plan import BlockLoad
+from openinfer.kv.remote import KVTransferParams
 from openinfer.spec.confidence import StepRateProfile
 from openinfer.spec.config import SpeculativeConfig
 from openinfer.spec.planner import SpeculationPlanner
-from openinfer.transfer.params import KVTransferParams
 
 
 class Scheduler:

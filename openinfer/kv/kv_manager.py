@@ -35,8 +35,8 @@ from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.block_pool import BlockPool, GroupPool
 from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.plan import BlockCopy, BlockLoad, KVPlan
+from openinfer.kv.remote import KVTransferParams
 from openinfer.kv.spec import SKIPPED, LayerGroup, SlidingWindowSpec
-from openinfer.transfer.params import KVTransferParams
 
 TIERS = ("L1", "L2", "L3")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from openinfer.kv.block_hash import BlockHash
-from openinfer.transfer.params import KVTransferParams
+from openinfer.kv.remote import KVTransferParams
 
 
 @dataclass(frozen=True)

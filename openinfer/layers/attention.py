@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from openinfer.attention.metadata import AttentionMetadata
+from openinfer.attention.base import AttentionMetadata
 
 if TYPE_CHECKING:
     from openinfer.layers.norm import RMSNorm

@@ -120,36 +120,6 @@ class InvariantGemmPlan(GemmPlan):
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def make_batch_invariant(model: nn.Module) -> None:
-    """Put a loaded CPU ``model`` in batch-invariant mode (see the module docstring)."""
-    from openinfer.layers.attention import Attention
-    from openinfer.layers.mla import MLAAttention
-    from openinfer.layers.mlp import GatedMLP
-    from openinfer.layers.moe import FusedExperts
-
-    device = next(model.parameters()).device
-    if device.type != "cpu":
-        raise ValueError(f"batch_invariant: supported on CPU only, not on {device.type}")
-    for module in model.modules():
-        # Their expert GEMMs and latent attention have no invariant paths yet.
-        if isinstance(module, (MLAAttention, FusedExperts)):
-            raise ValueError(f"batch_invariant: not supported for {type(model).__name__} "
-                             f"({type(module).__name__} layers)")
-        if isinstance(module, Attention) and module.is_variant:
-            raise ValueError(f"batch_invariant: not supported for {type(model).__name__} "
-                             "(sliding-window, soft-capped or sinked attention)")
-    owners: dict[int, int] = {}
-    for module in model.modules():  # a parameter held by two modules (tied embedding/LM head)
-        for p in module.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, GemmLayer):
-                module.plan = plan_invariant_gemm(module, shared=owners[id(module.weight)] > 1)
-            elif isinstance(module, (Attention, GatedMLP)):
-                module.batch_invariant = True
-
-
 def plan_invariant_gemm(layer: GemmLayer, shared: bool = False) -> InvariantGemmPlan:
     """The layer's batch-invariant plan: the first path of PATH_PREFERENCE whose checks pass
     down to 1 row, else the one with the smallest checked size, else row by row."""

@@ -77,6 +77,7 @@ from openinfer.layers.gemm_paths import (
     FORMATS,
     PATHS,
     PLAIN,
+    Bucket,
     GemmPath,
     weight_formats,
 )
@@ -132,23 +133,6 @@ and the choice between copies (1.1-1.4x apart at 512 rows on 2 Intel cores with 
 follow other processes' bursts."""
 DEFAULT_CACHE_BYTES = 32 << 20
 """The last-level cache assumed where sysfs does not tell."""
-
-
-@dataclass(frozen=True)
-class Bucket:
-    min_rows: int
-    max_rows: int | None
-    """None: no upper bound."""
-    timed_rows: int
-    build_margin: float = 1.0
-    """Paths that build a kernel per row count must be this much faster here (BUILD_MARGIN)."""
-
-    def __str__(self) -> str:
-        if self.max_rows is None:
-            return f"M>{self.min_rows - 1}"
-        if self.min_rows == self.max_rows:
-            return f"M={self.min_rows}"
-        return f"M={self.min_rows}-{self.max_rows}"
 
 
 BUCKETS = (Bucket(1, 1, 1), Bucket(2, 16, 8), Bucket(17, 128, 32),

@@ -30,15 +30,30 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from openinfer.kernels.cpu_attention import load_cpu_attention
 
-if TYPE_CHECKING:
-    from openinfer.layers.gemm import Bucket
+
+@dataclass(frozen=True)
+class Bucket:
+    min_rows: int
+    max_rows: int | None
+    """None: no upper bound."""
+    timed_rows: int
+    build_margin: float = 1.0
+    """Paths that build a kernel per row count must be this much faster here (BUILD_MARGIN)."""
+
+    def __str__(self) -> str:
+        if self.max_rows is None:
+            return f"M>{self.min_rows - 1}"
+        if self.min_rows == self.max_rows:
+            return f"M={self.min_rows}"
+        return f"M={self.min_rows}-{self.max_rows}"
+
+
 
 PLAIN, PACKED, AMX, MKL = "plain", "packed", "amx", "mkl"
 FORMATS = (PLAIN, PACKED, AMX, MKL)

@@ -18,14 +18,13 @@ rank holds a full copy of a sharded weight.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from openinfer.layers.gemm import GemmPlan
+from openinfer.distributed.parallel_state import get_tp
 
 # On this project's x86 CPUs (MKL sgemm, AVX2), x @ W^T for 2..256 rows (decode batches) runs
 # 1.5-2.5x faster computed as (W @ x^T)^T; from ~512 rows on, the plain form wins (measured:
@@ -79,7 +78,7 @@ class GemmLayer(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.plan: GemmPlan | None = None
+        self.plan: Callable[[torch.Tensor], torch.Tensor] | None = None
         """Set once after loading, on CPU (openinfer.layers.gemm.plan_gemms)."""
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +137,6 @@ class ColumnParallelLinear(Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  what: str = "the output features of a column-parallel linear") -> None:
-        from openinfer.distributed.parallel_state import get_tp
 
         self.tp = get_tp()
         self.out_per_rank = self.tp.split(out_features, what)
@@ -159,7 +157,6 @@ class RowParallelLinear(Linear):
     partial products are summed by one all-reduce. Rank 0 alone adds the bias."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        from openinfer.distributed.parallel_state import get_tp
 
         self.tp = get_tp()
         self.in_per_rank = self.tp.split(in_features, "the input features of a row-parallel "

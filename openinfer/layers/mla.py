@@ -31,7 +31,7 @@ import math
 import torch
 from torch import nn
 
-from openinfer.attention.metadata import AttentionMetadata
+from openinfer.attention.base import AttentionMetadata
 from openinfer.distributed.parallel_state import get_tp
 from openinfer.kernels.paged_attention import prefill_attention
 from openinfer.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear

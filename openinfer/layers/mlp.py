@@ -16,7 +16,7 @@ from openinfer.layers.linear import MergedLinear, RowParallelLinear
 
 class GatedMLP(nn.Module):
     cpu_kernels: ModuleType | None = None
-    """The CPU kernel extension (set with the norms' by ``layers.cpu_kernels.use_cpu_kernels``):
+    """The CPU kernel extension (set with the norms' by ``models.platform.use_cpu_kernels``):
     silu(gate) * up then runs as one C++ pass over the merged projection's rows."""
     batch_invariant = False
     """Set in batch-invariant mode: the activation runs in row tiles that never split across

@@ -183,7 +183,7 @@ class FusedExperts(nn.Module):
     stacked biases)."""
 
     cpu_kernels: ModuleType | None = None
-    """The CPU kernel extension (``layers.cpu_kernels.use_cpu_kernels``), for experts with few
+    """The CPU kernel extension (``models.platform.use_cpu_kernels``), for experts with few
     rows."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,

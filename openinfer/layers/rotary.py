@@ -101,7 +101,7 @@ class RotaryEmbedding(nn.Module):
     """
 
     cpu_kernels: ModuleType | None = None
-    """The CPU kernel extension (set with the norms' by ``layers.cpu_kernels.use_cpu_kernels``):
+    """The CPU kernel extension (set with the norms' by ``models.platform.use_cpu_kernels``):
     NeoX rotations of whole heads then run as one C++ pass over q and k."""
 
     def __init__(

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openinfer.attention.metadata import AttentionMetadata
+from openinfer.attention.base import AttentionMetadata
 from openinfer.distributed.parallel_state import get_tp
 from openinfer.kernels.paged_attention import write_kv
 from openinfer.kv.spec import CompressedSpec, KVSpec, SlidingWindowSpec

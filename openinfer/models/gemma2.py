@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openinfer.attention.metadata import AttentionMetadata
+from openinfer.attention.base import AttentionMetadata
 from openinfer.layers.attention import Attention
 from openinfer.layers.embedding import LMHead, VocabEmbedding
 from openinfer.layers.mlp import GatedMLP

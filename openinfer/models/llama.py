@@ -16,12 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 from torch import nn
 
-from openinfer.attention.metadata import AttentionMetadata
+from openinfer.attention.base import AttentionMetadata
 from openinfer.distributed.parallel_state import get_tp
 from openinfer.kv.spec import FullAttentionSpec, KVSpec, SlidingWindowSpec
 from openinfer.layers.attention import Attention
@@ -30,7 +29,6 @@ from openinfer.layers.linear import MergedLinear, RowParallelLinear
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding, get_rope
-from openinfer.models import llama_cpu
 
 
 @dataclass(frozen=True)
@@ -117,10 +115,10 @@ class DecoderStack(nn.Module):
     embed_tokens: VocabEmbedding
     layers: nn.ModuleList
     norm: RMSNorm
-    cpu_kernels: ModuleType | None = None
-    """The CPU kernel extension (set with the layers' by ``layers.cpu_kernels.use_cpu_kernels``):
-    Llama-family layers then run in one C++ call per step where it covers them
-    (openinfer/models/llama_cpu.py)."""
+    fused_layers: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    """The layers in one C++ call per step (set by ``models.platform.use_cpu_kernels``;
+    openinfer/models/llama_cpu.py): (x, residual) after the last layer, or None for a step or
+    model it does not cover."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -130,8 +128,8 @@ class DecoderStack(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        if self.cpu_kernels is not None:
-            done = llama_cpu.run_layers(self, positions, x, kv_caches, metas)
+        if self.fused_layers is not None:
+            done = self.fused_layers(positions, x, kv_caches, metas)
             if done is not None:
                 x, _ = self.norm(*done)
                 return x

@@ -17,18 +17,19 @@ one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from types import ModuleType
 
 import torch
 
+from openinfer.attention.base import AttentionMetadata
 from openinfer.attention.cpu import attention_step, rope_kernel
-from openinfer.attention.metadata import AttentionMetadata
+from openinfer.layers.gemm import PAD_FROM_ROWS, PAD_ROWS
+from openinfer.layers.linear import GemmLayer
+from openinfer.layers.mlp import GatedMLP
+from openinfer.models.llama import DecoderLayer, DecoderStack, LlamaAttention
 
-if TYPE_CHECKING:
-    from openinfer.models.llama import DecoderStack
 
-
-def run_layers(stack: DecoderStack, positions: torch.Tensor, x: torch.Tensor,
+def run_layers(stack: DecoderStack, kernels: ModuleType, positions: torch.Tensor, x: torch.Tensor,
                caches: list[torch.Tensor], metas: list[AttentionMetadata]
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(x, residual) after the stack's last layer, in one C++ call; None where the call does
@@ -39,7 +40,7 @@ def run_layers(stack: DecoderStack, positions: torch.Tensor, x: torch.Tensor,
     caches, metas = caches[:n], metas[:n]  # (a draft model is handed the runner's rest)
     layers = stack.cpu_layers.get(x.dtype, _UNDECIDED)
     if layers is _UNDECIDED:
-        layers = stack.cpu_layers[x.dtype] = _build(stack, x.dtype, caches)
+        layers = stack.cpu_layers[x.dtype] = _build(stack, kernels, x.dtype, caches)
     if layers is None or not layers.covers(x.shape[0]):
         return None
     for meta in metas:
@@ -51,14 +52,8 @@ def run_layers(stack: DecoderStack, positions: torch.Tensor, x: torch.Tensor,
 _UNDECIDED = object()
 
 
-def _build(stack: DecoderStack, dtype: torch.dtype, caches: list[torch.Tensor]):
+def _build(stack: DecoderStack, kernels: ModuleType, dtype: torch.dtype, caches: list[torch.Tensor]):
     """The stack's ``DecoderLayers``, or None where some layer is not covered."""
-    from openinfer.layers.gemm import PAD_FROM_ROWS, PAD_ROWS
-    from openinfer.layers.linear import GemmLayer
-    from openinfer.layers.mlp import GatedMLP
-    from openinfer.models.llama import DecoderLayer, LlamaAttention
-
-    kernels = stack.cpu_kernels
     paths = dict(kernels.GEMM_PATHS)
 
     def gemm(linear: GemmLayer):

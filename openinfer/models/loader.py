@@ -1,5 +1,5 @@
 """Builds a model from a Hugging Face checkpoint directory (config.json + *.safetensors) or a
-GGUF file (openinfer.models.gguf turns its tensors into Hugging Face names and float32)."""
+GGUF file (openinfer.gguf_file turns its tensors into Hugging Face names and float32)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from openinfer import gguf_file
 from openinfer.config import ModelConfig
 from openinfer.distributed.parallel_state import get_tp
-from openinfer.layers.batch_invariant import make_batch_invariant
 from openinfer.layers.gemm import plan_gemms
 from openinfer.layers.linear import default_weight_loader
 from openinfer.models import fp8
+from openinfer.models.platform import make_batch_invariant
 from openinfer.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -70,13 +71,12 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
     loaded: set[str] = set()
     unexpected: list[str] = []
     if path.is_file():  # a checkpoint is a directory; a single file is a GGUF
-        from openinfer.models import gguf
-
         if names.expert_weights:
             raise ValueError(f"{type(model).__name__}: GGUF checkpoints of mixture-of-experts "
                              "models are not supported; use the Hugging Face checkpoint")
 
-        tensors = gguf.iter_tensors(path, _checkpoint_names(model, packed), progress)
+        tensors = ((name, torch.from_numpy(array)) for name, array in
+                   gguf_file.iter_tensors(path, _checkpoint_names(model, packed), progress))
     else:
         fp8_block = fp8.block_size_of(hf_config or {})
         # Tensor parallel: sharded parameters read only their slice of each tensor.

@@ -13,9 +13,11 @@ import sys
 import time
 import urllib.request
 
+from openinfer.model_source import resolve_model
 from openinfer.procs import free_ports, strip_flags
 from openinfer.router.policies import POLICIES, RouterConfig
 from openinfer.server.listener import base_url, bind_socket, serve
+from openinfer.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,6 @@ def cmd_router(args: argparse.Namespace) -> int:
 def run_router(urls: list[str], tokenizer_path: str, args: argparse.Namespace,
                sock: socket.socket, prefill_urls: list[str] = ()) -> None:
     """Serve the router on ``sock`` (bound by the caller before anything slow)."""
-    from openinfer.engine.input_processor import load_tokenizer
     from openinfer.router.app import RouterState, build_router_app
     from openinfer.server.prompt import PromptRenderer
     from openinfer.server.sampling_defaults import load_chat_template
@@ -175,8 +176,6 @@ def _tokenizer_path(args: argparse.Namespace) -> str:
     """The replicas' tokenizer: --tokenizer, else the model's (a name resolved to its files)."""
     if args.tokenizer:
         return args.tokenizer
-    from openinfer.models.source import resolve_model
-
     return resolve_model(args.model).path
 
 

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from openinfer.kv.remote import KVTransferParams
 from openinfer.router.policies import Decision, Worker
 from openinfer.router.upstream import ReplicaEjected, unless_ejected
 from openinfer.transfer.connector import release_lease
-from openinfer.transfer.params import KVTransferParams
 from openinfer.transfer.protocol import KVTransferError
 
 if TYPE_CHECKING:

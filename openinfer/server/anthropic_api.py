@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from openinfer.engine.async_llm import AsyncLLM, RequestFailedError
 from openinfer.engine.core_client import EngineDeadError
+from openinfer.kv.remote import KVTransferParams
 from openinfer.outputs import CompletionOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.chat_output import ChatOutput, ToolPlan, plan_tools
@@ -26,7 +27,6 @@ from openinfer.server.openai_protocol import (
 )
 from openinfer.server.prompt import PromptRenderer, is_special_token
 from openinfer.server.tool_parsers import ToolParser
-from openinfer.transfer.params import KVTransferParams
 
 
 class AnthropicMessage(BaseModel):

@@ -21,11 +21,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from openinfer.kv.remote import KVTransferParams
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.errors import APIError
 from openinfer.structured.params import StructuredOutputsParams
-from openinfer.transfer.params import KVTransferParams
 
 # Caps on what one request may ask for (beyond them: a 400 naming the field and the cap).
 # A request's cost is bounded by them and the body size (--max-body-bytes): no single

@@ -21,17 +21,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from openinfer.config import ModelConfig
 from openinfer.layers.sampler import Sampler, SamplingRow, argmax
+from openinfer.spec.context import DraftContext, DraftRequest
 from openinfer.spec.proposer import Draft
-
-if TYPE_CHECKING:
-    from openinfer.worker.runner import ModelRunner, RunnerRequest
+from openinfer.tokenizer import load_tokenizer
 
 DRAFT_STREAM = 2
 """Seeded rows' noise stream for the drafter's draws (verification uses 0 and 1)."""
@@ -41,7 +39,7 @@ DRAFT_STREAM = 2
 class StepBatch:
     """The step the target just ran, as a model drafter needs it."""
 
-    requests: list[RunnerRequest]
+    requests: list[DraftRequest]
     """In batch order; their token lists already hold what the step accepted and sampled."""
     query_lens: list[int]
     starts: list[int]
@@ -64,8 +62,6 @@ def check_draft_model(target: ModelConfig, draft: ModelConfig, tokenizer_path: s
     if draft.max_model_len < target.max_model_len:
         raise ValueError(f"speculative_config.model: the draft's context ({draft.max_model_len}) "
                          f"is shorter than max_model_len ({target.max_model_len})")
-    from openinfer.engine.input_processor import load_tokenizer
-
     try:
         target_vocab = load_tokenizer(tokenizer_path or target.path).get_vocab()
         draft_vocab = load_tokenizer(draft.path).get_vocab()
@@ -84,11 +80,11 @@ class ModelDrafter(ABC):
         self.num_tokens = num_tokens
 
     @abstractmethod
-    def propose(self, runner: ModelRunner, step: StepBatch,
-                sampled: list[RunnerRequest]) -> dict[str, Draft]:
+    def propose(self, runner: DraftContext, step: StepBatch,
+                sampled: list[DraftRequest]) -> dict[str, Draft]:
         """Keep the drafter's KV in step with the target's, and draft for ``sampled``."""
 
-    def _chain_lengths(self, runner: ModelRunner, requests: list[RunnerRequest]) -> list[int]:
+    def _chain_lengths(self, runner: DraftContext, requests: list[DraftRequest]) -> list[int]:
         """Tokens each request's chain may draft: k, within the slots allocated (lookahead,
         capped at the request's max_num_tokens)."""
         groups = self._groups(runner)
@@ -98,10 +94,10 @@ class ModelDrafter(ABC):
             lengths.append(max(0, min(self.num_tokens, capacity - (len(req.token_ids) - 1))))
         return lengths
 
-    def _groups(self, runner: ModelRunner) -> list[int]:
+    def _groups(self, runner: DraftContext) -> list[int]:
         return sorted({runner.layer_group[i] for i in range(self.first_layer, len(runner.layer_group))})
 
-    def _decode_metas(self, runner: ModelRunner, requests: list[RunnerRequest],
+    def _decode_metas(self, runner: DraftContext, requests: list[DraftRequest],
                       positions: list[int]) -> list:
         """Attention metadata of one query token per request at ``positions``, for the
         drafter's layers."""
@@ -113,7 +109,7 @@ class ModelDrafter(ABC):
                 for i in range(self.first_layer, len(runner.layer_group))]
 
 
-def pick_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[RunnerRequest],
+def pick_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[DraftRequest],
                 drafts: list[Draft], probs: list[list[torch.Tensor]]) -> list[int]:
     """Each request's next draft token from the drafter's logits [R, V] (appended to its
     draft with its confidence); random requests keep their q row in ``probs``."""
@@ -140,7 +136,7 @@ def pick_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[RunnerReq
     return token_list
 
 
-def finish_drafts(requests: list[RunnerRequest], drafts: list[Draft],
+def finish_drafts(requests: list[DraftRequest], drafts: list[Draft],
                   probs: list[list[torch.Tensor]]) -> dict[str, Draft]:
     for req, q in zip(requests, probs):
         req.draft_probs = torch.stack(q) if q else None
@@ -152,8 +148,8 @@ class DraftModelDrafter(ModelDrafter):
         super().__init__(first_layer, num_tokens)
         self.model = model
 
-    def propose(self, runner: ModelRunner, step: StepBatch,
-                sampled: list[RunnerRequest]) -> dict[str, Draft]:
+    def propose(self, runner: DraftContext, step: StepBatch,
+                sampled: list[DraftRequest]) -> dict[str, Draft]:
         caches = runner.layer_caches[self.first_layer:]
         self.model(step.input_ids, step.positions, caches, step.metas[self.first_layer:])
         lengths = self._chain_lengths(runner, sampled)
@@ -164,7 +160,7 @@ class DraftModelDrafter(ModelDrafter):
             active = [i for i, n in enumerate(lengths) if n > j]
             reqs = [sampled[i] for i in active]
             positions = [len(r.token_ids) - 1 + j for r in reqs]
-            hidden = self.model(runner._long([last[i] for i in active]), runner._long(positions),
+            hidden = self.model(runner.long_tensor([last[i] for i in active]), runner.long_tensor(positions),
                                 caches, self._decode_metas(runner, reqs, positions))
             picked = pick_drafts(runner.sampler, self.model.compute_logits(hidden), reqs,
                                  [drafts[i] for i in active], [probs[i] for i in active])

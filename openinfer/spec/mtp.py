@@ -15,16 +15,12 @@ in vLLM. Following vLLM, the token embedding is zeroed at position 0.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
+from openinfer.spec.context import DraftContext, DraftRequest
 from openinfer.spec.draft_model import ModelDrafter, StepBatch, finish_drafts, pick_drafts
 from openinfer.spec.proposer import Draft
-
-if TYPE_CHECKING:
-    from openinfer.worker.runner import ModelRunner, RunnerRequest
 
 
 def mtp_layers(model: nn.Module) -> nn.ModuleList | None:
@@ -57,8 +53,8 @@ class MTPDrafter(ModelDrafter):
         head = self.layer.shared_head
         return head.head(head.norm(hidden))
 
-    def propose(self, runner: ModelRunner, step: StepBatch,
-                sampled: list[RunnerRequest]) -> dict[str, Draft]:
+    def propose(self, runner: DraftContext, step: StepBatch,
+                sampled: list[DraftRequest]) -> dict[str, Draft]:
         cache, meta = runner.layer_caches[self.first_layer], step.metas[self.first_layer]
         # The token after each scheduled position, as the step left the request.
         next_ids: list[int] = []
@@ -70,14 +66,14 @@ class MTPDrafter(ModelDrafter):
             # The last accepted position: its next token is the one just sampled.
             last_rows[req.request_id] = offset + min(n, len(req.token_ids) - 1 - start) - 1
             offset += n
-        hidden = self._forward(runner._long(next_ids), step.positions, step.hidden, cache, meta)
+        hidden = self._forward(runner.long_tensor(next_ids), step.positions, step.hidden, cache, meta)
         lengths = self._chain_lengths(runner, sampled)
         drafts = [Draft() for _ in sampled]
         probs: list[list[torch.Tensor]] = [[] for _ in sampled]
-        rows = runner._long([last_rows[r.request_id] for r in sampled])
+        rows = runner.long_tensor([last_rows[r.request_id] for r in sampled])
         current = hidden[rows]
         active = [i for i, n in enumerate(lengths) if n > 0]
-        current = current[runner._long(active)]
+        current = current[runner.long_tensor(active)]
         for j in range(max(lengths, default=0)):
             reqs = [sampled[i] for i in active]
             picked = pick_drafts(runner.sampler, self._logits(current), reqs,
@@ -89,7 +85,7 @@ class MTPDrafter(ModelDrafter):
             reqs = [sampled[i] for i in active]
             positions = [len(r.token_ids) - 1 + j for r in reqs]
             (meta_j,) = self._decode_metas(runner, reqs, positions)
-            current = self._forward(runner._long([picked[n] for n in keep]),
-                                    runner._long(positions), current[runner._long(keep)],
+            current = self._forward(runner.long_tensor([picked[n] for n in keep]),
+                                    runner.long_tensor(positions), current[runner.long_tensor(keep)],
                                     cache, meta_j)
         return finish_drafts(sampled, drafts, probs)

@@ -26,10 +26,10 @@ import torch
 
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.kv_manager import BlockCopy, BlockLoad
+from openinfer.kv.remote import KVTransferParams
 from openinfer.kv.spec import BlockLayout
 from openinfer.transfer.connector import release_lease
 from openinfer.transfer.file_store import FileStore, StoreFileError
-from openinfer.transfer.params import KVTransferParams
 from openinfer.transfer.protocol import KVTransferError
 
 logger = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ import zlib
 from collections.abc import Callable
 from multiprocessing import shared_memory
 
+from openinfer.kv.remote import KVTransferParams
 from openinfer.transfer.file_store import FileStore, StoreFileError
-from openinfer.transfer.params import KVTransferParams
 from openinfer.transfer.protocol import KVTransferError, recv_frame, send_frame
 
 PutBlock = Callable[[int, memoryview], None]

@@ -36,8 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from openinfer.attention.backend import AttentionBackend
-from openinfer.attention.metadata import AttentionMetadata
+from openinfer.attention.base import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

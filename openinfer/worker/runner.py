@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from openinfer.attention.backend import AttentionBackend
-from openinfer.attention.metadata import AttentionMetadata
+from openinfer.attention.base import AttentionBackend, AttentionMetadata
 from openinfer.distributed.context_parallel import get_cp, plan_step
 from openinfer.engine.outputs import (
     GrammarBitmask,
@@ -152,7 +151,7 @@ class ModelRunner:
             positions.extend(range(start, end))
         query_lens = [counts[r.request_id] for r in batch]
         seq_lens = [r.num_computed_tokens + counts[r.request_id] for r in batch]
-        input_ids_t, positions_t = self._long(input_ids), self._long(positions)
+        input_ids_t, positions_t = self.long_tensor(input_ids), self.long_tensor(positions)
         if self.cp.size > 1:
             hidden, metas = self._forward_context_parallel(batch, query_lens, seq_lens,
                                                            input_ids_t, positions_t)
@@ -252,7 +251,7 @@ class ModelRunner:
             offset += n
         if not rows:
             return sampling
-        logits = self.model.compute_logits(hidden[self._long(last_positions)])
+        logits = self.model.compute_logits(hidden[self.long_tensor(last_positions)])
         if not drafts:
             result = self.sampler(logits, rows, in_place=True)
             for req, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
@@ -281,7 +280,7 @@ class ModelRunner:
             start = req.num_computed_tokens
             stop = min(start + n, req.num_prompt_tokens - 1)
             if req.params.prompt_logprobs is not None and start < stop:
-                rows = self._long(list(range(offset, offset + stop - start)))
+                rows = self.long_tensor(list(range(offset, offset + stop - start)))
                 logits = self.model.compute_logits(hidden[rows])
                 targets = req.token_ids[start + 1:stop + 1]
                 entries = compute_logprobs(logits, targets, req.params.prompt_logprobs)
@@ -310,8 +309,8 @@ class ModelRunner:
                     [len(self.groups) * t + g for t in table] for table in tables],
                 block_size=self.block_size, device=self.device) for g in range(len(self.groups))]
             metas = [metas_by_group[g] for g in self.layer_group]
-            input_ids = self._long([1] * num_rows)
-            positions = self._long([p for n in lens for p in range(n)])
+            input_ids = self.long_tensor([1] * num_rows)
+            positions = self.long_tensor([p for n in lens for p in range(n)])
             times = []
             for _ in range(repeats + 1):
                 start = time.perf_counter()
@@ -325,5 +324,5 @@ class ModelRunner:
             cache.zero_()
         return points
 
-    def _long(self, values: list[int]) -> torch.Tensor:
+    def long_tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

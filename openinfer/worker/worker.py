@@ -28,7 +28,12 @@ from openinfer.config import (
 )
 from openinfer.cpu_features import cpu_capability
 from openinfer.distributed.context_parallel import get_cp
-from openinfer.distributed.parallel_state import expert_parallel, get_tp, init_data_parallel_group
+from openinfer.distributed.parallel_state import (
+    COLLECTIVES,
+    expert_parallel,
+    get_tp,
+    init_data_parallel_group,
+)
 from openinfer.engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from openinfer.huge_pages import huge_pages_in_use, system_mode
 from openinfer.kernels.cpu_attention import (
@@ -41,10 +46,10 @@ from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.plan import BlockLoad
 from openinfer.kv.spec import BlockLayout, KVSpec, LayerGroup, MLALatentSpec
 from openinfer.layers.attention import Attention
-from openinfer.layers.cpu_kernels import use_cpu_kernels
 from openinfer.layers.gemm import describe_gemms
 from openinfer.layers.moe import FusedExperts
 from openinfer.models.loader import load_model
+from openinfer.models.platform import use_cpu_kernels
 from openinfer.spec.draft_model import DraftModelDrafter, check_draft_model
 from openinfer.spec.drafters import make_token_proposer
 from openinfer.spec.mtp import MTPDrafter, mtp_layers
@@ -146,8 +151,6 @@ class Worker:
 
     def collective_stats(self) -> dict[str, list[int]]:
         """Tensor parallel: calls and payload bytes of each collective so far."""
-        from openinfer.distributed.parallel_state import COLLECTIVES
-
         return {name: list(entry) for name, entry in COLLECTIVES.items()}
 
     def expert_placements(self) -> dict:

@@ -23,7 +23,7 @@ import time
 import openai
 import pytest
 
-from openinfer.models.source import resolve_model
+from openinfer.model_source import resolve_model
 
 try:
     resolve_model("smollm2")

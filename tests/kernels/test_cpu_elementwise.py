@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from openinfer.layers.cpu_kernels import use_cpu_kernels
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding
+from openinfer.models.platform import use_cpu_kernels
 
 
 def _norms(kernels, hidden: int, dtype: torch.dtype = torch.float32) -> tuple[RMSNorm, RMSNorm]:

@@ -10,9 +10,9 @@ import torch
 
 from openinfer.attention import select_attention_backend
 from openinfer.layers.attention import Attention
-from openinfer.layers.cpu_kernels import use_cpu_kernels
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding, get_rope
+from openinfer.models.platform import use_cpu_kernels
 
 HEADS, KV_HEADS, BLOCK, LAYERS, NUM_BLOCKS = 8, 2, 16, 3, 64
 

@@ -23,10 +23,10 @@ import openinfer.config
 from openinfer import LLM, SamplingParams
 from openinfer.attention import select_attention_backend
 from openinfer.config import ModelConfig
-from openinfer.engine.input_processor import load_tokenizer
 from openinfer.kv.spec import FullAttentionSpec, group_layers
+from openinfer.model_source import resolve_model
 from openinfer.models.loader import load_model
-from openinfer.models.source import resolve_model
+from openinfer.tokenizer import load_tokenizer
 from openinfer.transfer.file_store import model_fingerprint
 from openinfer.worker.kv_cache import allocate_group_cache, layer_views
 

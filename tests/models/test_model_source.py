@@ -11,8 +11,8 @@ import pytest
 
 from openinfer import LLM, SamplingParams
 from openinfer.config import ModelConfig
+from openinfer.model_source import SMOLLM2_FILE, resolve_model
 from openinfer.models import source
-from openinfer.models.source import SMOLLM2_FILE, resolve_model
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 

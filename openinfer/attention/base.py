@@ -1,4 +1,16 @@
-"""The step's attention metadata: built once per step from the scheduler's integers and
+"""The attention backend interface: what a model's attention layer asks of the hardware.
+
+A backend turns the step's integers into its metadata once per step (``build_metadata``)
+and then, for every layer, stores the step's K/V in that layer's paged cache and attends
+(``forward``). Backends: ``torch`` (the reference: gathers each sequence's blocks and runs
+SDPA; the oracle every other backend is tested against) and ``cpu`` (one C++ kernel for
+prefill, chunked prefill, prefix hits and decode, reading blocks in place).
+
+A layer's cache is ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V),
+a strided view of the engine's block-major tensor: each block's ``[block_size, H, D]`` is
+contiguous, consecutive blocks are not.
+
+The step's attention metadata: built once per step from the scheduler's integers and
 shared by every layer, so no layer loops over sequences in Python to find its inputs.
 
 A step packs all scheduled tokens into one flat batch (no padding), decodes first (one
@@ -18,14 +30,88 @@ exceeds its query length; query ``i`` of a sequence sits at position
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from openinfer.attention.backend import AttentionBackend
+
+class AttentionLayerShape(Protocol):
+    """What a backend reads of an attention layer (openinfer.layers.attention.Attention)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int
+    logit_softcap: float
+    sinks: torch.Tensor | None
+    rope_kernels: dict
+
+
+class RotaryTables(Protocol):
+    """What a backend reads of a rotary embedding (openinfer.layers.rotary)."""
+
+    cpu_kernels: Any
+    interleaved: bool
+    rotary_dim: int
+    head_dim: int
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
+
+class NormWeights(Protocol):
+    """What a backend reads of an RMSNorm (openinfer.layers.norm)."""
+
+    cpu_kernels: Any
+    weight: torch.Tensor
+    eps: float
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    def build_metadata(self, query_lens: list[int], seq_lens: list[int],
+                       block_tables: list[list[int]], block_size: int,
+                       device: torch.device | str) -> AttentionMetadata:
+        """The step's metadata (sequences ordered decodes first)."""
+        return build_attention_metadata(self, query_lens, seq_lens, block_tables, block_size,
+                                        device)
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Write k/v ([T, Hkv, D]) into ``cache`` at ``meta.slot_mapping``, then return the
+        attention of q ([T, Hq, D]) over each sequence's cached context, [T, Hq, D].
+
+        A layer's variants: ``window`` > 0, query ``p`` sees keys ``p - window + 1 .. p``
+        only (and never reads table entries before that: they may be released); ``softcap``
+        > 0, scaled scores ``s`` become ``softcap * tanh(s / softcap)``; ``sinks`` [Hq], one
+        logit per query head in the softmax denominator, with no value."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """The attention of q ([T, Hq, D]) over each sequence's context, already in ``cache``
+        (any ``[2, num_blocks, block_size, Hkv, D]`` view: MLA passes its latent entries as
+        both K and V, one expanded view), [T, Hq, D]."""
+
+    def rope_attention(self, layer: AttentionLayerShape, positions: torch.Tensor, qkv: torch.Tensor,
+                       rotary: RotaryTables, q_norm: NormWeights | None, k_norm: NormWeights | None,
+                       cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """``layer.forward_qkv`` in one call, or None where this backend does not fuse it
+        (the layer then splits, rotates and calls ``forward``)."""
+        return None
+
+    def forward_batch_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                cache: torch.Tensor, meta: AttentionMetadata,
+                                scale: float) -> torch.Tensor:
+        """``forward``, with each query row's result bitwise independent of the rest of the
+        step (other sequences, its own prompt's chunking, padding): ``--batch-invariant``."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no batch-invariant mode")
 
 
 @dataclass

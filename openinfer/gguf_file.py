@@ -4,7 +4,7 @@ A GGUF holds a model's hyperparameters and tokenizer as metadata under llama.cpp
 (``llama.block_count``, ``tokenizer.ggml.tokens``, ...) and its tensors under llama.cpp's
 names (``blk.0.attn_q.weight``), many of them quantized. This module turns the metadata into
 the Hugging Face config dict the model classes read (``read_config``) and the tensors into
-``(Hugging Face name, float32 tensor)`` pairs (``iter_tensors``), so the rest of the engine
+``(Hugging Face name, float32 array)`` pairs (``iter_tensors``), so the rest of the engine
 treats a GGUF as one more checkpoint. Supported: ``ARCHITECTURES`` and ``SUPPORTED_TYPES``.
 
 Two things llama.cpp's converter did are undone here:
@@ -38,7 +38,6 @@ from typing import Any
 
 import gguf
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType as QType
 from tqdm import tqdm
 
@@ -174,8 +173,8 @@ def chat_template(path: str | Path) -> str | None:
 
 
 def iter_tensors(path: str | Path, hf_names: Iterable[str],
-                 progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, float32 tensor)`` for every tensor of the file that maps to one of
+                 progress: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+    """``(hf_name, float32 array)`` for every tensor of the file that maps to one of
     ``hf_names`` (the un-merged Hugging Face names the model loads), in file order.
 
     Tensors are dequantized one at a time (peak extra memory: one float32 tensor). Tensors
@@ -198,7 +197,7 @@ def iter_tensors(path: str | Path, hf_names: Iterable[str],
         kind = tensor.name.split(".")[-2]
         if arch == "llama" and kind in heads:
             data = _unpermute_rope_rows(data, heads[kind])
-        yield name, torch.from_numpy(data)
+        yield name, data
     if unused:
         logger.warning("ignored %d GGUF tensors the model does not use, e.g. %s", len(unused), unused[:4])
 
