@@ -64,11 +64,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER address for replaying "
                                                        "missed KV event batches")
     g.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events")
-    g.add_argument("--swa-bounded-replay", action=argparse.BooleanOptionalAction, default=True,
+    # (--swa-bounded-replay and --swa-snapshot-interval: their names before 2026-12-06;
+    # DeepInfer's "SWA bounded replay" is another feature, prefill truncation of V4.1's
+    # window-only upper layers.)
+    g.add_argument("--window-snapshots", "--swa-bounded-replay", dest="window_snapshots",
+                   action=argparse.BooleanOptionalAction, default=True,
                    help="sliding-window layers cache their pages only at window snapshots; a "
                         "prefix hit recomputes at most one snapshot interval "
-                        "(--no-swa-bounded-replay: cache every window page)")
-    g.add_argument("--swa-snapshot-interval", type=int, default=512,
+                        "(--no-window-snapshots: cache every window page)")
+    g.add_argument("--window-snapshot-interval", "--swa-snapshot-interval",
+                   dest="window_snapshot_interval", type=int, default=512,
                    help="tokens between sliding-window snapshots (a multiple of --block-size)")
     d = parser.add_argument_group("disaggregation")
     d.add_argument("--role", dest="kv_role", choices=("both", "prefill", "decode"), default="both",
@@ -160,8 +165,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_host_memory=args.kv_host_memory, kv_store_dir=args.kv_store_dir,
         kv_store_bytes=args.kv_store_bytes, kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-        kv_events_topic=args.kv_events_topic, swa_bounded_replay=args.swa_bounded_replay,
-        swa_snapshot_interval=args.swa_snapshot_interval,
+        kv_events_topic=args.kv_events_topic, window_snapshots=args.window_snapshots,
+        window_snapshot_interval=args.window_snapshot_interval,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy, seed=args.seed,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,

@@ -139,17 +139,17 @@ class CacheConfig:
     kv_events_replay_endpoint: str | None = None
     """ZMQ ROUTER address where a subscriber asks for batches it missed."""
     kv_events_topic: str = ""
-    swa_bounded_replay: bool = True
+    window_snapshots: bool = True
     """Sliding-window layers keep their pages in the prefix cache only at window snapshots
-    (every ``swa_snapshot_interval`` tokens and at a request's last full block): a hit
+    (every ``window_snapshot_interval`` tokens and at a request's last full block): a hit
     resumes from the latest snapshot behind it and recomputes the rest (at most one
     interval). False: every window page stays cached until evicted."""
-    swa_snapshot_interval: int = 512
+    window_snapshot_interval: int = 512
     """Tokens between window snapshots (a multiple of block_size)."""
 
     def __post_init__(self) -> None:
-        if self.swa_snapshot_interval < self.block_size or self.swa_snapshot_interval % self.block_size:
-            raise ValueError(f"swa_snapshot_interval ({self.swa_snapshot_interval}) must be a "
+        if self.window_snapshot_interval < self.block_size or self.window_snapshot_interval % self.block_size:
+            raise ValueError(f"window_snapshot_interval ({self.window_snapshot_interval}) must be a "
                              f"positive multiple of block_size ({self.block_size})")
 
 
@@ -392,8 +392,8 @@ class EngineConfig:
         kv_events_endpoint: str | None = None,
         kv_events_replay_endpoint: str | None = None,
         kv_events_topic: str = "",
-        swa_bounded_replay: bool = True,
-        swa_snapshot_interval: int = 512,
+        window_snapshots: bool = True,
+        window_snapshot_interval: int = 512,
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
         scheduling_policy: str = "fcfs",
@@ -468,8 +468,8 @@ class EngineConfig:
                               kv_events_endpoint=kv_events_endpoint,
                               kv_events_replay_endpoint=kv_events_replay_endpoint,
                               kv_events_topic=kv_events_topic,
-                              swa_bounded_replay=swa_bounded_replay,
-                              swa_snapshot_interval=swa_snapshot_interval),
+                              window_snapshots=window_snapshots,
+                              window_snapshot_interval=window_snapshot_interval),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs, policy=scheduling_policy,
                                       enable_chunked_prefill=enable_chunked_prefill,

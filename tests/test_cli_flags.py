@@ -35,8 +35,12 @@ ROWS: list[tuple[tuple[str, ...], str, object]] = [
     (("--kv-events-replay-endpoint", "tcp://127.0.0.1:5998"), "cache.kv_events_replay_endpoint",
      "tcp://127.0.0.1:5998"),
     (("--kv-events-topic", "tenant-a"), "cache.kv_events_topic", "tenant-a"),
-    (("--no-swa-bounded-replay",), "cache.swa_bounded_replay", False),
-    (("--swa-snapshot-interval", "256"), "cache.swa_snapshot_interval", 256),
+    (("--no-window-snapshots",), "cache.window_snapshots", False),
+    (("--window-snapshot-interval", "256"), "cache.window_snapshot_interval", 256),
+    # The names before window snapshots were renamed (DeepInfer's "SWA bounded replay" is
+    # another feature), kept as aliases.
+    (("--no-swa-bounded-replay",), "cache.window_snapshots", False),
+    (("--swa-snapshot-interval", "256"), "cache.window_snapshot_interval", 256),
     (("--role", "decode"), "kv_transfer.role", "decode"),
     (("--kv-connector", "shm"), "kv_transfer.connector", "shm"),
     (("--kv-transfer-host", "10.1.2.3"), "kv_transfer.host", "10.1.2.3"),
@@ -74,7 +78,8 @@ ROWS: list[tuple[tuple[str, ...], str, object]] = [
 NOT_IN_CONFIG = {  # engine-group flags checked elsewhere
     "--model": "every test (resolve_model_arg)",
     "--enable-prefix-caching": "the default (its --no- form has a row)",
-    "--swa-bounded-replay": "the default (its --no- form has a row)",
+    "--window-snapshots": "the default (its --no- form has a row)",
+    "--swa-bounded-replay": "the default (the old name of --window-snapshots)",
 }
 
 

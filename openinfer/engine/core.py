@@ -65,7 +65,7 @@ class EngineCore:
         # An instance that lends KV to decode instances keeps window layers' blocks whole for
         # the requests it holds (their window pages travel with every block).
         self.kv = KVCacheManager(groups, num_blocks, cache.enable_prefix_caching,
-                                 cache.swa_snapshot_interval if cache.swa_bounded_replay else None,
+                                 cache.window_snapshot_interval if cache.window_snapshots else None,
                                  lends_windows=config.kv_transfer.serves_kv)
         # One request of max_model_len tokens must fit: every block in the full groups, the
         # window and a prefill chunk in the window groups.
@@ -365,7 +365,7 @@ class EngineCore:
             "gc_frozen_objects": gc.get_freeze_count(),
         }
         if kv.windows:
-            stats["swa_replayed_tokens"] = kv.num_replayed_tokens
+            stats["window_replayed_tokens"] = kv.num_replayed_tokens
             stats["window_pages_cached"] = sum(kv.pools[g].num_cached for g, _ in kv.windows)
         if self.has_tiers:
             stats["kv_host_blocks_used"] = kv.host.num_used

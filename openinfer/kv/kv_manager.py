@@ -329,7 +329,7 @@ class KVCacheManager:
     def _release_out_of_window(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the window groups' blocks that lie wholly before the window behind the
         request's last full block (so that window, a snapshot, is held to the end), oldest
-        first so their cached pages are evicted before newer ones. With bounded replay,
+        first so their cached pages are evicted before newer ones. With window snapshots,
         pages outside every snapshot leave the prefix cache as they are freed."""
         tables = self._tables.get(request_id)
         if tables is None or not self.windows or self.lends_windows:

@@ -305,7 +305,7 @@ class _EngineStats(Collector):
          "KV server connections refused and closed (unknown lease, wrong secret, bad request)"),
         ("kv_leases_expired", "kv_leases_expired",
          "KV leases that timed out unreleased (no decode instance pulled and let go)"),
-        ("swa_replayed_tokens", "swa_replayed_tokens",
+        ("window_replayed_tokens", "window_replayed_tokens",
          "Prefix-hit tokens recomputed because no window snapshot was cached at their end "
          "(sliding-window models)"),
         ("eplb_rearrangements", "eplb_rearrangements",

@@ -21,7 +21,7 @@ def test_32_turn_chat_gives_the_same_replies_with_and_without_caching(tmp_path, 
     randomize_v4(path)
     common = ("--block-size", "4", "--max-model-len", "2048")
     (cached_url, cached), (plain_url, plain) = start_servers(  # both at once
-        (path, *common, "--swa-snapshot-interval", "16"), (path, *common, "--no-prefix-caching"))
+        (path, *common, "--window-snapshot-interval", "16"), (path, *common, "--no-prefix-caching"))
     try:
         clients = [openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
                    for url in (cached_url, plain_url)]

@@ -179,7 +179,7 @@ def test_random_prefill_decode_hit_free_sequences_keep_every_pool_consistent(ops
     assert kv.usage == 0
 
 
-def test_bounded_replay_keeps_window_pages_only_at_snapshots():
+def test_window_snapshots_keep_window_pages_only_at_snapshots():
     # Snapshots every 16 tokens (4 blocks): the windows behind 16 and 32 are blocks 2-3 and
     # 6-7; the request ends at 41 tokens, so the window behind its last full block (40),
     # blocks 8-9, stays too. Every other window page leaves the cache as it is released.

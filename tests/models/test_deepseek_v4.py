@@ -55,7 +55,7 @@ def test_engine_greedy_tokens_with_and_without_prefix_caching(make_checkpoint, h
     path = _checkpoint(make_checkpoint)
     hf = hf_model_loader(path)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    options = dict(block_size=4, max_num_batched_tokens=16, swa_snapshot_interval=16, progress=False)
+    options = dict(block_size=4, max_num_batched_tokens=16, window_snapshot_interval=16, progress=False)
     prompts = _prompts(1000, [37, 5, 26], seed=3)
     llm = LLM(str(path), **options)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

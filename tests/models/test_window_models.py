@@ -177,7 +177,7 @@ def test_window_only_models_keep_their_cache_on_the_device(make_checkpoint):
 @pytest.mark.parametrize("bounded", [True, False], ids=["bounded-replay", "per-block-pages"])
 def test_hits_across_a_snapshot_interval_give_the_recomputed_tokens(bounded, make_checkpoint):
     """Prompts that share 17..47 tokens with a cached one hit at every offset of a 16-token
-    snapshot interval: with bounded replay they resume at the latest snapshot and recompute
+    snapshot interval: with window snapshots they resume at the latest snapshot and recompute
     the rest, with per-block window pages at the full hit; both give the uncached tokens."""
     path = _checkpoint(make_checkpoint, "GptOssForCausalLM")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -186,14 +186,14 @@ def test_hits_across_a_snapshot_interval_give_the_recomputed_tokens(bounded, mak
     prompts = [base[:k] + [7, 11, 13] for k in (17, 22, 29, 33, 38, 47)]
     plain = LLM(str(path), enable_prefix_caching=False, **options)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    llm = LLM(str(path), swa_bounded_replay=bounded, swa_snapshot_interval=16, **options)
+    llm = LLM(str(path), window_snapshots=bounded, window_snapshot_interval=16, **options)
     llm.generate([base], params)
     for prompt, want in zip(prompts, expected):  # one by one: each finds only the base cached
         out = llm.generate([prompt], params)[0]
         assert out.outputs[0].token_ids == want
         assert out.num_cached_tokens >= 16
     stats = llm.engine.core.stats()
-    assert (stats["swa_replayed_tokens"] > 0) == bounded
+    assert (stats["window_replayed_tokens"] > 0) == bounded
     llm.engine.check_integrity()
 
 

@@ -1,4 +1,4 @@
-"""SWA bounded replay figures (issue 15): what window snapshots cost and save.
+"""window snapshots figures (issue 15): what window snapshots cost and save.
 
 A random gpt-oss-shaped checkpoint (window and full layers alternating, window 128) built here
 with transformers; one 12-turn conversation (each turn: the conversation so far + 96 new
@@ -7,14 +7,14 @@ a new last message (a prefix hit that ends where no snapshot is). Three engines,
 requests, interleaved turn by turn in one process:
 
 * no prefix caching (full recompute),
-* per-block window pages (``--no-swa-bounded-replay``: every window page stays cached),
-* bounded replay (window pages cached only at snapshots every 512 tokens and at prompts' and
+* per-block window pages (``--no-window-snapshots``: every window page stays cached),
+* window snapshots (window pages cached only at snapshots every 512 tokens and at prompts' and
   requests' last full blocks).
 
 Figures: mean TTFT per phase (ratios to recompute), prompt tokens computed, tokens replayed,
 and the window pages the device cache holds per cached token at the end.
 
-    .venv/bin/python benchmarks/bench_swa_replay.py [--no-write]
+    .venv/bin/python benchmarks/bench_window_snapshots.py [--no-write]
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def run(path: str) -> str:
     common = dict(progress=False, skip_tokenizer_init=True, block_size=16)
     engines = {
         "recompute": LLM(path, enable_prefix_caching=False, **common),
-        "per-block window pages": LLM(path, swa_bounded_replay=False, **common),
-        "bounded replay": LLM(path, swa_snapshot_interval=INTERVAL, **common),
+        "per-block window pages": LLM(path, window_snapshots=False, **common),
+        "window snapshots": LLM(path, window_snapshot_interval=INTERVAL, **common),
     }
     user = [[rng.randrange(10, 4000) for _ in range(USER_TOKENS)] for _ in range(TURNS)]
     ttft = {name: {"turns": [], "edits": []} for name in engines}
@@ -95,7 +95,7 @@ def run(path: str) -> str:
         turns, edits = statistics.mean(ttft[name]["turns"]), statistics.mean(ttft[name]["edits"])
         rows.append(f"| {name} | {turns * 1e3:.1f} | {turns / base['turns']:.2f}x | {edits * 1e3:.1f} | "
                     f"{edits / base['edits']:.2f}x | {stats['prompt_tokens_computed']} | "
-                    f"{stats.get('swa_replayed_tokens', 0)} | {per_token} |")
+                    f"{stats.get('window_replayed_tokens', 0)} | {per_token} |")
         print(rows[-1], flush=True)
     return "\n".join(rows)
 
@@ -107,7 +107,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as path:
         build_checkpoint(path)
         table = run(path)
-    body = f"""## SWA bounded replay (benchmarks/bench_swa_replay.py)
+    body = f"""## Window snapshots (benchmarks/bench_window_snapshots.py)
 
 A random gpt-oss-shaped model (4 layers alternating window 128 / full, hidden 512, 8 experts
 top-2, float32) on the CPU; one {TURNS}-turn conversation ({USER_TOKENS} new tokens a turn,
@@ -125,7 +125,7 @@ hit and recomputes the rest. Per-block pages hit everywhere but keep every windo
 """
     print(body)
     if not args.no_write:
-        write_section(REPO / "docs" / "benchmarks.md", "bench_swa_replay", body)
+        write_section(REPO / "docs" / "benchmarks.md", "bench_window_snapshots", body)
 
 
 if __name__ == "__main__":
