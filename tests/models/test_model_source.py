@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from openinfer import LLM, SamplingParams
+from openinfer import model_source as source
 from openinfer.config import ModelConfig
 from openinfer.model_source import SMOLLM2_FILE, resolve_model
-from openinfer import model_source as source
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
