@@ -12,7 +12,7 @@ Each step the scheduler hands out at most ``max_num_batched_tokens`` tokens:
    remaining budget is chunked. A new request starts after its longest cached
    prefix (prefix caching).
 
-In-flight prefix sharing: a running request that is prefilling *claims* the hashes
+In-flight prefix sharing (engine/admission.py): a running request that is prefilling *claims* the hashes
 of its prompt blocks nobody has cached. A waiting request whose next uncached block
 is claimed steps aside (others behind it go ahead) until the claimant has computed
 and cached it, then takes it as a hit: a burst of requests with one new system prompt
@@ -40,9 +40,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import deque
 
 from openinfer.config import SchedulerConfig
+from openinfer.engine.admission import Admission, Admit, PrefixClaims, Verdict
 from openinfer.engine.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -52,9 +52,8 @@ from openinfer.engine.outputs import (
 )
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.kv.block_hash import extend_block_hashes
-from openinfer.kv.kv_manager import KVCacheManager, PrefixHit
+from openinfer.kv.kv_manager import KVCacheManager
 from openinfer.kv.plan import BlockLoad
-from openinfer.kv.remote import KVTransferParams
 from openinfer.spec.confidence import StepRateProfile
 from openinfer.spec.config import SpeculativeConfig
 from openinfer.spec.planner import SpeculationPlanner
@@ -87,13 +86,8 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self._dropped_since_last_step: set[str] = set()
         self.num_preemptions = 0
-        self._claim_owner: dict[bytes, str] = {}
-        self._claims: dict[str, deque[tuple[int, bytes]]] = {}
-        """In-flight sharing: per claimant, (block index, hash) of the blocks it claimed."""
-        self._waiting_for_kv: set[str] = set()
-        """Requests in WAITING_FOR_KV: their prefix blocks are being read into the host
-        tier (from the file store or a prefill instance). They stay in the waiting queue,
-        stepped over, until ``finish_load``."""
+        self.claims = PrefixClaims(kv, config.share_inflight_prefixes)
+        self.admission = Admission(config, kv, self.claims, self.num_lookahead_tokens)
         self.num_prompt_tokens_computed = 0
         """Prompt tokens this scheduler sent to the model (cache hits excluded)."""
         self._step_ids = itertools.count(1)
@@ -137,9 +131,19 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._dropped_since_last_step,
                               step_id=next(self._step_ids))
         self._dropped_since_last_step = set()
+        budget, preempted = self._schedule_running(out, in_flight)
+        if not preempted:
+            self._admit_waiting(out, budget)
+        out.kv = self.kv.take_plan()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput,
+                          in_flight: SchedulerOutput | None) -> tuple[int, bool]:
+        """Running requests first, oldest first: each its next tokens (and drafts to verify),
+        preempting the newest while the pool has no room. (budget left, whether any request
+        was preempted)."""
         budget = self.config.max_num_batched_tokens
         preempted = False
-
         self.running.sort(key=self._order)
         verify = self.spec.drafts_to_verify(self.running) if self.spec is not None else {}
         i = 0
@@ -153,16 +157,8 @@ class Scheduler:
             num_drafts = min(verify.get(req.request_id, 0), budget - n)
             n += num_drafts
             slots = self._slots_needed(req, computed + n, num_drafts, num_tokens)
-            new_blocks = self.kv.allocate_slots(req.request_id, slots, num_computed_tokens=computed)
-            while new_blocks is None:
-                # The newest request yields its blocks; it may be this one.
-                victim = self.running.pop()
-                self._preempt(victim, out)
-                preempted = True
-                if victim is req:
-                    break
-                new_blocks = self.kv.allocate_slots(req.request_id, slots,
-                                                    num_computed_tokens=computed)
+            new_blocks, preempted_now = self._allocate_or_preempt(req, slots, computed, out)
+            preempted = preempted or preempted_now
             if new_blocks is None:
                 break  # req itself was preempted; it was the last running request
             if num_drafts:
@@ -171,65 +167,60 @@ class Scheduler:
             self._count_prompt_tokens(req, computed, n)
             budget -= n
             i += 1
+        return budget, preempted
 
+    def _allocate_or_preempt(self, req: Request, slots: int, computed: int,
+                             out: SchedulerOutput) -> tuple[list[list[int]] | None, bool]:
+        """The request's new blocks, preempting the newest running requests (maybe ``req``
+        itself: then None) until they fit; and whether any was preempted."""
+        preempted = False
+        new_blocks = self.kv.allocate_slots(req.request_id, slots, num_computed_tokens=computed)
+        while new_blocks is None:
+            victim = self.running.pop()  # the newest request yields its blocks
+            self._preempt(victim, out)
+            preempted = True
+            if victim is req:
+                return None, True
+            new_blocks = self.kv.allocate_slots(req.request_id, slots, num_computed_tokens=computed)
+        return new_blocks, preempted
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Then waiting requests in queue order while budget, ``max_num_seqs`` and blocks
+        allow (engine/admission.py decides for each)."""
         stepped_aside = []
-        while (not preempted and self._waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._waiting[0][1]
-            if req.status is RequestStatus.WAITING_FOR_KV:
+            decision = self.admission.admit(req, budget)
+            if decision is Verdict.STEP_ASIDE:
                 stepped_aside.append(heapq.heappop(self._waiting))
                 continue
-            hit = self._cached_prefix(req)
-            if hit.store_hashes and not req.store_load_tried:
-                req.store_load_tried = True
-                if self._wait_for_kv(req, hit.store_hashes):
-                    stepped_aside.append(heapq.heappop(self._waiting))
-                    continue
-            if req.remote_prefill is not None and not req.remote_load_tried and self.kv.can_pull:
-                req.remote_load_tried = True
-                pull = self._blocks_to_pull(req, hit)
-                if not pull:  # it holds them all already: the prefill side may let go
-                    self.kv.plan.releases.append(req.remote_prefill)
-                elif self._wait_for_kv(req, pull, req.remote_prefill):
-                    stepped_aside.append(heapq.heappop(self._waiting))
-                    continue
-            num_hit = hit.num_tokens
-            if self._next_block_is_claimed(req, num_hit):
-                stepped_aside.append(heapq.heappop(self._waiting))
-                continue
-            remaining = req.num_tokens - num_hit
-            if remaining > budget and not self.config.enable_chunked_prefill:
-                break
-            n = min(remaining, budget)
-            slots = num_hit + n
-            if slots == req.num_tokens:  # it samples: a model drafter writes past it
-                slots = min(slots + self.num_lookahead_tokens, req.max_num_tokens)
-            new_blocks = self.kv.allocate_slots(req.request_id, slots, hit,
-                                                num_prompt_tokens=req.num_prompt_tokens)
-            if new_blocks is None:
+            if decision is Verdict.BLOCKED:
                 break  # head-of-line waits: later requests must not overtake it
             heapq.heappop(self._waiting)
-            if req.num_cached_tokens < 0:  # first scheduling: what the user is told
-                req.first_scheduled_time = time.monotonic()
-                # Blocks pulled from a prefill instance were computed for this request,
-                # not found in a cache: they count as neither hit nor query.
-                remote = min(req.num_blocks_from_remote, len(hit.host_slots))
-                req.num_cached_tokens = num_hit - remote * self.kv.block_size
-                self.kv.record_prefix_query(req.num_tokens - remote * self.kv.block_size, hit,
-                                            min(req.num_blocks_from_store,
-                                                len(hit.host_slots) - remote), remote)
-            req.num_computed_tokens = num_hit
-            req.status = RequestStatus.RUNNING
-            req.admitted_step = out.step_id
-            self.running.append(req)
-            self._claim_uncached_prompt_blocks(req)
-            self._emit(req, n, new_blocks, out, num_hit)
-            self._count_prompt_tokens(req, num_hit, n)
-            budget -= n
+            self._start(req, decision, out)
+            budget -= decision.num_tokens
         for item in stepped_aside:
             heapq.heappush(self._waiting, item)
-        out.kv = self.kv.take_plan()
-        return out
+
+    def _start(self, req: Request, admitted: Admit, out: SchedulerOutput) -> None:
+        """An admitted request runs: its first chunk goes into this step."""
+        hit, num_hit = admitted.hit, admitted.hit.num_tokens
+        if req.num_cached_tokens < 0:  # first scheduling: what the user is told
+            req.first_scheduled_time = time.monotonic()
+            # Blocks pulled from a prefill instance were computed for this request,
+            # not found in a cache: they count as neither hit nor query.
+            remote = min(req.num_blocks_from_remote, len(hit.host_slots))
+            req.num_cached_tokens = num_hit - remote * self.kv.block_size
+            self.kv.record_prefix_query(req.num_tokens - remote * self.kv.block_size, hit,
+                                        min(req.num_blocks_from_store,
+                                            len(hit.host_slots) - remote), remote)
+        req.num_computed_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+        req.admitted_step = out.step_id
+        self.running.append(req)
+        self.claims.claim(req)
+        self._emit(req, admitted.num_tokens, admitted.new_blocks, out, num_hit)
+        self._count_prompt_tokens(req, num_hit, admitted.num_tokens)
 
     @staticmethod
     def _progress(req: Request, in_flight: SchedulerOutput | None) -> tuple[int, int]:
@@ -259,42 +250,14 @@ class Scheduler:
             slots = min(slots + self.num_lookahead_tokens, req.max_num_tokens)
         return slots
 
-    # ---- prefix cache and in-flight sharing --------------------------------------------
-
-    def _cached_prefix(self, req: Request) -> PrefixHit:
-        if req.sampling_params.prompt_logprobs is not None:  # cached positions have no logits
-            return PrefixHit([[] for _ in self.kv.groups], block_size=self.kv.block_size)
-        return self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
-
-    def _blocks_to_pull(self, req: Request, hit: PrefixHit) -> list[bytes]:
-        """The prompt blocks after every local hit that the prefill instance holds: only
-        what this instance lacks crosses the wire."""
-        held = set(req.remote_prefill.remote_block_hashes)
-        # (Blocks in the file store were loaded already, or failed to load: pull them too.)
-        first = len(hit.blocks[0]) + len(hit.host_slots)
-        pull = []
-        for block_hash in req.block_hashes[first:(req.num_tokens - 1) // self.kv.block_size]:
-            if block_hash not in held:
-                break
-            pull.append(block_hash)
-        return pull
-
-    def _wait_for_kv(self, req: Request, block_hashes: list[bytes],
-                     source: KVTransferParams | None = None) -> bool:
-        """Start reading the request's prefix blocks into the host tier (from the file
-        store, or the prefill instance ``source``); False when no host slot is free."""
-        if not self.kv.start_load(req.request_id, block_hashes, source):
-            return False
-        req.status = RequestStatus.WAITING_FOR_KV
-        self._waiting_for_kv.add(req.request_id)
-        return True
+    # ---- KV loads ---------------------------------------------------------------------
 
     def finish_load(self, load: BlockLoad, num_loaded: int) -> None:
         """Blocks read from the file store or pulled from a prefill instance are in the host
         tier: the request may start (recomputing what did not arrive, or failing, as the
         policy says)."""
         self.kv.finish_load(load, num_loaded)
-        self._waiting_for_kv.discard(load.request_id)
+        self.admission.waiting_for_kv.discard(load.request_id)
         req = self.requests.get(load.request_id)
         if req is not None and req.status is RequestStatus.WAITING_FOR_KV:
             req.status = RequestStatus.WAITING
@@ -314,39 +277,7 @@ class Scheduler:
 
     @property
     def num_waiting_for_kv(self) -> int:
-        return len(self._waiting_for_kv)
-
-    def _next_block_is_claimed(self, req: Request, num_hit: int) -> bool:
-        index = num_hit // self.kv.block_size
-        return (index < (req.num_tokens - 1) // self.kv.block_size
-                and req.block_hashes[index] in self._claim_owner)
-
-    def _claim_uncached_prompt_blocks(self, req: Request) -> None:
-        if not (self.kv.enable_caching and self.config.share_inflight_prefixes):
-            return
-        first = req.num_computed_tokens // self.kv.block_size
-        last = req.num_prompt_tokens // self.kv.block_size
-        claims = deque()
-        for index in range(first, last):
-            block_hash = req.block_hashes[index]
-            if block_hash not in self._claim_owner:
-                self._claim_owner[block_hash] = req.request_id
-                claims.append((index, block_hash))
-        if claims:
-            self._claims[req.request_id] = claims
-
-    def _settle_claims(self, req: Request, release_all: bool = False) -> None:
-        """Drop the request's claims on blocks it has computed (all of them if it stops)."""
-        claims = self._claims.get(req.request_id)
-        if claims is None:
-            return
-        full = req.num_computed_tokens // self.kv.block_size
-        while claims and (release_all or claims[0][0] < full):
-            _, block_hash = claims.popleft()
-            if self._claim_owner.get(block_hash) == req.request_id:
-                del self._claim_owner[block_hash]
-        if not claims:
-            del self._claims[req.request_id]
+        return len(self.admission.waiting_for_kv)
 
     def _emit(self, req: Request, n: int, new_blocks: list[list[int]],
               out: SchedulerOutput, computed: int) -> None:
@@ -373,7 +304,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Free the request's KV and queue it again; its tokens are recomputed later
         (its blocks that were cached and not evicted meanwhile come back as hits)."""
-        self._settle_claims(req, release_all=True)
+        self.claims.settle(req, release_all=True)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.draft = None
@@ -424,7 +355,7 @@ class Scheduler:
                                     req.cache_salt)
                 self.kv.cache_blocks(request_id, req.block_hashes, req.all_token_ids,
                                      req.num_computed_tokens)
-                self._settle_claims(req)
+                self.claims.settle(req)
             prompt_logprobs = result.prompt_logprobs.get(request_id)
             if not new_tokens and prompt_logprobs is None:
                 continue
@@ -474,8 +405,8 @@ class Scheduler:
         if self.spec is not None:
             self.spec.forget(req.request_id)
         req.status = status
-        self._waiting_for_kv.discard(req.request_id)
-        self._settle_claims(req, release_all=True)
+        self.admission.waiting_for_kv.discard(req.request_id)
+        self.claims.settle(req, release_all=True)
         if req.wants_remote_decode and status in (RequestStatus.FINISHED_LENGTH,
                                                   RequestStatus.FINISHED_STOPPED):
             self.new_holds[req.request_id] = self.kv.hold(
@@ -498,8 +429,8 @@ class Scheduler:
             assert req.request_id not in running_ids, "a request is both waiting and running"
             assert req.num_computed_tokens == 0, "a waiting request has computed tokens"
             assert (req.status is RequestStatus.WAITING_FOR_KV) == (
-                req.request_id in self._waiting_for_kv), "WAITING_FOR_KV and its index disagree"
+                req.request_id in self.admission.waiting_for_kv), "WAITING_FOR_KV and its index disagree"
         assert set(self.requests) == running_ids | {r.request_id for _, r in self._waiting}, (
             "a request is lost (neither waiting nor running)")
-        assert set(self._claim_owner.values()) <= running_ids, "a claim outlived its claimant"
+        assert set(self.claims.owner.values()) <= running_ids, "a claim outlived its claimant"
 

@@ -15,12 +15,12 @@ BLOCK = 4
 
 
 def _scheduler(num_blocks: int = 64, budget: int = 64, max_seqs: int = 16,
-               policy: str = "fcfs", caching: bool = False) -> Scheduler:
+               policy: str = "fcfs", caching: bool = False, chunked: bool = True) -> Scheduler:
     """Prefix caching is off unless asked for: these prompts all share prefixes."""
     spec = FullAttentionSpec(BLOCK, 1, 8, "float32")
     kv = KVCacheManager(group_layers([spec]), num_blocks, enable_caching=caching)
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                     policy=policy), kv)
+                                     policy=policy, enable_chunked_prefill=chunked), kv)
 
 
 def _request(rid: str, prompt_len: int, max_tokens: int = 4, arrival: float = 0.0,
@@ -90,8 +90,7 @@ def test_long_prompts_are_chunked_and_finish():
 
 
 def test_chunking_disabled_waits_for_budget():
-    s = _scheduler(budget=8)
-    s.config = SchedulerConfig(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    s = _scheduler(budget=8, chunked=False)
     s.add_request(_request("a", 3))
     s.add_request(_request("b", 7))
     out = s.schedule()
