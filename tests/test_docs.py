@@ -4,6 +4,8 @@ quick start, its links resolve, and the docs/ site builds with ``mkdocs build --
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -49,3 +51,37 @@ def test_docs_site_builds_strict(tmp_path):
     assert (tmp_path / "index.html").exists()
     for page in (REPO / "docs").glob("*.md"):
         assert (tmp_path / page.stem / "index.html").exists() or page.stem == "index", page.name
+
+
+def _doc_sections():
+    spec = importlib.util.spec_from_file_location("doc_sections", REPO / "benchmarks" / "doc_sections.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmarks_page_is_rendered_from_the_result_files():
+    ds = _doc_sections()
+    text = ds.PAGE.read_text()
+    assert ds.render_text(text, ds.load_results()) == text, \
+        "docs/benchmarks.md differs from benchmarks/results/: run benchmarks/render_docs.py"
+
+
+def test_write_section_saves_a_result_file_and_renders_the_page(tmp_path, monkeypatch):
+    ds = _doc_sections()
+    page, results = tmp_path / "benchmarks.md", tmp_path / "results"
+    monkeypatch.setattr(ds, "PAGE", page)
+    monkeypatch.setattr(ds, "RESULTS", results)
+    page.write_text("# Benchmarks\n\nHand-kept header.\n\n<!-- index:start -->\n<!-- index:end -->\n\n"
+                    "<!-- a:start -->\nold\n<!-- a:end -->\n\nA note read by hand.\n")
+    ds.write_section(page, "a", "## A (`benchmarks/a.py`)\n\n| x |\n|---|\n| 1 |")
+    ds.write_section(str(page), "b", "## B\n\nnew section")
+    result = json.loads((results / "a.json").read_text())
+    assert result["body"].startswith("## A")
+    assert {"script", "commit", "cpu", "isa", "cores", "date"} <= set(result)
+    text = page.read_text()
+    assert "old" not in text and "Hand-kept header." in text and "A note read by hand." in text
+    assert text.index("<!-- a:end -->") < text.index("A note read by hand.") < text.index("<!-- b:start -->")
+    assert ds.stamp(result) in text
+    assert "| [A](#a-benchmarksapy) |" in text and "| [B](#b) |" in text
+    assert ds.render_text(text, ds.load_results(results)) == text
