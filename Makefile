@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MODEL ?=
 PORT ?= 8000
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint bench docs clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,5 +32,9 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_offline.py
 
+# The reference documentation (docs/, nav in mkdocs.yml) as a site in site/.
+docs: $(VENV)/.installed
+	$(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) .cache site
