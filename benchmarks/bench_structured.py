@@ -55,7 +55,8 @@ from doc_sections import write_section
 from offline_limits import cpu_busy_seconds, wait_until_quiet
 
 from openinfer import LLM, SamplingParams
-from openinfer.layers.sampler import SamplingRow, apply_token_constraints
+from openinfer.sample.logits_processors import apply_token_constraints
+from openinfer.sample.rows import SamplingRow
 from openinfer.structured.grammar import GrammarCompiler
 from openinfer.structured.params import StructuredOutputsParams
 

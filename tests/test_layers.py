@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("openinfer.attention",),
     ("openinfer.layers",),
     ("openinfer.models",),
+    ("openinfer.sample",),
     ("openinfer.spec",),  # the model drafters
     ("openinfer.transfer",),
     ("openinfer.worker",),

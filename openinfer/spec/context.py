@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from openinfer.layers.sampler import Sampler
+from openinfer.sample.sampler import Sampler
 from openinfer.sampling_params import SamplingParams
 
 

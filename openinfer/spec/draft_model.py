@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from openinfer.config import ModelConfig
-from openinfer.layers.sampler import Sampler, SamplingRow, argmax
+from openinfer.sample.rows import SamplingRow
+from openinfer.sample.sampler import Sampler, argmax
 from openinfer.spec.context import DraftContext, DraftRequest
 from openinfer.spec.proposer import Draft
 from openinfer.tokenizer import load_tokenizer

@@ -5,7 +5,7 @@ scheduled tokens into one flat batch (decodes first), runs the model, and sample
 token for every request whose scheduled tokens reached its end.
 
 With speculative decoding a request's scheduled tokens may be its last sampled token
-followed by drafts: the rows of all of them are verified (spec/verifier.py) and the
+followed by drafts: the rows of all of them are verified (sample/rejection.py) and the
 request gains the accepted drafts plus one token. Then the drafter proposes the next
 step's drafts for every request that sampled.
 """
@@ -27,11 +27,13 @@ from openinfer.engine.outputs import (
     SchedulerOutput,
 )
 from openinfer.kv.spec import FullAttentionSpec, LayerGroup
-from openinfer.layers.sampler import Sampler, SamplingRow, compute_logprobs
+from openinfer.sample.logprobs import compute_logprobs
+from openinfer.sample.rejection import VerifyRequest, verify
+from openinfer.sample.rows import SamplingRow
+from openinfer.sample.sampler import Sampler
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.draft_model import ModelDrafter, StepBatch
 from openinfer.spec.proposer import TokenProposer
-from openinfer.spec.verifier import VerifyRequest, verify
 from openinfer.worker.decode_graphs import DecodeGraphs
 from openinfer.worker.kv_cache import per_layer_views
 

@@ -7,16 +7,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from openinfer.layers.sampler import (
-    Sampler,
-    SamplingRow,
+from openinfer.sample.logits_processors import (
     apply_penalties,
     apply_token_constraints,
     apply_top_k_top_p,
     bad_word_bans,
-    compute_logprobs,
-    row_seed,
 )
+from openinfer.sample.logprobs import compute_logprobs
+from openinfer.sample.rows import SamplingRow
+from openinfer.sample.sampler import Sampler, row_seed
 from openinfer.sampling_params import SamplingParams
 
 

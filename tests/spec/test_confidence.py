@@ -8,10 +8,11 @@ import random
 import torch
 from scipy.stats import chisquare
 
-from openinfer.layers.sampler import Sampler, SamplingRow
+from openinfer.sample.rejection import VerifyRequest, verify
+from openinfer.sample.rows import SamplingRow
+from openinfer.sample.sampler import Sampler
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.confidence import Calibration, StepRateProfile, choose_verify_counts
-from openinfer.spec.verifier import VerifyRequest, verify
 
 
 def test_rows_join_by_cumulative_confidence_and_the_walk_stops_at_the_first_drop():

@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 from scipy.stats import chisquare
 
-from openinfer.layers.sampler import Sampler, SamplingRow
+from openinfer.sample.rejection import VerifyRequest, verify
+from openinfer.sample.rows import SamplingRow
+from openinfer.sample.sampler import Sampler
 from openinfer.sampling_params import SamplingParams
-from openinfer.spec.verifier import VerifyRequest, verify
 
 VOCAB = 8
 TRIALS = 12000

@@ -228,7 +228,7 @@ def test_mask_kernel_equals_the_torch_unpacking(vocab, rows):
     """The CPU kernel and the torch formulation refuse the same logits: random words, and
     words all set / all clear (the kernel's two shortcuts)."""
     from openinfer.kernels.cpu_attention import load_cpu_attention
-    from openinfer.layers.sampler import refused_tokens
+    from openinfer.sample.logits_processors import refused_tokens
 
     kernels = load_cpu_attention()
     if kernels is None:

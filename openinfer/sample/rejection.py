@@ -24,15 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from openinfer.layers.sampler import (
-    Sampler,
-    SamplingRow,
-    _requested_logprobs,
-    apply_penalties,
-    apply_token_constraints,
-    argmax,
-)
 from openinfer.outputs import PositionLogprobs
+from openinfer.sample.logits_processors import apply_penalties, apply_token_constraints
+from openinfer.sample.logprobs import requested_logprobs
+from openinfer.sample.rows import SamplingRow
+from openinfer.sample.sampler import Sampler, argmax
 
 ACCEPT_STREAM = 1
 """Seeded rows' stream for the acceptance draws (the final token's draw uses stream 0,
@@ -100,7 +96,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[VerifyRequest]
     if wanted:
         index = [starts[i] + j for i in wanted for j in range(len(token_lists[i]))]
         tokens = torch.tensor([t for i in wanted for t in token_lists[i]], device=raw.device)
-        entries = _requested_logprobs(raw[torch.tensor(index, device=raw.device)], tokens,
+        entries = requested_logprobs(raw[torch.tensor(index, device=raw.device)], tokens,
                                       [rows[r] for r in index])
         at = 0
         for i in wanted:
