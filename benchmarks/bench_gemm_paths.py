@@ -133,7 +133,7 @@ def table(dtype: torch.dtype, rounds: int, cold: bool = False) -> list[str]:
 
 def plan_report(model: str) -> list[str]:
     from openinfer.config import ModelConfig
-    from openinfer.layers.gemm import describe_gemms
+    from openinfer.layers.gemm_summary import describe_gemms
     from openinfer.models.loader import load_model
 
     config = ModelConfig.from_pretrained(model)

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from openinfer import cpu_allocator
 from openinfer.cpu_features import auto_cpu_dtype, cpu_flags
 from openinfer.spec.config import SpeculativeConfig
 from openinfer.units import env_bytes
@@ -374,129 +373,6 @@ class EngineConfig:
     def num_ranks(self) -> int:
         """Worker processes of this engine (1: the worker runs in the engine's process)."""
         return self.tensor_parallel_size * self.prefill_context_parallel_size
-
-    @staticmethod
-    def create(
-        model: str,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        kv_cache_memory: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        kv_host_memory: int | None = None,
-        kv_store_dir: str | None = None,
-        kv_store_bytes: int = 16 * 1024**3,
-        kv_events_endpoint: str | None = None,
-        kv_events_replay_endpoint: str | None = None,
-        kv_events_topic: str = "",
-        window_snapshots: bool = True,
-        window_snapshot_interval: int = 512,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        scheduling_policy: str = "fcfs",
-        enable_chunked_prefill: bool = True,
-        share_inflight_prefixes: bool = True,
-        async_scheduling: bool = False,
-        seed: int | None = None,
-        skip_tokenizer_init: bool = False,
-        kv_role: str = "both",
-        kv_connector: str = "tcp",
-        kv_transfer_host: str = "127.0.0.1",
-        kv_transfer_port: int | None = None,
-        kv_transfer_timeout: float = 10.0,
-        kv_lease_s: float = 30.0,
-        kv_load_failure_policy: str = "recompute",
-        kv_transfer_secret: str | None = None,
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        batch_invariant: bool = False,
-        moe_expert_stats: bool = False,
-        speculative_config: str | dict | SpeculativeConfig | None = None,
-        tensor_parallel_size: int = 1,
-        enable_expert_parallel: bool = False,
-        enable_eplb: bool = False,
-        eplb_config: str | dict | EPLBConfig | None = None,
-        data_parallel_size: int = 1,
-        data_parallel_rank: int = 0,
-        data_parallel_address: str = "127.0.0.1",
-        data_parallel_rpc_port: int | None = None,
-        prefill_context_parallel_size: int = 1,
-        distributed_executor_backend: str = "mp",
-        ray_address: str | None = None,
-        nnodes: int = 1,
-        master_addr: str = "127.0.0.1",
-        master_port: int = 29500,
-    ) -> EngineConfig:
-        """Build the whole config from flat options (the offline API's and the CLI's)."""
-        device = resolve_device(device)
-        if device == "cpu":  # a malformed environment fails here, not in a worker
-            if kv_cache_memory is None:
-                default_cpu_kv_cache_memory()
-            cpu_allocator.cache_limit()
-        if eplb_config is not None and not enable_eplb:
-            raise ValueError("eplb_config is given but enable_eplb is not")
-        if enable_eplb and not enable_expert_parallel:
-            raise ValueError("enable_eplb needs enable_expert_parallel (it balances experts "
-                             "spread over ranks)")
-        if distributed_executor_backend not in ("mp", "ray"):
-            raise ValueError(f"distributed_executor_backend must be mp or ray, got "
-                             f"{distributed_executor_backend!r}")
-        if data_parallel_size > 1 and not enable_expert_parallel:
-            raise ValueError("data_parallel_size > 1 inside one engine group needs "
-                             "enable_expert_parallel (plain data parallelism is replicas "
-                             "behind the router: `serve --data-parallel-size N`)")
-        if data_parallel_size > 1 and tensor_parallel_size > 1:
-            raise ValueError("data-parallel attention with tensor_parallel_size > 1 per rank "
-                             "is not supported yet")
-        nodes = NodesConfig(nnodes, 0, master_addr, master_port)  # the engine runs on node 0
-        if nnodes > 1:
-            if distributed_executor_backend != "mp":
-                raise ValueError("nnodes > 1 is the mp backend's way over machines; the ray "
-                                 "backend places ranks on its cluster's nodes itself")
-            nodes.local_ranks(tensor_parallel_size * prefill_context_parallel_size)
-        return EngineConfig(
-            model=ModelConfig.from_pretrained(model, dtype=dtype, device=device,
-                                              max_model_len=max_model_len,
-                                              batch_invariant=batch_invariant),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching,
-                              kv_host_memory=kv_host_memory, kv_store_dir=kv_store_dir,
-                              kv_store_bytes=kv_store_bytes,
-                              kv_events_endpoint=kv_events_endpoint,
-                              kv_events_replay_endpoint=kv_events_replay_endpoint,
-                              kv_events_topic=kv_events_topic,
-                              window_snapshots=window_snapshots,
-                              window_snapshot_interval=window_snapshot_interval),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                      max_num_seqs=max_num_seqs, policy=scheduling_policy,
-                                      enable_chunked_prefill=enable_chunked_prefill,
-                                      share_inflight_prefixes=share_inflight_prefixes,
-                                      async_scheduling=async_scheduling),
-            device=device,
-            seed=seed,
-            tokenizer=tokenizer,
-            skip_tokenizer_init=skip_tokenizer_init,
-            kv_transfer=KVTransferConfig(
-                role=kv_role, connector=kv_connector, host=kv_transfer_host,
-                port=kv_transfer_port, timeout_s=kv_transfer_timeout, lease_s=kv_lease_s,
-                load_failure_policy=kv_load_failure_policy, secret=kv_transfer_secret),
-            attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
-            moe_expert_stats=moe_expert_stats,
-            speculative=SpeculativeConfig.parse(speculative_config),
-            tensor_parallel_size=tensor_parallel_size,
-            enable_expert_parallel=enable_expert_parallel,
-            eplb=EPLBConfig.parse(eplb_config) if enable_eplb else None,
-            data_parallel=DataParallelConfig(data_parallel_size, data_parallel_rank,
-                                             data_parallel_address, data_parallel_rpc_port),
-            prefill_context_parallel_size=prefill_context_parallel_size,
-            distributed_executor_backend=distributed_executor_backend,
-            ray_address=ray_address,
-            nodes=nodes,
-        )
 
 
 def resolve_device(device: str) -> str:

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from openinfer.config import EngineConfig
 from openinfer.engine.input_processor import PromptInput
 from openinfer.engine.llm_engine import LLMEngine
+from openinfer.engine_args import create_engine_config
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
 
@@ -17,7 +17,7 @@ from openinfer.sampling_params import SamplingParams
 class LLM:
     """A model loaded in this process, generating for batches of prompts.
 
-    ``engine_options`` are those of ``EngineConfig.create`` and mirror the server's
+    ``engine_options`` are those of ``create_engine_config`` and mirror the server's
     flags: ``dtype`` ('auto' = the checkpoint's dtype on CUDA; on CPU bfloat16 for a bfloat16
     checkpoint where the CPU has AVX512_BF16 or AMX, else float32),
     ``max_model_len``, ``kv_cache_memory`` (bytes), ``block_size``,
@@ -28,7 +28,7 @@ class LLM:
     """
 
     def __init__(self, model: str, *, progress: bool = True, **engine_options) -> None:
-        self.engine = LLMEngine(EngineConfig.create(model, **engine_options), progress=progress)
+        self.engine = LLMEngine(create_engine_config(model, **engine_options), progress=progress)
         self._counter = itertools.count()
 
     def get_tokenizer(self):

@@ -2,7 +2,7 @@
 
 A flag that parses but never reaches EngineConfig is silently ignored, which the ground rules
 forbid. Each row gives a flag a value other than its default, builds the config the way
-`serve` and `generate` do (``engine_kwargs`` into ``EngineConfig.create``) and reads the value
+`serve` and `generate` do (``engine_kwargs`` into ``create_engine_config``) and reads the value
 back. ``test_every_engine_flag_has_a_row`` makes a new flag without a row fail.
 """
 
@@ -16,6 +16,7 @@ import torch
 
 from openinfer.cli import build_parser, engine_kwargs, main, resolve_model_arg
 from openinfer.config import EngineConfig
+from openinfer.engine_args import create_engine_config
 
 # (flags, attribute path in EngineConfig, expected value)
 ROWS: list[tuple[tuple[str, ...], str, object]] = [
@@ -86,7 +87,7 @@ NOT_IN_CONFIG = {  # engine-group flags checked elsewhere
 def _config(checkpoint, *flags: str) -> EngineConfig:
     args = build_parser().parse_args(["serve", "--model", str(checkpoint), *flags])
     resolve_model_arg(args)
-    return EngineConfig.create(args.model, **engine_kwargs(args))
+    return create_engine_config(args.model, **engine_kwargs(args))
 
 
 def _read(config: object, path: str) -> object:

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     # What a request asks for, and what it gets back.
     ("openinfer.sampling_params", "openinfer.outputs", "openinfer.structured.params",
      "openinfer.kv.remote", "openinfer.spec.config"),
-    ("openinfer.config",),
+    ("openinfer.config", "openinfer.engine_args"),
     # The control plane: pure Python over integers.
     ("openinfer.kv", "openinfer.structured", "openinfer.spec.proposer", "openinfer.spec.ngram",
      "openinfer.spec.suffix", "openinfer.spec.planner", "openinfer.spec.confidence",

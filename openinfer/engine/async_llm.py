@@ -16,12 +16,12 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
-from openinfer.config import EngineConfig
 from openinfer.engine.core_client import EngineCoreClient
 from openinfer.engine.core_launch import CoreLaunch
 from openinfer.engine.input_processor import InputProcessor, PromptInput, admit
 from openinfer.engine.output_processor import OutputProcessor
 from openinfer.engine.outputs import EngineCoreOutput
+from openinfer.engine_args import create_engine_config
 from openinfer.outputs import CompletionOutput, RequestOutput
 from openinfer.sampling_params import SamplingParams
 
@@ -50,7 +50,7 @@ class AsyncLLM:
         (openinfer.engine.core_launch); cancelled if these options are refused."""
         self.request_timeout_s = request_timeout_s
         try:
-            self.config = EngineConfig.create(model, **engine_options)
+            self.config = create_engine_config(model, **engine_options)
             self.inputs = InputProcessor(self.config)
         except BaseException:
             if core_launch is not None:

@@ -34,7 +34,7 @@ class CoreLaunch:
         reader.close()  # the child's end: its recv sees EOF once ours is closed
 
     def start(self, engine_options: dict, input_addr: str, output_addr: str) -> BaseProcess:
-        """Have the core build ``EngineCore(EngineConfig.create(**engine_options))`` and
+        """Have the core build ``EngineCore(create_engine_config(**engine_options))`` and
         serve on the two addresses (openinfer.engine.core_proc.run_engine_core)."""
         # If it died while importing, the send fails and the client finds it dead.
         with contextlib.suppress(OSError):

@@ -14,9 +14,9 @@ import traceback
 
 import zmq
 
-from openinfer.config import EngineConfig
 from openinfer.engine import protocol
 from openinfer.engine.core import EngineCore
+from openinfer.engine_args import create_engine_config
 from openinfer.gc_heap import freeze_heap
 from openinfer.logger import PeriodicStats, configure_logging
 from openinfer.procs import die_with
@@ -45,7 +45,7 @@ def run_engine_core(engine_options: dict, input_addr: str, output_addr: str,
     outputs = ctx.socket(zmq.PUSH)
     outputs.connect(output_addr)
     try:
-        core = EngineCore(EngineConfig.create(**engine_options))
+        core = EngineCore(create_engine_config(**engine_options))
         freeze_heap("engine core process")  # the model and everything built so far live on
         outputs.send(protocol.encode(protocol.READY, {
             "num_blocks": core.kv.num_blocks,

@@ -46,7 +46,7 @@ from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.plan import BlockLoad
 from openinfer.kv.spec import BlockLayout, KVSpec, LayerGroup, MLALatentSpec
 from openinfer.layers.attention import Attention
-from openinfer.layers.gemm import describe_gemms
+from openinfer.layers.gemm_summary import describe_gemms
 from openinfer.layers.moe import FusedExperts
 from openinfer.models.loader import load_model
 from openinfer.models.platform import use_cpu_kernels

@@ -11,9 +11,9 @@ import pytest
 from test_tensor_parallel import _child_processes, _prompts
 
 from openinfer import LLM, SamplingParams
-from openinfer.config import EngineConfig
 from openinfer.distributed.context_parallel import ContextParallel, plan_step
 from openinfer.engine.core import EngineCore
+from openinfer.engine_args import create_engine_config
 
 
 def test_the_pieces_cover_a_chunk_once_and_balance_causal_work():
@@ -72,7 +72,7 @@ def test_what_context_parallelism_cannot_run_is_refused(parallel_checkpoints, ma
     ]
     for path, options, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
-            EngineCore(EngineConfig.create(path, **options))
+            EngineCore(create_engine_config(path, **options))
     assert not _child_processes()
 
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from openinfer.config import EngineConfig, EPLBConfig
+from openinfer.config import EPLBConfig
 from openinfer.distributed.eplb import (
     Placement,
     initial_placement,
@@ -17,6 +17,7 @@ from openinfer.distributed.eplb import (
     rebalance_hierarchical,
     replicate,
 )
+from openinfer.engine_args import create_engine_config
 
 
 def _skewed_load(num_experts: int, seed: int = 0) -> list[int]:
@@ -130,7 +131,7 @@ def test_a_hierarchical_policy_that_cannot_apply_is_refused(parallel_checkpoints
     moe = str(parallel_checkpoints["qwen3_moe"])  # one node, no expert groups
     with pytest.raises(ValueError, match=r"policy hierarchical needs ranks on several nodes "
                                          r"\(--nnodes; here 1\)"):
-        EngineCore(EngineConfig.create(moe, tensor_parallel_size=2, enable_expert_parallel=True,
+        EngineCore(create_engine_config(moe, tensor_parallel_size=2, enable_expert_parallel=True,
                                        enable_eplb=True, eplb_config={"policy": "hierarchical"}))
 
 
@@ -149,6 +150,6 @@ def test_impossible_placements_and_bad_settings_are_refused(make_checkpoint):
         EPLBConfig.parse({"num_redundant_experts": -1})
     path = str(make_checkpoint())
     with pytest.raises(ValueError, match="enable_eplb needs enable_expert_parallel"):
-        EngineConfig.create(path, enable_eplb=True)
+        create_engine_config(path, enable_eplb=True)
     with pytest.raises(ValueError, match="eplb_config is given but enable_eplb is not"):
-        EngineConfig.create(path, enable_expert_parallel=True, eplb_config={"window_size": 2})
+        create_engine_config(path, enable_expert_parallel=True, eplb_config={"window_size": 2})

@@ -10,8 +10,8 @@ import pytest
 from test_tensor_parallel import _child_processes, _prompts
 
 from openinfer import LLM, SamplingParams
-from openinfer.config import EngineConfig
 from openinfer.engine.core import EngineCore
+from openinfer.engine_args import create_engine_config
 
 # Rearrange every 4 steps for the last 3 steps' load, with two redundant replicas: the
 # runs below rearrange several times while requests are in flight.
@@ -85,7 +85,7 @@ def test_impossible_expert_splits_are_refused_at_start_up(parallel_checkpoints, 
     ]
     for path, options, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
-            EngineCore(EngineConfig.create(path, **options))
+            EngineCore(create_engine_config(path, **options))
     config_errors = [
         (dict(data_parallel_size=2, data_parallel_rpc_port=1),
          "data_parallel_size > 1 inside one engine group needs enable_expert_parallel"),
@@ -98,7 +98,7 @@ def test_impossible_expert_splits_are_refused_at_start_up(parallel_checkpoints, 
     ]
     for options, message in config_errors:
         with pytest.raises(ValueError, match=re.escape(message)):
-            EngineConfig.create(moe, **options)
+            create_engine_config(moe, **options)
     with pytest.raises(ValueError, match="run as servers that step together"):
         LLM(moe, enable_expert_parallel=True, data_parallel_size=2, data_parallel_rpc_port=1)
     assert not _child_processes(), "a refused start left a process behind"

@@ -14,8 +14,8 @@ import torch
 from conftest import CHECKPOINTS
 
 from openinfer import LLM, SamplingParams
-from openinfer.config import EngineConfig
 from openinfer.engine.core import EngineCore
+from openinfer.engine_args import create_engine_config
 from openinfer.executor.multiproc import RankFailed
 from openinfer.transfer.file_store import (
     PROBE_PREFIX,
@@ -122,12 +122,12 @@ def test_impossible_splits_are_refused_at_start_up(make_checkpoint):
     ]
     for path, options, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
-            EngineCore(EngineConfig.create(str(path), **options))
+            EngineCore(create_engine_config(str(path), **options))
     assert not _child_processes(), "a refused start left a process behind"
 
 
 def test_a_dead_rank_fails_the_engine_at_once_and_leaves_no_process(parallel_checkpoints):
-    core = EngineCore(EngineConfig.create(str(parallel_checkpoints["qwen3_moe"]), tensor_parallel_size=2))
+    core = EngineCore(create_engine_config(str(parallel_checkpoints["qwen3_moe"]), tensor_parallel_size=2))
     ranks = list(core.executor._procs)
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     for i, prompt in enumerate(_prompts()):

@@ -15,7 +15,7 @@ from conftest import build_checkpoint
 from openinfer import LLM, SamplingParams
 from openinfer.attention import build_attention_metadata
 from openinfer.cli import build_parser, engine_kwargs
-from openinfer.config import EngineConfig
+from openinfer.engine_args import create_engine_config
 from openinfer.executor.checks import check_tensor_parallel
 from openinfer.kernels.cpu_attention import paged_attention_reference
 from openinfer.layers import batch_invariant, gemm
@@ -130,7 +130,7 @@ def test_two_tensor_parallel_ranks_stay_batch_invariant(checkpoint):
     finally:
         llm.engine.core.shutdown()
     assert [_signature(outs[5]), _signature(outs[6])] == alone
-    four = EngineConfig.create(str(checkpoint), batch_invariant=True, tensor_parallel_size=4,
+    four = create_engine_config(str(checkpoint), batch_invariant=True, tensor_parallel_size=4,
                                nnodes=2)  # (2 ranks on this machine: they fit its cores)
     with pytest.raises(ValueError, match="--batch-invariant on more than 2 ranks"):
         check_tensor_parallel(four)
@@ -263,8 +263,8 @@ def test_activation_rows_do_not_depend_on_thread_splits(threads):
 def test_the_flag_reaches_the_config(checkpoint):
     args = build_parser().parse_args(["generate", "--prompt", "x", "--batch-invariant"])
     assert engine_kwargs(args)["batch_invariant"] is True
-    assert EngineConfig.create(str(checkpoint), device="cpu",
+    assert create_engine_config(str(checkpoint), device="cpu",
                                batch_invariant=True).model.batch_invariant
-    assert not EngineConfig.create(str(checkpoint), device="cpu").model.batch_invariant
+    assert not create_engine_config(str(checkpoint), device="cpu").model.batch_invariant
     with pytest.raises(ValueError, match="batch_invariant: supported on CPU only"):
-        EngineConfig.create(str(checkpoint), device="cuda", batch_invariant=True)
+        create_engine_config(str(checkpoint), device="cuda", batch_invariant=True)

@@ -23,10 +23,10 @@ from openinfer.layers.gemm import (
     BUCKETS,
     EXTRA_COPY_MARGIN,
     choose_paths,
-    describe_gemms,
     plan_gemms,
 )
 from openinfer.layers.gemm_paths import PATHS
+from openinfer.layers.gemm_summary import describe_gemms
 from openinfer.layers.linear import Linear, MergedLinear
 
 ROWS = (1, 7, 33, 600)  # one row per bucket
