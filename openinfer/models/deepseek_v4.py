@@ -28,8 +28,8 @@ lists them, in layer order): the window K (sliding-window pages, K = V), and for
 layers the compressor's raw projections (sliding-window pages over the last m or 2m tokens:
 what pooling the next entries needs), the entries (``CompressedSpec`` pages), and for CSA the
 indexer's raw projections and keys likewise. So prefix caching, hit resumption behind window
-snapshots and preemption work as for any layer. Attention over a step runs per sequence in
-torch (the reference path; no fused kernel yet).
+snapshots and preemption work as for any layer. Attention over a step runs in torch through
+openinfer/attention/compressed.py (the page arithmetic and the sink softmax; no fused kernel yet).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.attention import compressed
 from openinfer.attention.base import AttentionMetadata
 from openinfer.distributed.parallel_state import get_tp
 from openinfer.kernels.paged_attention import write_kv
@@ -100,14 +101,6 @@ def _rank_rows(rank: int):
         default_weight_loader(param, narrow(loaded, 0, rank * param.shape[0], param.shape[0]))
 
     return load
-
-
-def _rows(cache: torch.Tensor, table: list[int], positions: range, block_size: int) -> torch.Tensor:
-    """Rows of one sequence's tokens at ``positions`` from a paged ``[num_blocks, bs, 1, dim]``
-    cache half, as ``[len(positions), dim]``."""
-    pos = torch.tensor(list(positions), dtype=torch.long)
-    blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
-    return cache[blocks, pos % block_size, 0]
 
 
 class Compressor(nn.Module):
@@ -265,9 +258,9 @@ class V4Attention(nn.Module):
             ctx = end - n
             entries = index_keys = None
             if self.kind != SLIDING:
-                entries = self._entries(self.compressor, b, end, caches[2], metas[2])
+                entries = compressed.sequence_entries(caches[2], metas[2], b, self.ratio, end)
                 if self.kind == CSA:
-                    index_keys = self._entries(self.indexer.compressor, b, end, caches[4], metas[4])
+                    index_keys = compressed.sequence_entries(caches[4], metas[4], b, self.ratio, end)
             out[s:s + n] = self._attend(b, q[s:s + n], qr[s:s + n], x[s:s + n], ctx, end,
                                         caches[0], meta, entries, index_keys)
         out = self.rope(out, cos, -sin).view(T, self.groups, -1)
@@ -291,47 +284,19 @@ class V4Attention(nn.Module):
             return
         raw_cache, entry_cache = caches
         raw_table = metas[0].block_tables[b].tolist()
-        entry_table = metas[1].block_tables[b].tolist()
         lo = max(0, (first - 1) * m) if pooler.overlap else first * m
         rows = range(lo, last * m)
-        kv = _rows(raw_cache[0], raw_table, rows, bs)
-        gate = _rows(raw_cache[1], raw_table, rows, bs)
+        kv = compressed.paged_rows(raw_cache[0], raw_table, rows, bs)
+        gate = compressed.paged_rows(raw_cache[1], raw_table, rows, bs)
         new = pooler.pool(kv, gate, first, last - first, self.rope)
-        spec = CompressedSpec(bs, m, pooler.dim, "float32")
-        for w in range(first, last):
-            block, slot = spec.entry_slot(w)
-            entry_cache[entry_table[block], slot] = new[w - first]
-
-    @staticmethod
-    def _entry_index(ratio: int, block_size: int, tables: torch.Tensor,
-                     count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page, slot) of entries 0 .. count - 1 for each row of ``tables`` [B, blocks]."""
-        w = torch.arange(count, device=tables.device)
-        block = ((w + 1) * ratio - 1) // block_size
-        slot = w % max(1, block_size // ratio)
-        block = block.clamp(max=tables.shape[1] - 1)  # entries past a row's own are masked
-        return tables[:, block].long(), slot.expand(tables.shape[0], -1)
-
-    def _entries(self, pooler: Compressor, b: int, end: int, entry_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """All of sequence b's entries so far (its groups complete before ``end``)."""
-        count = end // pooler.ratio
-        pages, slots = self._entry_index(pooler.ratio, meta.block_size, meta.block_tables[b:b + 1],
-                                         count)
-        return entry_cache[pages[0], slots[0]]
+        compressed.store_entries(entry_cache, metas[1].block_tables[b].tolist(), first, new, m, bs)
 
     def _attend(self, b: int, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor, ctx: int,
                 end: int, window_cache: torch.Tensor, meta: AttentionMetadata,
                 entries: torch.Tensor | None, index_keys: torch.Tensor | None) -> torch.Tensor:
         """One sequence's queries (positions ctx .. end - 1) over its window keys, its visible
         (CSA: selected) entries and the sinks: [n, H, D]."""
-        n, dtype, W = q.shape[0], q.dtype, self.window
-        t = torch.arange(ctx, end, device=q.device)
-        first_key = max(0, ctx - W + 1)
-        keys = _rows(window_cache[0], meta.block_tables[b].tolist(), range(first_key, end),
-                     meta.block_size)
-        kpos = torch.arange(first_key, end, device=q.device)
-        allowed = (kpos[None, :] <= t[:, None]) & (kpos[None, :] > t[:, None] - W)
+        keys, allowed, t = compressed.sequence_window(window_cache, meta, b, ctx, end, self.window)
         if entries is not None and entries.shape[0]:
             num = entries.shape[0]
             visible = torch.arange(num, device=q.device)[None, :] < ((t + 1) // self.ratio)[:, None]
@@ -339,42 +304,27 @@ class V4Attention(nn.Module):
                 visible = self._select(qr, x, t, index_keys, visible)
             keys = torch.cat([keys, entries], 0)
             allowed = torch.cat([allowed, visible], 1)
-        logits = torch.einsum("nhd,ld->nhl", q, keys) * self.head_dim**-0.5
-        logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
-        sinks = self.attn_sink.view(1, -1, 1).expand(n, -1, 1)
-        logits = torch.cat([logits.float(), sinks], -1)
-        probs = logits.softmax(-1)[..., :-1].to(dtype)
-        return torch.einsum("nhl,ld->nhd", probs, keys)
+        return compressed.attend_with_sinks(q, keys, allowed, self.attn_sink, self.head_dim**-0.5)
 
     def _attend_decodes(self, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
                         caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
         """The step's decodes together (one query each, at position seq_len - 1): their window
         keys and entries gathered into padded [B, keys, D] tensors, masked. [B, H, D]."""
-        meta, nd, W, bs = metas[0], q.shape[0], self.window, metas[0].block_size
-        pos = meta.seq_lens[:nd].long() - 1
-        key_pos = pos[:, None] - W + 1 + torch.arange(W, device=q.device)  # [B, W]
-        allowed = key_pos >= 0
-        key_pos = key_pos.clamp(min=0)
-        pages = meta.block_tables[:nd].long().gather(1, key_pos // bs)
-        keys = caches[0][0][pages, key_pos % bs, 0]  # [B, W, D]
+        nd = q.shape[0]
+        keys, allowed, pos = compressed.decode_window(caches[0], metas[0], nd, self.window)
         if self.kind != SLIDING:
             m = self.ratio
             counts = (pos + 1) // m
             count = int(counts.max())
             if count:
                 visible = torch.arange(count, device=q.device)[None, :] < counts[:, None]
-                pages, slots = self._entry_index(m, bs, metas[2].block_tables[:nd], count)
-                entries = caches[2][pages, slots]  # [B, count, D]
+                entries = compressed.decode_entries(caches[2], metas[2], nd, m, count)
                 if self.kind == CSA:
-                    pages, slots = self._entry_index(m, bs, metas[4].block_tables[:nd], count)
-                    visible = self._select(qr, x, pos, caches[4][pages, slots], visible)
+                    index_keys = compressed.decode_entries(caches[4], metas[4], nd, m, count)
+                    visible = self._select(qr, x, pos, index_keys, visible)
                 keys = torch.cat([keys, entries], 1)
                 allowed = torch.cat([allowed, visible], 1)
-        logits = torch.einsum("bhd,bld->bhl", q, keys) * self.head_dim**-0.5
-        logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
-        sinks = self.attn_sink.view(1, -1, 1).expand(nd, -1, 1)
-        probs = torch.cat([logits.float(), sinks], -1).softmax(-1)[..., :-1].to(q.dtype)
-        return torch.einsum("bhl,bld->bhd", probs, keys)
+        return compressed.attend_with_sinks(q, keys, allowed, self.attn_sink, self.head_dim**-0.5)
 
     def _select(self, qr: torch.Tensor, x: torch.Tensor, t: torch.Tensor, index_keys: torch.Tensor,
                 visible: torch.Tensor) -> torch.Tensor:
