@@ -90,89 +90,96 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def require(ok: bool, name: str, message: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} {message}")
+        """Refuse a value no request may have (ValueError naming the field); normalise the
+        list-valued fields."""
+        self._validate_sampling()
+        self._validate_lengths()
+        self._normalize_token_lists()
+        _require(_is_int(self.priority), "priority", f"must be an integer, got {self.priority!r}")
+        self.kv_transfer_params = KVTransferParams.parse(self.kv_transfer_params)
+        self.structured_outputs = StructuredOutputsParams.parse(self.structured_outputs)
+        _require(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+                "cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
+        _require(
+            self.truncate_prompt_tokens is None
+            or (_is_int(self.truncate_prompt_tokens)
+                and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)),
+            "truncate_prompt_tokens", f"must be an integer >= 1, or -1, got {self.truncate_prompt_tokens!r}",
+        )
 
-        require(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        require(
+    def _validate_sampling(self) -> None:
+        _require(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _require(
             _is_number(self.temperature) and self.temperature >= 0,
             "temperature", f"must be a number >= 0, got {self.temperature!r}",
         )
-        require(
+        _require(
             _is_number(self.top_p) and 0 < self.top_p <= 1,
             "top_p", f"must be in (0, 1], got {self.top_p!r}",
         )
-        require(
+        _require(
             _is_int(self.top_k) and self.top_k >= -1,
             "top_k", f"must be an integer >= 1, or 0 / -1 to disable, got {self.top_k!r}",
         )
-        require(
+        _require(
             _is_number(self.min_p) and 0 <= self.min_p <= 1,
             "min_p", f"must be in [0, 1], got {self.min_p!r}",
         )
-        require(
+        _require(
             _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
             "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            require(_is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
-        require(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
-        require(
+            _require(_is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
+        _require(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+
+    def _validate_lengths(self) -> None:
+        _require(
             self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
             "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}",
         )
-        require(
+        _require(
             _is_int(self.min_tokens) and self.min_tokens >= 0,
             "min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}",
         )
         if self.max_tokens is not None:
-            require(
+            _require(
                 self.min_tokens <= self.max_tokens,
                 "min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            require(
+            _require(
                 value is None or (_is_int(value) and value >= 0),
                 name, f"must be an integer >= 0, got {value!r}",
             )
+
+    def _normalize_token_lists(self) -> None:
         self._stop_list = _normalize_stop(self.stop)
         if self.stop_token_ids is not None:
-            require(
+            _require(
                 isinstance(self.stop_token_ids, list | tuple)
                 and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}",
             )
             self.stop_token_ids = list(self.stop_token_ids)
-        require(_is_int(self.priority), "priority", f"must be an integer, got {self.priority!r}")
-        self.kv_transfer_params = KVTransferParams.parse(self.kv_transfer_params)
-        self.structured_outputs = StructuredOutputsParams.parse(self.structured_outputs)
-        require(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
-                "cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
-            require(
+            _require(
                 isinstance(self.allowed_token_ids, list | tuple) and len(self.allowed_token_ids) > 0
                 and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
                 "allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids!r}",
             )
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.bad_words is not None:
-            require(
+            _require(
                 isinstance(self.bad_words, list | tuple)
                 and all(isinstance(w, str) and w.strip() for w in self.bad_words),
                 "bad_words", f"must be a list of non-blank strings, got {self.bad_words!r}",
             )
             self.bad_words = list(dict.fromkeys(self.bad_words))
-        require(
-            self.truncate_prompt_tokens is None
-            or (_is_int(self.truncate_prompt_tokens)
-                and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)),
-            "truncate_prompt_tokens", f"must be an integer >= 1, or -1, got {self.truncate_prompt_tokens!r}",
-        )
 
     @property
     def greedy(self) -> bool:
@@ -241,6 +248,11 @@ class SamplingParams:
         if bad_words_token_ids is not None:
             params.set_bad_words_token_ids(bad_words_token_ids)
         return params
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {message}")
 
 
 def _is_int(value: object) -> bool:
