@@ -38,9 +38,9 @@ from openinfer.router.metrics import cluster_exposition, replica_load
 from openinfer.router.pd import prefill_first, release_unused_lease
 from openinfer.router.policies import Router, RouterConfig, Worker
 from openinfer.router.upstream import ReplicaEjected, ReplicaResponse
-from openinfer.server.anthropic_api import MessagesRequest, openai_tools
+from openinfer.server.anthropic_protocol import MessagesRequest, openai_tools
 from openinfer.server.disconnect import CancelOnDisconnect
-from openinfer.server.errors import document_errors, error_body
+from openinfer.server.error_bodies import document_errors, error_body
 from openinfer.server.limits import admin_refusal, bearer_token, tenant_salt, within_tenant
 from openinfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from openinfer.server.prompt import PromptRenderer

@@ -23,7 +23,9 @@ from openinfer.sampling_params import SamplingParams
 from openinfer.server.anthropic_api import install_anthropic_routes
 from openinfer.server.chat_output import ChatOutput, plan_tools
 from openinfer.server.disconnect import CancelOnDisconnect
-from openinfer.server.errors import APIError, document_errors, error_body, install_error_handlers
+from openinfer.server.error_bodies import document_errors, error_body
+from openinfer.server.errors import install_error_handlers
+from openinfer.server.exceptions import APIError
 from openinfer.server.limits import Admission, EngineLoad, ServerLimits, salted
 from openinfer.server.metrics import ServerMetrics
 from openinfer.server.openai_protocol import (

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
-from openinfer.server.errors import APIError
+from openinfer.server.exceptions import APIError
 from openinfer.structured.params import StructuredOutputsParams
 from openinfer.transfer.params import KVTransferParams
 

@@ -17,22 +17,14 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from openinfer.server.anthropic_api import MessagesRequest
-    from openinfer.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
+from openinfer.server.anthropic_protocol import MessagesRequest
+from openinfer.server.exceptions import PromptError
+from openinfer.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
 
 CompletionPrompt = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
 """``/v1/completions``' ``prompt``: a text, texts, token ids, or lists of token ids."""
-
-
-class PromptError(ValueError):
-    """A prompt the server cannot render: answered with a 400 naming ``param``."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.message, self.param = message, param
 
 
 @dataclass(frozen=True)

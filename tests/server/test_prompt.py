@@ -10,9 +10,10 @@ import pytest
 from openinfer.demo import CHAT_TEMPLATE
 from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.router.app import prompt_ids
-from openinfer.server.anthropic_api import MessagesRequest
+from openinfer.server.anthropic_protocol import MessagesRequest
+from openinfer.server.exceptions import PromptError
 from openinfer.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
-from openinfer.server.prompt import PromptError, PromptRenderer, RenderedPrompt
+from openinfer.server.prompt import PromptRenderer, RenderedPrompt
 
 # The demo template, led by a system line only when the `persona` template argument is given.
 PERSONA_TEMPLATE = ("{%- if persona is defined %}{{- '<|im_start|>system\\nYou are ' + persona "
