@@ -93,6 +93,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="when a pull fails: recompute locally or fail the request")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split prompts longer than a step's remaining token budget across steps "
+                        "(off: such a prompt waits for a step with room for all of it)")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="priority: lower `priority` values of requests run first")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -164,6 +167,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         swa_snapshot_interval=args.swa_snapshot_interval,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy, seed=args.seed,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
         prefill_context_parallel_size=args.prefill_context_parallel_size,

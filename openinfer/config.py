@@ -456,10 +456,18 @@ class EngineConfig:
                 raise ValueError("nnodes > 1 is the mp backend's way over machines; the ray "
                                  "backend places ranks on its cluster's nodes itself")
             nodes.local_ranks(tensor_parallel_size * prefill_context_parallel_size)
+        model_config = ModelConfig.from_pretrained(model, dtype=dtype, device=device,
+                                                   max_model_len=max_model_len,
+                                                   batch_invariant=batch_invariant)
+        if not enable_chunked_prefill and max_num_batched_tokens < model_config.max_model_len:
+            # Unchunked, a longer prompt would wait forever at the head of the queue.
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) is below max_model_len "
+                f"({model_config.max_model_len}) with chunked prefill off "
+                "(--no-enable-chunked-prefill): a longer prompt could never be scheduled; "
+                "raise --max-num-batched-tokens or lower --max-model-len")
         return EngineConfig(
-            model=ModelConfig.from_pretrained(model, dtype=dtype, device=device,
-                                              max_model_len=max_model_len,
-                                              batch_invariant=batch_invariant),
+            model=model_config,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching,
                               kv_host_memory=kv_host_memory, kv_store_dir=kv_store_dir,
