@@ -466,6 +466,11 @@ class EngineConfig:
                 f"({model_config.max_model_len}) with chunked prefill off "
                 "(--no-enable-chunked-prefill): a longer prompt could never be scheduled; "
                 "raise --max-num-batched-tokens or lower --max-model-len")
+        _refuse_kv_off_device(model_config, {
+            "kv_host_memory (--kv-host-memory)": kv_host_memory is not None,
+            "kv_store_dir (--kv-store-dir)": kv_store_dir is not None,
+            f"kv_role {kv_role!r} (--role)": kv_role != "both",
+            "kv_transfer_port (--kv-transfer-port)": kv_transfer_port is not None})
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
@@ -504,6 +509,35 @@ class EngineConfig:
             ray_address=ray_address,
             nodes=nodes,
         )
+
+
+_LLAMA_WINDOWS = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+                  "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+"""Architectures whose layers' windows config.json gives as models/llama.py's
+``sliding_window`` reads them."""
+
+
+def _refuse_kv_off_device(model: ModelConfig, asked: dict[str, bool]) -> None:
+    """One line at start-up, not an engine core's traceback, for an option that moves KV off
+    the device (``asked``: its name -> given) on a model of sliding-window layers only: its
+    pages stay on the device (the engine core refuses too, for every architecture)."""
+    hf = model.hf_config
+    given = [name for name, on in asked.items() if on]
+    if not given or model.architecture not in _LLAMA_WINDOWS or not _every_layer_windowed(hf):
+        return
+    raise ValueError(f"{given[0]}: {model.architecture} has sliding-window layers only "
+                     f"(sliding_window {hf['sliding_window']}), whose KV stays on the device; "
+                     "the host/file KV tiers and disaggregation need a full-attention layer")
+
+
+def _every_layer_windowed(hf: dict) -> bool:
+    """Whether config.json gives every layer a window (models/llama.py ``sliding_window``)."""
+    if not hf.get("sliding_window") or hf.get("use_sliding_window") is False:
+        return False
+    types = hf.get("layer_types")
+    if types is not None:
+        return all(t == "sliding_attention" for t in types)
+    return hf.get("max_window_layers", 0) <= 0
 
 
 def resolve_device(device: str) -> str:
