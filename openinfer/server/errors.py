@@ -22,6 +22,17 @@ def _param_of(message: str) -> str | None:
     return match.group(1) if match else None
 
 
+def _json_error(error: dict, body: object) -> str:
+    """FastAPI's json_invalid error as json.JSONDecodeError words it, where the body is."""
+    reason = (error.get("ctx") or {}).get("error", "JSON decode error")
+    position = error.get("loc", ())[-1]
+    if not isinstance(body, str) or not isinstance(position, int):
+        return f"invalid JSON in request body: {reason}"
+    line = body.count("\n", 0, position) + 1
+    column = position - body.rfind("\n", 0, position)
+    return f"invalid JSON in request body: {reason} at line {line} column {column}"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -49,6 +60,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc holds a byte offset, not a field
+            return error_response(request, 400, _json_error(first, e.body),
+                                  "invalid_request_error")
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         if first.get("type") == "extra_forbidden":  # OpenAI's words for a field nobody declared

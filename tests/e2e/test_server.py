@@ -727,6 +727,23 @@ def test_anthropic_errors_have_anthropic_shape(server):
     assert body["error"]["type"] == "invalid_request_error" and "max" in body["error"]["message"]
 
 
+@pytest.mark.slow
+def test_malformed_json_is_a_400_that_names_no_param(server):
+    """Not the decoder's byte offset taken for a field: where the JSON breaks, in words."""
+    base, _ = server
+    broken = b'{"model": "tiny", "prompt": "hi" "max_tokens": 2}'
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        code, body = _post(base, path, broken)
+        assert code == 400, body
+        assert body["error"] == {"message": "invalid JSON in request body: Expecting ',' "
+                                            "delimiter at line 1 column 34",
+                                 "type": "invalid_request_error", "param": None, "code": None}
+    code, body = _post(base, "/v1/messages", b'{"max_tokens": 4,\n "messages": [}')
+    assert code == 400 and body["type"] == "error"
+    assert body["error"] == {"type": "invalid_request_error", "message": "invalid JSON in "
+                             "request body: Expecting value at line 2 column 15"}
+
+
 def _health(base: str) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
