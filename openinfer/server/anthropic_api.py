@@ -109,7 +109,7 @@ def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str
         if plan.mode == "auto" and tool_parser is not None and llm.tokenizer is not None:
             special = is_special_token(llm.tokenizer, tool_parser.start)
             params.skip_special_tokens = params.skip_special_tokens and not special
-        _, token_ids = tokenized(token_ids, params, "tools")
+        _, token_ids = tokenized(token_ids, params, "tools", "messages")
         message_id = f"msg_{uuid.uuid4().hex}"
         stream = llm.generate(token_ids, params, message_id)
         message = {"id": message_id, "type": "message", "role": "assistant",

@@ -152,13 +152,23 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
         return {"prompt": llm.tokenizer.decode(body.tokens)}
 
     def tokenized(prompt: str | list[int], params: SamplingParams,
-                  constraint_source: str | None = None) -> tuple[str | None, list[int]]:
+                  constraint_source: str | None = None,
+                  prompt_param: str = "prompt") -> tuple[str | None, list[int]]:
         """The prompt as the engine runs it; checks it and ``params`` (400s). The output
         constraint is compiled here: an invalid one is a 400 naming
-        ``constraint_source``, the field the client used."""
+        ``constraint_source``, the field the client used. A prompt too long for the model
+        is a 400 naming ``prompt_param`` (``messages`` for chats)."""
         if llm.client.dead_reason is not None:  # fail before a stream sends its 200
             raise EngineDeadError(llm.client.dead_reason)
         params.cache_salt = salted(params.cache_salt)  # within the API key's, if so salted
+        if not isinstance(prompt, str):
+            # Checked here, not left to the engine's ValueError, to carry OpenAI's code as the
+            # max_tokens check below does (clients tell an overflow from other 400s by it).
+            num_tokens = len(llm.inputs.truncate(prompt, params))
+            if num_tokens >= max_model_len:
+                raise APIError(400, f"This model's maximum context length is {max_model_len} "
+                               f"tokens; the prompt has {num_tokens}, which leaves no room to "
+                               "generate.", prompt_param, code="context_length_exceeded")
         try:  # tokenized, truncated, checked
             text, token_ids = llm.inputs.process(prompt, params)
         except ValueError as e:
@@ -266,7 +276,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
             # Markers that are special tokens (DeepSeek's, Mistral's) must reach the parser.
             special = is_special_token(llm.tokenizer, tool_parser.start)
             params.skip_special_tokens = params.skip_special_tokens and not special
-        _, token_ids = tokenized(token_ids, params, source)
+        _, token_ids = tokenized(token_ids, params, source, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                   "model": served_model_name}

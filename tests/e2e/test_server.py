@@ -744,6 +744,32 @@ def test_malformed_json_is_a_400_that_names_no_param(server):
                              "request body: Expecting value at line 2 column 15"}
 
 
+@pytest.mark.slow
+def test_a_prompt_too_long_says_context_length_exceeded_as_max_tokens_does(server):
+    """Clients tell a context overflow from other 400s by this code: both causes carry it."""
+    base, _ = server
+    max_len = json.loads(urllib.request.urlopen(f"{base}/v1/models").read())["data"][0][
+        "max_model_len"]
+    too_long = list(range(5, 5 + max_len))
+    for path, body, param in [
+            ("/v1/completions", {"prompt": too_long, "max_tokens": 1}, "prompt"),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": max_len}, "max_tokens"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * max_len}],
+                                      "max_tokens": 1}, "messages"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": max_len}, "max_tokens")]:
+        code, answer = _post(base, path, {"model": MODEL, **body})
+        assert code == 400, (body, answer)
+        error = answer["error"]
+        assert (error["code"], error["param"], error["type"]) == (
+            "context_length_exceeded", param, "invalid_request_error"), error
+        assert f"maximum context length is {max_len} tokens" in error["message"]
+    # A prompt the request truncates to fit is served.
+    code, ok = _post(base, "/v1/completions", {"model": MODEL, "prompt": too_long,
+                                               "truncate_prompt_tokens": 8, "max_tokens": 1})
+    assert code == 200 and ok["usage"]["prompt_tokens"] == 8
+
+
 def _health(base: str) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
