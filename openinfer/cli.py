@@ -13,6 +13,7 @@ import openinfer
 from openinfer import units
 from openinfer.attention import ATTENTION_BACKENDS
 from openinfer.logger import configure_logging
+from openinfer.server.chat_content import CONTENT_FORMATS
 from openinfer.server.listener import KEEP_ALIVE_S
 from openinfer.server.reasoning import REASONING_PARSERS as REASONING_PARSER_NAMES
 from openinfer.server.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
@@ -283,7 +284,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     metrics_engine=str(args.metrics_engine_index),
                     tool_call_parser=args.tool_call_parser,
                     enable_auto_tool_choice=args.enable_auto_tool_choice,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser,
+                    chat_template_content_format=args.chat_template_content_format)
     # SIGINT/SIGTERM: uvicorn stops accepting, waits for in-flight requests (bounded), then
     # the app's lifespan shuts the engine-core process down.
     serve(app, sock, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
@@ -366,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "hit (or time) each other's cached prompts")
     serve.add_argument("--chat-template", help="a Jinja chat template, or a file holding one, "
                                                "instead of the model's")
+    serve.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
+                       help="how a message's list of text parts reaches the chat template: "
+                            "string (joined), openai (the parts), auto (openai when the "
+                            "template loops over a message's content)")
     serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSER_NAMES),
                        help="how tool calls are read from the model's output under tool_choice "
                             "auto (vLLM's names): hermes (Qwen), deepseek_v3, deepseek_v31, "

@@ -47,13 +47,15 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
               on_ready: Callable[[], None] | None = None, metrics_prefix: str = "openinfer",
               metrics_engine: str = "0", tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None,
+              chat_template_content_format: str = "auto") -> FastAPI:
     """The API over ``llm``. ``sampling_defaults`` fill the sampling fields a request leaves
     unset (the model's generation config under ``--generation-config auto``); ``on_ready``
     runs once the engine has loaded and requests are served. /metrics names its series
     ``<metrics_prefix>:...`` and labels them ``engine=metrics_engine`` (server/metrics.py).
     ``tool_call_parser``, ``enable_auto_tool_choice`` and ``reasoning_parser`` are vLLM's
-    serve options of those names (server/chat_output.py)."""
+    serve options of those names (server/chat_output.py), ``chat_template_content_format``
+    too (server/chat_content.py)."""
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await llm.start()
@@ -77,7 +79,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
     metrics = ServerMetrics.for_llm(llm, served_model_name, prefix=metrics_prefix,
                                     engine=metrics_engine)
     # `--chat-template` is already the tokenizer's own (cli.py sets it), as on the router.
-    renderer = PromptRenderer(llm.tokenizer)
+    renderer = PromptRenderer(llm.tokenizer, content_format=chat_template_content_format)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:

@@ -770,6 +770,37 @@ def test_a_prompt_too_long_says_context_length_exceeded_as_max_tokens_does(serve
     assert code == 200 and ok["usage"]["prompt_tokens"] == 8
 
 
+@pytest.mark.slow
+def test_text_parts_are_served_and_an_image_is_refused_by_name(server, offline):
+    """The demo template loops over content parts: text parts render as their text. The
+    model reads text only: an image part or block is a 400 naming it, never dropped."""
+    base, _ = server
+    parts = [{"type": "text", "text": "What is a"}, {"type": "text", "text": " KV cache?"}]
+    answers = []
+    for content in (parts, "What is a KV cache?"):
+        code, out = _post(base, "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": content}],
+            "temperature": 0, "max_tokens": 6})
+        assert code == 200, out
+        answers.append((out["choices"][0]["message"]["content"], out["usage"]["prompt_tokens"]))
+    assert answers[0] == answers[1]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    code, out = _post(base, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": [parts[0], image]}]})
+    assert code == 400 and out["error"]["param"] == "messages.0.content.1", out
+    assert out["error"]["message"].startswith("messages.0.content.1: image_url parts are not "
+                                              "supported")
+    code, out = _post(base, "/v1/messages", {
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "iVBORw0KGgo="}},
+            {"type": "text", "text": "What is this?"}]}]})
+    assert code == 400 and out["type"] == "error", out
+    assert out["error"]["type"] == "invalid_request_error"
+    assert out["error"]["message"].startswith("messages.0.content.0: image blocks are not "
+                                              "supported")
+
+
 def _health(base: str) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
