@@ -95,10 +95,12 @@ class EngineArgs:
         nodes = NodesConfig(self.nnodes, 0, self.master_addr, self.master_port)  # the engine: node 0
         if self.nnodes > 1:
             nodes.local_ranks(self.tensor_parallel_size * self.prefill_context_parallel_size)
+        model_config = ModelConfig.from_pretrained(self.model, dtype=self.dtype, device=device,
+                                                   max_model_len=self.max_model_len,
+                                                   batch_invariant=self.batch_invariant)
+        self._check_model_options(model_config)
         return EngineConfig(
-            model=ModelConfig.from_pretrained(self.model, dtype=self.dtype, device=device,
-                                              max_model_len=self.max_model_len,
-                                              batch_invariant=self.batch_invariant),
+            model=model_config,
             cache=CacheConfig(
                 block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                 enable_prefix_caching=self.enable_prefix_caching,
@@ -134,6 +136,21 @@ class EngineArgs:
             nodes=nodes,
         )
 
+    def _check_model_options(self, model: ModelConfig) -> None:
+        """Refuse options this model cannot run with, in one line at start-up."""
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < model.max_model_len:
+            # Unchunked, a longer prompt would wait forever at the head of the queue.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is below max_model_len "
+                f"({model.max_model_len}) with chunked prefill off "
+                "(--no-enable-chunked-prefill): a longer prompt could never be scheduled; "
+                "raise --max-num-batched-tokens or lower --max-model-len")
+        _refuse_kv_off_device(model, {
+            "kv_host_memory (--kv-host-memory)": self.kv_host_memory is not None,
+            "kv_store_dir (--kv-store-dir)": self.kv_store_dir is not None,
+            f"kv_role {self.kv_role!r} (--role)": self.kv_role != "both",
+            "kv_transfer_port (--kv-transfer-port)": self.kv_transfer_port is not None})
+
     def _check_parallel_options(self) -> None:
         """Refuse combinations of the parallelism options that no engine runs."""
         if self.eplb_config is not None and not self.enable_eplb:
@@ -154,6 +171,35 @@ class EngineArgs:
         if self.nnodes > 1 and self.distributed_executor_backend != "mp":
             raise ValueError("nnodes > 1 is the mp backend's way over machines; the ray "
                              "backend places ranks on its cluster's nodes itself")
+
+
+_LLAMA_WINDOWS = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+                  "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+"""Architectures whose layers' windows config.json gives as models/llama.py's
+``sliding_window`` reads them."""
+
+
+def _refuse_kv_off_device(model: ModelConfig, asked: dict[str, bool]) -> None:
+    """One line at start-up, not an engine core's traceback, for an option that moves KV off
+    the device (``asked``: its name -> given) on a model of sliding-window layers only: its
+    pages stay on the device (the engine core refuses too, for every architecture)."""
+    hf = model.hf_config
+    given = [name for name, on in asked.items() if on]
+    if not given or model.architecture not in _LLAMA_WINDOWS or not _every_layer_windowed(hf):
+        return
+    raise ValueError(f"{given[0]}: {model.architecture} has sliding-window layers only "
+                     f"(sliding_window {hf['sliding_window']}), whose KV stays on the device; "
+                     "the host/file KV tiers and disaggregation need a full-attention layer")
+
+
+def _every_layer_windowed(hf: dict) -> bool:
+    """Whether config.json gives every layer a window (models/llama.py ``sliding_window``)."""
+    if not hf.get("sliding_window") or hf.get("use_sliding_window") is False:
+        return False
+    types = hf.get("layer_types")
+    if types is not None:
+        return all(t == "sliding_attention" for t in types)
+    return hf.get("max_window_layers", 0) <= 0
 
 
 def create_engine_config(model: str, **options) -> EngineConfig:

@@ -52,6 +52,7 @@ ROWS: list[tuple[tuple[str, ...], str, object]] = [
     (("--kv-load-failure-policy", "fail"), "kv_transfer.load_failure_policy", "fail"),
     (("--max-num-batched-tokens", "512"), "scheduler.max_num_batched_tokens", 512),
     (("--max-num-seqs", "9"), "scheduler.max_num_seqs", 9),
+    (("--no-enable-chunked-prefill",), "scheduler.enable_chunked_prefill", False),
     (("--scheduling-policy", "priority"), "scheduler.policy", "priority"),
     (("--tensor-parallel-size", "2"), "tensor_parallel_size", 2),
     (("-tp", "2"), "tensor_parallel_size", 2),
@@ -81,6 +82,7 @@ NOT_IN_CONFIG = {  # engine-group flags checked elsewhere
     "--enable-prefix-caching": "the default (its --no- form has a row)",
     "--window-snapshots": "the default (its --no- form has a row)",
     "--swa-bounded-replay": "the default (the old name of --window-snapshots)",
+    "--enable-chunked-prefill": "the default (its --no- form has a row)",
 }
 
 
@@ -101,6 +103,17 @@ def test_engine_flag_reaches_the_config(qwen3_checkpoint, flags, path, expected)
     default = _read(_config(qwen3_checkpoint), path)
     assert default != expected, f"{flags}: the expected value is the default; pick another"
     assert _read(_config(qwen3_checkpoint, *flags), path) == expected
+
+
+def test_chunked_prefill_off_needs_a_budget_for_the_longest_prompt(qwen3_checkpoint):
+    """Unchunked, a prompt longer than a step's budget would wait forever (and every request
+    behind it): refused at start-up, as vLLM does."""
+    with pytest.raises(ValueError, match=r"^max_num_batched_tokens \(64\) is below max_model_len "
+                                         r"\(512\) with chunked prefill off"):
+        _config(qwen3_checkpoint, "--no-enable-chunked-prefill", "--max-num-batched-tokens", "64")
+    config = _config(qwen3_checkpoint, "--no-enable-chunked-prefill", "--max-model-len", "64",
+                     "--max-num-batched-tokens", "64")
+    assert not config.scheduler.enable_chunked_prefill
 
 
 def test_the_data_parallel_rank_flags_reach_the_config(qwen3_checkpoint):

@@ -35,12 +35,12 @@ from pydantic.json_schema import models_json_schema
 from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.router.kv_events import EventFollower
 from openinfer.router.metrics import cluster_exposition, replica_load
-from openinfer.router.pd import prefill_first, release_unused_lease
+from openinfer.router.pd import PrefillLeg, prefill_first, release_unused_lease
 from openinfer.router.policies import Router, RouterConfig, Worker
 from openinfer.router.upstream import ReplicaEjected, ReplicaResponse
-from openinfer.server.anthropic_api import MessagesRequest, openai_tools
+from openinfer.server.anthropic_protocol import MessagesRequest, openai_tools
 from openinfer.server.disconnect import CancelOnDisconnect
-from openinfer.server.errors import document_errors, error_body
+from openinfer.server.error_bodies import document_errors, error_body
 from openinfer.server.limits import admin_refusal, bearer_token, tenant_salt, within_tenant
 from openinfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from openinfer.server.prompt import PromptRenderer
@@ -65,12 +65,8 @@ class RouterState:
         self.prefill = Router(config, [Worker(u.rstrip("/")) for u in prefill_urls]) \
             if prefill_urls else None
         """Disaggregation: the prefill instances, chosen by the same policy."""
-        self.disagg_min_tokens = disagg_min_tokens
         self.cache_salt_per_api_key = cache_salt_per_api_key
         """The replicas salt each request's prefix cache by its API key: hash as they do."""
-        self.kv_transfer_secret = kv_transfer_secret
-        """The replicas' --kv-transfer-secret: their KV events speak CURVE, keyed by it, and
-        the router gives it when it releases a lease nobody will pull."""
         self.renderer = renderer
         """The server's prompt renderer, over the replicas' tokenizer and chat template."""
         self.block_size = block_size
@@ -78,6 +74,8 @@ class RouterState:
                                       limits=httpx.Limits(max_connections=None,
                                                           max_keepalive_connections=None))
         self.zmq = zmq.asyncio.Context()
+        # The replicas' --kv-transfer-secret: their KV events speak CURVE, keyed by it, and
+        # the prefill leg gives it when it releases a lease nobody will pull.
         self.events = EventFollower(self.http, self.zmq, kv_transfer_secret)
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self.engine_index = {w.url: i for i, w in enumerate(self.all_workers)}
@@ -102,13 +100,13 @@ class RouterState:
                                 "Most requests a chosen replica had in flight beyond the least "
                                 "loaded one, at the moment of a routing decision", registry=r)
         self.max_excess_seen = 0
-        self.disagg = Counter("openinfer_router:disagg_decisions",
-                              "Disaggregation per request: prefill_then_decode, decode_only "
-                              "(short or cached prompt), prefill_failed (decode recomputed), "
-                              "client_left (during the prefill leg, whose lease is then "
-                              "released)",
-                              ["decision"], registry=r)
-        self.disagg_leases_released = Counter(
+        disagg = Counter("openinfer_router:disagg_decisions",
+                         "Disaggregation per request: prefill_then_decode, decode_only "
+                         "(short or cached prompt), prefill_failed (decode recomputed), "
+                         "client_left (during the prefill leg, whose lease is then "
+                         "released)",
+                         ["decision"], registry=r)
+        leases_released = Counter(
             "openinfer_router:disagg_leases_released",
             "Prefill leases released by the router because their decode leg never started "
             "(the client left during or between the legs, or no decode instance answered)",
@@ -118,6 +116,10 @@ class RouterState:
         self.rerouted = Counter("openinfer_router:rerouted_requests",
                                 "Requests sent to another replica because this one failed, "
                                 "was ejected or answered 503 before answering", ["worker"], registry=r)
+        self.prefill_leg = PrefillLeg(self.prefill, self.http, block_size, disagg_min_tokens,
+                                      kv_transfer_secret, disagg, leases_released) \
+            if self.prefill is not None else None
+        """Disaggregation: what the prefill leg of a request needs (router/pd.py)."""
 
     # ---- replicas --------------------------------------------------------------------
 
@@ -402,12 +404,13 @@ def _generate_route(state: RouterState, path: str):
         refusal: Response | None = None  # the last replica's 503, if each one refused
         while True:
             decision = state.router.choose(hashes, session, exclude=tried)
-            if decision is not None and state.prefill is not None and not tried:
-                raw, prefilled_by, lease = await prefill_first(state, path, body, raw, headers,
+            leg = state.prefill_leg
+            if decision is not None and leg is not None and not tried:
+                raw, prefilled_by, lease = await prefill_first(leg, path, body, raw, headers,
                                                                num_tokens, hashes, decision)
             if decision is None:
-                if lease is not None:
-                    release_unused_lease(state, lease)
+                if leg is not None and lease is not None:
+                    release_unused_lease(leg, lease)
                 if refusal is not None:
                     return refusal
                 return JSONResponse(error_body("no healthy replica to serve the request",
@@ -440,8 +443,8 @@ def _generate_route(state: RouterState, path: str):
             except asyncio.CancelledError:  # the client hung up before the replica answered
                 await upstream.close()  # (the replica sees its connection go: it aborts)
                 worker.in_flight -= 1
-                if lease is not None:  # (a pull under way holds the lease until it ends)
-                    release_unused_lease(state, lease)
+                if leg is not None and lease is not None:  # (a pull under way holds it)
+                    release_unused_lease(leg, lease)
                 raise
             if upstream.response.status_code == 503:
                 # Refused, nothing started (its engine dead or restarting, its queue full):

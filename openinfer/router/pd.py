@@ -24,18 +24,16 @@ import asyncio
 import json
 import logging
 import threading
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import httpx
+from prometheus_client import Counter
 
 from openinfer.kv.remote import KVTransferParams
-from openinfer.router.policies import Decision, Worker
+from openinfer.router.policies import Decision, Router, Worker
 from openinfer.router.upstream import ReplicaEjected, unless_ejected
 from openinfer.transfer.connector import release_lease
 from openinfer.transfer.protocol import KVTransferError
-
-if TYPE_CHECKING:
-    from openinfer.router.app import RouterState
 
 logger = logging.getLogger(__name__)
 ORPHANED_LEG_S = 600.0
@@ -43,29 +41,50 @@ ORPHANED_LEG_S = 600.0
 _orphaned: set[asyncio.Task] = set()  # (held: the event loop keeps only weak references)
 
 
-async def prefill_first(state: RouterState, path: str, body: dict, raw: bytes,
+@dataclass(frozen=True)
+class PrefillLeg:
+    """What the prefill leg needs of the router. The router's state owns one when it has
+    prefill instances, and this module never needs the router app's types."""
+
+    pool: Router
+    """The prefill instances, chosen by the router's policy."""
+    http: httpx.AsyncClient
+    """The router's client (its connection pool)."""
+    block_size: int
+    """The replicas' KV block size: how many tokens a matched block saves."""
+    min_tokens: int
+    """--disagg-min-tokens: shorter uncached prompts go straight to decode."""
+    kv_transfer_secret: str | None
+    """The replicas' --kv-transfer-secret, to release a lease nobody will pull."""
+    decisions: Counter
+    """openinfer_router:disagg_decisions, labelled by ``decision``."""
+    leases_released: Counter
+    """openinfer_router:disagg_leases_released."""
+
+
+async def prefill_first(leg: PrefillLeg, path: str, body: dict, raw: bytes,
                         headers: dict, num_tokens: int, hashes: list[bytes],
                         decode: Decision) -> tuple[bytes, str, dict | None]:
     """The body to send the decode instance, the prefill instance used ("none"), and the
     kv_transfer_params of the lease it holds (None)."""
-    uncached = num_tokens - decode.matched_blocks * state.block_size
+    uncached = num_tokens - decode.matched_blocks * leg.block_size
     # n > 1 samples would race for one lease: those, and short or mostly cached prompts,
     # go straight to decode.
-    if body.get("n", 1) != 1 or uncached < state.disagg_min_tokens:
-        state.disagg.labels(decision="decode_only").inc()
+    if body.get("n", 1) != 1 or uncached < leg.min_tokens:
+        leg.decisions.labels(decision="decode_only").inc()
         return raw, "none", None
-    choice = state.prefill.choose(hashes)
+    choice = leg.pool.choose(hashes)
     params = None
     if choice is not None:
         worker = choice.worker
-        leg = {**body, "max_tokens": 1, "stream": False,
-               "kv_transfer_params": {"do_remote_decode": True}}
-        leg.pop("stream_options", None)
-        if "max_completion_tokens" in leg:
-            leg["max_completion_tokens"] = 1
+        prefill_body = {**body, "max_tokens": 1, "stream": False,
+                        "kv_transfer_params": {"do_remote_decode": True}}
+        prefill_body.pop("stream_options", None)
+        if "max_completion_tokens" in prefill_body:
+            prefill_body["max_completion_tokens"] = 1
         worker.in_flight += 1
-        answer = asyncio.ensure_future(state.http.post(
-            worker.url + path, json=leg, headers=worker.forwarded_headers(headers)))
+        answer = asyncio.ensure_future(leg.http.post(
+            worker.url + path, json=prefill_body, headers=worker.forwarded_headers(headers)))
         orphaned = False
         try:
             resp = await unless_ejected(worker, asyncio.shield(answer))
@@ -76,8 +95,8 @@ async def prefill_first(state: RouterState, path: str, body: dict, raw: bytes,
                                resp.text[:200])
         except asyncio.CancelledError:  # the client left: the leg ends in the background
             orphaned = True
-            state.disagg.labels(decision="client_left").inc()
-            task = asyncio.create_task(_release_when_answered(state, worker, answer))
+            leg.decisions.labels(decision="client_left").inc()
+            task = asyncio.create_task(_release_when_answered(leg, worker, answer))
             _orphaned.add(task)
             task.add_done_callback(_orphaned.discard)
             raise
@@ -91,13 +110,13 @@ async def prefill_first(state: RouterState, path: str, body: dict, raw: bytes,
                 worker.in_flight -= 1
         worker.routed += 1
     if not params:
-        state.disagg.labels(decision="prefill_failed").inc()
+        leg.decisions.labels(decision="prefill_failed").inc()
         return raw, "none", None
-    state.disagg.labels(decision="prefill_then_decode").inc()
+    leg.decisions.labels(decision="prefill_then_decode").inc()
     return json.dumps({**body, "kv_transfer_params": params}).encode(), choice.worker.url, params
 
 
-async def _release_when_answered(state: RouterState, worker: Worker,
+async def _release_when_answered(leg: PrefillLeg, worker: Worker,
                                   answer: asyncio.Future) -> None:
     """Wait for the prefill leg of a client that left, and release the lease it returns."""
     params = None
@@ -112,16 +131,16 @@ async def _release_when_answered(state: RouterState, worker: Worker,
     finally:
         worker.in_flight -= 1
     if params:
-        release_unused_lease(state, params)
+        release_unused_lease(leg, params)
 
 
-def release_unused_lease(state: RouterState, params: dict) -> None:
+def release_unused_lease(leg: PrefillLeg, params: dict) -> None:
     """Tell the prefill instance that no decode instance will pull this lease. In a thread:
     the caller may be a handler being cancelled, which can no longer await."""
     def release() -> None:
         try:
-            release_lease(KVTransferParams.parse(params), state.kv_transfer_secret, 5.0)
-            state.disagg_leases_released.inc()
+            release_lease(KVTransferParams.parse(params), leg.kv_transfer_secret, 5.0)
+            leg.leases_released.inc()
         except (OSError, KVTransferError, ValueError) as e:  # it expires in its own time
             logger.warning("could not release KV lease at %s:%s: %s",
                            params.get("remote_host"), params.get("remote_port"), e)

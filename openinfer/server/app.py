@@ -23,7 +23,9 @@ from openinfer.sampling_params import SamplingParams
 from openinfer.server.anthropic_api import install_anthropic_routes
 from openinfer.server.chat_output import ChatOutput, plan_tools
 from openinfer.server.disconnect import CancelOnDisconnect
-from openinfer.server.errors import APIError, document_errors, error_body, install_error_handlers
+from openinfer.server.error_bodies import document_errors, error_body
+from openinfer.server.errors import install_error_handlers
+from openinfer.server.exceptions import APIError
 from openinfer.server.limits import Admission, EngineLoad, ServerLimits, salted
 from openinfer.server.metrics import ServerMetrics
 from openinfer.server.openai_protocol import (
@@ -45,13 +47,15 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
               on_ready: Callable[[], None] | None = None, metrics_prefix: str = "openinfer",
               metrics_engine: str = "0", tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None,
+              chat_template_content_format: str = "auto") -> FastAPI:
     """The API over ``llm``. ``sampling_defaults`` fill the sampling fields a request leaves
     unset (the model's generation config under ``--generation-config auto``); ``on_ready``
     runs once the engine has loaded and requests are served. /metrics names its series
     ``<metrics_prefix>:...`` and labels them ``engine=metrics_engine`` (server/metrics.py).
     ``tool_call_parser``, ``enable_auto_tool_choice`` and ``reasoning_parser`` are vLLM's
-    serve options of those names (server/chat_output.py)."""
+    serve options of those names (server/chat_output.py), ``chat_template_content_format``
+    too (server/chat_content.py)."""
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await llm.start()
@@ -75,7 +79,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
     metrics = ServerMetrics.for_llm(llm, served_model_name, prefix=metrics_prefix,
                                     engine=metrics_engine)
     # `--chat-template` is already the tokenizer's own (cli.py sets it), as on the router.
-    renderer = PromptRenderer(llm.tokenizer)
+    renderer = PromptRenderer(llm.tokenizer, content_format=chat_template_content_format)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
@@ -150,13 +154,23 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
         return {"prompt": llm.tokenizer.decode(body.tokens)}
 
     def tokenized(prompt: str | list[int], params: SamplingParams,
-                  constraint_source: str | None = None) -> tuple[str | None, list[int]]:
+                  constraint_source: str | None = None,
+                  prompt_param: str = "prompt") -> tuple[str | None, list[int]]:
         """The prompt as the engine runs it; checks it and ``params`` (400s). The output
         constraint is compiled here: an invalid one is a 400 naming
-        ``constraint_source``, the field the client used."""
+        ``constraint_source``, the field the client used. A prompt too long for the model
+        is a 400 naming ``prompt_param`` (``messages`` for chats)."""
         if llm.client.dead_reason is not None:  # fail before a stream sends its 200
             raise EngineDeadError(llm.client.dead_reason)
         params.cache_salt = salted(params.cache_salt)  # within the API key's, if so salted
+        if not isinstance(prompt, str):
+            # Checked here, not left to the engine's ValueError, to carry OpenAI's code as the
+            # max_tokens check below does (clients tell an overflow from other 400s by it).
+            num_tokens = len(llm.inputs.truncate(prompt, params))
+            if num_tokens >= max_model_len:
+                raise APIError(400, f"This model's maximum context length is {max_model_len} "
+                               f"tokens; the prompt has {num_tokens}, which leaves no room to "
+                               "generate.", prompt_param, code="context_length_exceeded")
         try:  # tokenized, truncated, checked
             text, token_ids = llm.inputs.process(prompt, params)
         except ValueError as e:
@@ -264,7 +278,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
             # Markers that are special tokens (DeepSeek's, Mistral's) must reach the parser.
             special = is_special_token(llm.tokenizer, tool_parser.start)
             params.skip_special_tokens = params.skip_special_tokens and not special
-        _, token_ids = tokenized(token_ids, params, source)
+        _, token_ids = tokenized(token_ids, params, source, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                   "model": served_model_name}

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from openinfer.server.errors import APIError
+from openinfer.server.exceptions import APIError
 from openinfer.server.reasoning import ReasoningParser, ReasoningStreamer
 from openinfer.server.tool_parsers import ToolCall, ToolCallStreamer, ToolParser
 

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from openinfer.server.errors import error_response
+from openinfer.server.error_bodies import error_response
 
 # Paths anyone may call (probes, scrapers) even when an API key is set.
 PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/kv_events"})

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from openinfer.kv.remote import KVTransferParams
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
-from openinfer.server.errors import APIError
+from openinfer.server.exceptions import APIError
 from openinfer.structured.params import StructuredOutputsParams
 
 # Caps on what one request may ask for (beyond them: a 400 naming the field and the cap).

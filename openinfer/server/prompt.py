@@ -17,22 +17,20 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from openinfer.server.anthropic_api import MessagesRequest
-    from openinfer.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
+from openinfer.server.anthropic_protocol import MessagesRequest
+from openinfer.server.chat_content import (
+    chat_messages,
+    resolve_content_format,
+    text_part,
+    text_parts,
+)
+from openinfer.server.exceptions import PromptError
+from openinfer.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
 
 CompletionPrompt = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
 """``/v1/completions``' ``prompt``: a text, texts, token ids, or lists of token ids."""
-
-
-class PromptError(ValueError):
-    """A prompt the server cannot render: answered with a 400 naming ``param``."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.message, self.param = message, param
 
 
 @dataclass(frozen=True)
@@ -50,12 +48,18 @@ class PromptRenderer:
 
     ``chat_template`` is the server's ``--chat-template``; without it the tokenizer's own
     template is used (a GGUF's is already set on the tokenizer by ``load_tokenizer``). A
-    request's ``chat_template`` wins over both.
+    request's ``chat_template`` wins over both. ``content_format`` is
+    ``--chat-template-content-format`` (server/chat_content.py): whether the template gets
+    a message's list of text parts as it is or joined to a string.
     """
 
     tokenizer: Any | None
     """A Hugging Face tokenizer; None when the engine runs with ``skip_tokenizer_init``."""
     chat_template: str | None = None
+    content_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        resolve_content_format(self.content_format, None)  # a bad option fails at start-up
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template: str | None = None,
@@ -73,9 +77,12 @@ class PromptRenderer:
         if template is None and self.tokenizer.chat_template is None:
             raise PromptError("this model has no chat template; start the server with "
                               "--chat-template or use /v1/completions", "messages")
+        content_format = resolve_content_format(
+            self.content_format, template or self.tokenizer.chat_template)
+        messages = chat_messages(messages, content_format)
         try:
             text = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=template,
                 tools=tools, **(chat_template_kwargs or {}))
         except Exception as e:  # a template that rejects these messages
@@ -103,8 +110,11 @@ class PromptRenderer:
         shape). ``tools``: OpenAI-shaped, for the template."""
         chat: list[dict[str, Any]] = []
         if request.system is not None:
+            if not isinstance(request.system, str):
+                text_parts(request.system, "system", "blocks")
             chat.append({"role": "system", "content": content_text(request.system)})
-        for m in request.messages:
+        for i, m in enumerate(request.messages):
+            _check_anthropic_blocks(m.content, f"messages.{i}.content")
             chat.extend(_anthropic_to_chat(m.role, m.content))
         return self.chat(chat, add_generation_prompt=True, tools=tools)
 
@@ -147,6 +157,23 @@ def _anthropic_to_chat(role: str, content: str | Sequence[Mapping[str, Any]]) ->
                 "content": content_text(b.get("content") or "")}
                for b in content if b.get("type") == "tool_result"]
     return ([message] if message["content"] or calls or not results else []) + results
+
+
+_TOOL_BLOCKS = ("tool_use", "tool_result")
+"""With text, the content blocks a prompt is made of here; an image, a document, ... is
+refused."""
+
+
+def _check_anthropic_blocks(content: str | Sequence[Any], param: str) -> None:
+    """A 400 naming the first block the model cannot read (``tool_result`` content too)."""
+    if isinstance(content, str):
+        return
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_result" and isinstance(block.get("content"), list):
+            text_parts(block["content"], f"{param}.{j}.content", "blocks")
+        elif kind not in _TOOL_BLOCKS:
+            text_part(block, f"{param}.{j}", "blocks")
 
 
 def is_special_token(tokenizer: Any, text: str) -> bool:

@@ -115,3 +115,33 @@ def test_english_is_far_likelier_than_shuffled_words(smollm2_server):
 
     real, noise = mean_logprob(PARAGRAPH), mean_logprob(shuffled)
     assert real > -3.0 and real - noise > 1.5, (real, noise)
+
+
+def _chat_answer(client: openai.OpenAI, content) -> tuple[str, int]:
+    out = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": content}], temperature=0,
+        max_tokens=24)
+    return out.choices[0].message.content, out.usage.prompt_tokens
+
+
+@pytest.mark.slow
+def test_text_parts_get_the_answer_of_the_joined_string(smollm2_server):
+    """SmolLM2's template concatenates content to strings: text parts (what LangChain and
+    the Agents SDK send) reach it joined, as vLLM joins them, not as a failing list."""
+    client = openai.OpenAI(base_url=f"{smollm2_server[0]}/v1", api_key="unused", max_retries=0)
+    parts = [{"type": "text", "text": "What is the capital of France?"},
+             {"type": "text", "text": "Answer in one sentence."}]
+    joined = _chat_answer(client, "What is the capital of France?\nAnswer in one sentence.")
+    assert _chat_answer(client, parts) == joined
+    assert "paris" in joined[0].lower()
+
+
+@pytest.mark.slow
+def test_an_image_for_the_text_model_is_refused_by_name(smollm2_server):
+    client = openai.OpenAI(base_url=f"{smollm2_server[0]}/v1", api_key="unused", max_retries=0)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=NAME, max_tokens=4, messages=[{
+            "role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
+    assert refused.value.body["param"] == "messages.0.content.1"
+    assert "image_url parts are not supported" in refused.value.body["message"]

@@ -727,6 +727,80 @@ def test_anthropic_errors_have_anthropic_shape(server):
     assert body["error"]["type"] == "invalid_request_error" and "max" in body["error"]["message"]
 
 
+@pytest.mark.slow
+def test_malformed_json_is_a_400_that_names_no_param(server):
+    """Not the decoder's byte offset taken for a field: where the JSON breaks, in words."""
+    base, _ = server
+    broken = b'{"model": "tiny", "prompt": "hi" "max_tokens": 2}'
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        code, body = _post(base, path, broken)
+        assert code == 400, body
+        assert body["error"] == {"message": "invalid JSON in request body: Expecting ',' "
+                                            "delimiter at line 1 column 34",
+                                 "type": "invalid_request_error", "param": None, "code": None}
+    code, body = _post(base, "/v1/messages", b'{"max_tokens": 4,\n "messages": [}')
+    assert code == 400 and body["type"] == "error"
+    assert body["error"] == {"type": "invalid_request_error", "message": "invalid JSON in "
+                             "request body: Expecting value at line 2 column 15"}
+
+
+@pytest.mark.slow
+def test_a_prompt_too_long_says_context_length_exceeded_as_max_tokens_does(server):
+    """Clients tell a context overflow from other 400s by this code: both causes carry it."""
+    base, _ = server
+    max_len = json.loads(urllib.request.urlopen(f"{base}/v1/models").read())["data"][0][
+        "max_model_len"]
+    too_long = list(range(5, 5 + max_len))
+    for path, body, param in [
+            ("/v1/completions", {"prompt": too_long, "max_tokens": 1}, "prompt"),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": max_len}, "max_tokens"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * max_len}],
+                                      "max_tokens": 1}, "messages"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": max_len}, "max_tokens")]:
+        code, answer = _post(base, path, {"model": MODEL, **body})
+        assert code == 400, (body, answer)
+        error = answer["error"]
+        assert (error["code"], error["param"], error["type"]) == (
+            "context_length_exceeded", param, "invalid_request_error"), error
+        assert f"maximum context length is {max_len} tokens" in error["message"]
+    # A prompt the request truncates to fit is served.
+    code, ok = _post(base, "/v1/completions", {"model": MODEL, "prompt": too_long,
+                                               "truncate_prompt_tokens": 8, "max_tokens": 1})
+    assert code == 200 and ok["usage"]["prompt_tokens"] == 8
+
+
+@pytest.mark.slow
+def test_text_parts_are_served_and_an_image_is_refused_by_name(server, offline):
+    """The demo template loops over content parts: text parts render as their text. The
+    model reads text only: an image part or block is a 400 naming it, never dropped."""
+    base, _ = server
+    parts = [{"type": "text", "text": "What is a"}, {"type": "text", "text": " KV cache?"}]
+    answers = []
+    for content in (parts, "What is a KV cache?"):
+        code, out = _post(base, "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": content}],
+            "temperature": 0, "max_tokens": 6})
+        assert code == 200, out
+        answers.append((out["choices"][0]["message"]["content"], out["usage"]["prompt_tokens"]))
+    assert answers[0] == answers[1]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    code, out = _post(base, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": [parts[0], image]}]})
+    assert code == 400 and out["error"]["param"] == "messages.0.content.1", out
+    assert out["error"]["message"].startswith("messages.0.content.1: image_url parts are not "
+                                              "supported")
+    code, out = _post(base, "/v1/messages", {
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "iVBORw0KGgo="}},
+            {"type": "text", "text": "What is this?"}]}]})
+    assert code == 400 and out["type"] == "error", out
+    assert out["error"]["type"] == "invalid_request_error"
+    assert out["error"]["message"].startswith("messages.0.content.0: image blocks are not "
+                                              "supported")
+
+
 def _health(base: str) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:

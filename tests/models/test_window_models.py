@@ -4,6 +4,9 @@ hits stay exact."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from attention_support import ATTENTION_BACKENDS
@@ -11,6 +14,7 @@ from conftest import run_disaggregated
 from test_hf_parity import PagedModel, _hf_logits, _prompts
 
 from openinfer import LLM, SamplingParams
+from openinfer.config import EngineConfig
 from openinfer.kv.spec import SKIPPED, page_bytes
 
 WINDOW = 8
@@ -172,6 +176,36 @@ def test_window_only_models_keep_their_cache_on_the_device(make_checkpoint):
         LLM(str(mistral), kv_host_memory=1 << 20, progress=False)
     with pytest.raises(ValueError, match="sliding-window layers only"):
         LLM(str(mistral), kv_role="prefill", progress=False)
+
+
+@pytest.mark.parametrize("option,value,named", [
+    ("kv_host_memory", 1 << 20, "kv_host_memory (--kv-host-memory)"),
+    ("kv_store_dir", "/tmp/unused-store", "kv_store_dir (--kv-store-dir)"),
+    ("kv_role", "decode", "kv_role 'decode' (--role)"),
+    ("kv_transfer_port", 7100, "kv_transfer_port (--kv-transfer-port)")])
+def test_window_only_models_are_refused_off_device_kv_by_the_config(make_checkpoint, option,
+                                                                    value, named):
+    """At config time, in one line naming the option (a server exits with it, instead of an
+    engine core's traceback); a model with a full-attention layer is not refused."""
+    mistral = _checkpoint(make_checkpoint, "MistralForCausalLM")
+    with pytest.raises(ValueError) as refused:
+        EngineConfig.create(str(mistral), **{option: value})
+    message = str(refused.value)
+    assert message.startswith(f"{named}: MistralForCausalLM has sliding-window layers only")
+    assert "\n" not in message
+    qwen3 = _checkpoint(make_checkpoint, "Qwen3-layer-types")
+    EngineConfig.create(str(qwen3), **{option: value})
+
+
+def test_serve_refuses_host_memory_for_a_window_only_model_in_one_line(make_checkpoint):
+    mistral = _checkpoint(make_checkpoint, "MistralForCausalLM")
+    res = subprocess.run([sys.executable, "-m", "openinfer", "serve", "--model", str(mistral),
+                          "--port", "0", "--kv-host-memory", "8MiB"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "openinfer: error: kv_host_memory (--kv-host-memory): MistralForCausalLM has " \
+           "sliding-window layers only" in res.stderr
+    assert "Traceback" not in res.stderr
 
 
 @pytest.mark.parametrize("bounded", [True, False], ids=["bounded-replay", "per-block-pages"])

@@ -10,9 +10,10 @@ import pytest
 from openinfer.demo import CHAT_TEMPLATE
 from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.router.app import prompt_ids
-from openinfer.server.anthropic_api import MessagesRequest
+from openinfer.server.anthropic_protocol import MessagesRequest
+from openinfer.server.exceptions import PromptError
 from openinfer.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
-from openinfer.server.prompt import PromptError, PromptRenderer, RenderedPrompt
+from openinfer.server.prompt import PromptRenderer, RenderedPrompt
 
 # The demo template, led by a system line only when the `persona` template argument is given.
 PERSONA_TEMPLATE = ("{%- if persona is defined %}{{- '<|im_start|>system\\nYou are ' + persona "
@@ -86,14 +87,71 @@ def test_anthropic_system_prompt_and_content_blocks(tok):
     as_string = MessagesRequest.model_validate({"max_tokens": 8, "system": system,
                                                 "messages": MESSAGES})
     assert renderer.anthropic_messages(as_string) == expected
-    # Blocks are reduced to their text; kinds without text (an image) add nothing.
-    as_blocks = MessagesRequest.model_validate({
-        "max_tokens": 8, "system": [{"type": "text", "text": "You answer in one "},
-                                    {"type": "text", "text": "sentence."}],
-        "messages": [{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}},
-            {"type": "text", "text": MESSAGES[0]["content"]}]}]})
-    assert renderer.anthropic_messages(as_blocks) == expected
+    # Text blocks are reduced to their text.
+    blocks = {"max_tokens": 8, "system": [{"type": "text", "text": "You answer in one "},
+                                          {"type": "text", "text": "sentence."}],
+              "messages": [{"role": "user", "content": [
+                  {"type": "text", "text": MESSAGES[0]["content"]}]}]}
+    assert renderer.anthropic_messages(MessagesRequest.model_validate(blocks)) == expected
+
+
+IMAGE_BLOCK = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": ""}}
+
+
+@pytest.mark.parametrize("where,param", [
+    ("message", "messages.0.content.0"), ("tool_result", "messages.0.content.0.content.1"),
+    ("system", "system.0")])
+def test_anthropic_blocks_the_model_cannot_read_are_refused_by_name(tok, where, param):
+    """A text-only model is never sent a prompt with an image silently left out."""
+    text = {"type": "text", "text": MESSAGES[0]["content"]}
+    body = {"max_tokens": 8, "messages": [{"role": "user", "content": [IMAGE_BLOCK, text]}]}
+    if where == "tool_result":
+        body["messages"][0]["content"] = [{"type": "tool_result", "tool_use_id": "t",
+                                           "content": [text, IMAGE_BLOCK]}]
+    elif where == "system":
+        body = {**body, "system": [IMAGE_BLOCK], "messages": MESSAGES}
+    with pytest.raises(PromptError, match="image blocks are not supported") as error:
+        PromptRenderer(tok).anthropic_messages(MessagesRequest.model_validate(body))
+    assert error.value.param == param and error.value.message.startswith(param)
+
+
+STRING_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] "
+                   "+ '<|im_end|>\\n' }}{% endfor %}{{ '<|im_start|>assistant\\n' }}")
+"""Concatenates content to strings, as SmolLM2's template does: a list of parts fails it."""
+PARTS = [{"type": "text", "text": "What is a paged"}, {"type": "text", "text": "KV cache?"}]
+
+
+def test_text_parts_reach_a_string_template_joined(tok):
+    renderer = PromptRenderer(tok, chat_template=STRING_TEMPLATE)
+    joined = renderer.openai_chat(_chat(messages=[{"role": "user",
+                                                   "content": "What is a paged\nKV cache?"}]))
+    assert renderer.openai_chat(_chat(messages=[{"role": "user", "content": PARTS}])) == joined
+    # Forced to pass the parts, this template fails as it did before (a 400, not a crash).
+    forced = PromptRenderer(tok, chat_template=STRING_TEMPLATE, content_format="openai")
+    with pytest.raises(PromptError, match="chat template failed"):
+        forced.openai_chat(_chat(messages=[{"role": "user", "content": PARTS}]))
+
+
+def test_text_parts_reach_a_parts_template_as_parts(tok):
+    """The demo template loops over parts (auto: openai); it renders them without a join."""
+    renderer = PromptRenderer(tok)
+    parts = renderer.openai_chat(_chat(messages=[{"role": "user", "content": PARTS}]))
+    assert tok.decode(parts).count("What is a pagedKV cache?") == 1
+    string = PromptRenderer(tok, content_format="string").openai_chat(
+        _chat(messages=[{"role": "user", "content": PARTS}]))
+    assert tok.decode(string).count("What is a paged\nKV cache?") == 1
+
+
+@pytest.mark.parametrize("content_format", ["auto", "string", "openai"])
+def test_a_part_that_is_not_text_is_refused_by_name(tok, content_format):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}
+    renderer = PromptRenderer(tok, content_format=content_format)
+    messages = [MESSAGES[0], {"role": "user", "content": [PARTS[0], image]}]
+    with pytest.raises(PromptError, match="^messages.1.content.1: image_url parts are not "
+                                          "supported") as error:
+        renderer.openai_chat(_chat(messages=messages))
+    assert error.value.param == "messages.1.content.1"
 
 
 def test_completion_prompts(tok):
