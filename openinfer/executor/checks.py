@@ -23,7 +23,7 @@ def check_context_parallel(config: EngineConfig) -> None:
         raise ValueError("prefill_context_parallel_size with tensor_parallel_size > 1 is not "
                          "supported yet")
     _check_ranks_fit(config, size, "prefill_context_parallel_size")
-    if not getattr(get_model_class(mc.architecture), "supports_context_parallel", False):
+    if not get_model_class(mc.architecture).supports_context_parallel:
         raise ValueError(f"prefill_context_parallel_size {size}: {mc.architecture} cannot be "
                          "split by context yet (Llama-family models with full attention can)")
     _refuse_unsupported(config, f"prefill_context_parallel_size {size}",
@@ -66,7 +66,7 @@ def check_tensor_parallel(config: EngineConfig) -> None:
 def _check_split(architecture: str, hf: dict, size: int, expert_parallel: bool,
                  whose: str = "") -> None:
     """Refuse a model that ``size`` tensor-parallel ranks cannot split, naming why."""
-    if not getattr(get_model_class(architecture), "supports_tensor_parallel", False):
+    if not get_model_class(architecture).supports_tensor_parallel:
         raise ValueError(f"tensor_parallel_size {size}: {whose}{architecture} cannot be split "
                          "yet (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and "
                          "DeepSeek-V2/V3/V4 models can)")

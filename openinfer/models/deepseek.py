@@ -24,6 +24,7 @@ from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.moe import MoE, RoutingConfig
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding, get_rope
+from openinfer.models.base import CausalLM
 from openinfer.models.llama import DecoderLayer, DecoderStack, require_silu, rope_scaling, rope_theta
 
 
@@ -84,7 +85,7 @@ def num_routed_experts(hf: dict) -> int:
     return hf.get("n_routed_experts") or hf.get("num_local_experts") or hf.get("num_experts") or 0
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     expert_weights = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
     supports_tensor_parallel = True

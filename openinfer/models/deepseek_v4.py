@@ -57,6 +57,7 @@ from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.moe import ClampedSiluAndMul, FusedExperts
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import _default_inv_freq, _yarn_params
+from openinfer.models.base import CausalLM
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 DEFAULT_RATES = {CSA: 4, HCA: 128}
@@ -443,7 +444,7 @@ class DeepseekV4Model(nn.Module):
         return self.norm(self.hc_head(h))
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekV4ForCausalLM(CausalLM):
     """Module names follow DeepSeek's checkpoint (``attn.wq_a``, ``ffn.experts.<e>.w1``,
     ``hc_attn_fn``, ``head``: what transformers writes and the Hub holds)."""
 

@@ -29,6 +29,7 @@ from openinfer.layers.linear import MergedLinear, RowParallelLinear
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding, get_rope
+from openinfer.models.base import CausalLM
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ class LlamaModel(DecoderStack):
         self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     variant = BlockVariant(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
     supports_tensor_parallel = True
     supports_context_parallel = True

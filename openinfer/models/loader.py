@@ -23,6 +23,7 @@ from openinfer.distributed.parallel_state import get_tp
 from openinfer.layers.gemm import plan_gemms
 from openinfer.layers.linear import default_weight_loader
 from openinfer.models import fp8
+from openinfer.models.base import CausalLM
 from openinfer.models.platform import make_batch_invariant
 from openinfer.models.registry import get_model_class
 
@@ -59,15 +60,14 @@ def process_weights_after_loading(model: nn.Module) -> None:
             prepare()
 
 
-def load_weights(model: nn.Module, path: Path, progress: bool = True,
+def load_weights(model: CausalLM, path: Path, progress: bool = True,
                  hf_config: dict | None = None) -> None:
     """Loads every parameter of ``model`` from the checkpoint at ``path``; ``hf_config`` (its
     config.json) says whether the weights are quantized (openinfer.models.fp8)."""
     params = dict(model.named_parameters())  # shared (tied) weights appear once
-    packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
-    names = CheckpointNames(packed, getattr(model, "checkpoint_renames", {}),
-                            getattr(model, "expert_weights", {}),
-                            getattr(model, "checkpoint_prefixes", {}))
+    packed = model.packed_modules
+    names = CheckpointNames(packed, model.checkpoint_renames, model.expert_weights,
+                            model.checkpoint_prefixes)
     loaded: set[str] = set()
     unexpected: list[str] = []
     if path.is_file():  # a checkpoint is a directory; a single file is a GGUF
@@ -101,7 +101,7 @@ def load_weights(model: nn.Module, path: Path, progress: bool = True,
                 loader(param, tensor, shard)
         loaded.add(target)
     missing = sorted(set(params) - loaded)
-    for optional in getattr(model, "optional_modules", ()):
+    for optional in model.optional_modules:
         # A module the checkpoint may lack entirely (DeepSeek's MTP layers): dropped if so.
         own = [n for n in params if n.startswith(optional + ".")]
         if own and set(own) <= set(missing):

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from torch import nn
-
+from openinfer.models.base import CausalLM
 from openinfer.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from openinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from openinfer.models.gemma2 import Gemma2ForCausalLM
@@ -14,7 +13,7 @@ from openinfer.models.qwen2 import Qwen2ForCausalLM
 from openinfer.models.qwen3 import Qwen3ForCausalLM
 from openinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,  # Llama with a sliding window on every layer
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -29,7 +28,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[CausalLM]:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
