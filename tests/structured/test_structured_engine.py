@@ -275,7 +275,10 @@ def test_constraint_starts_after_the_reasoning_end(llm):
                                                  structured_outputs=so))[0].outputs[0]
     assert c.token_ids[:1] == list(gate)
     assert tokenizer.decode(c.token_ids[1:]) in ("yes", "no") and c.finish_reason == "stop"
-    assert end  # the server's reasoning parser gives the tokenizer's ids for the tag
+    # The server's reasoning parser gates with the tokenizer's ids for the tag.
+    from openinfer.server.reasoning import get_reasoning_parser
+    assert tokenizer.decode(end) == "</think>"
+    assert get_reasoning_parser("deepseek_r1", tokenizer).end_token_ids() == end
 
 
 def test_grammar_text_kinds():
