@@ -13,6 +13,7 @@ import time
 import zlib
 
 import pytest
+from kv_pages import assert_same_pages, prompt_pages
 
 from openinfer import LLM, SamplingParams
 from openinfer.transfer.protocol import recv_frame, send_frame
@@ -88,6 +89,13 @@ def test_disaggregated_greedy_tokens_equal_colocated(engine, plain, tmp_path, co
     assert mover.stats.remote_pull_failures == 0
     if connector != "file":
         assert mover.stats.bytes["remote_to_host"] == 24 * mover.block_bytes
+    # Each pulled block lands in its place in the request's table (tokens cannot tell).
+    (prompt,) = _prompts(1, seed=11)
+    (pull,) = _prefill(prefill, [prompt])
+    moved = core.scheduler.num_remote_blocks_pulled + core.kv.hit_tokens_by_tier["L3"] // 16
+    assert_same_pages(prompt_pages(decode, prompt, SamplingParams(**DECODE, kv_transfer_params=pull)),
+                      prompt_pages(plain, prompt))
+    assert core.scheduler.num_remote_blocks_pulled + core.kv.hit_tokens_by_tier["L3"] // 16 == moved + 6
     _wait_leases_freed(prefill)
 
 
