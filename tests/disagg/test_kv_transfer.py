@@ -195,8 +195,7 @@ def test_failed_transfers_recompute_and_free_blocks_on_both_sides(engine, plain,
     core = decode.engine.core
     assert core.executor.worker.mover.stats.remote_pull_failures == 2
     assert core.scheduler.num_prompt_tokens_computed == 2 * PROMPT_LEN
-    time.sleep(0.6)  # nobody pulled: the prefill side's leases expire
-    _wait_leases_freed(prefill)
+    _wait_leases_freed(prefill)  # nobody pulled: the prefill side's leases expire (0.5 s)
 
 
 def test_fail_policy_fails_the_request_and_keeps_serving(engine, plain):
@@ -210,8 +209,7 @@ def test_fail_policy_fails_the_request_and_keeps_serving(engine, plain):
     assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
     expected = plain.generate(prompts[:1], SamplingParams(**DECODE))[0].outputs[0].token_ids
     assert decode.generate(prompts[:1], SamplingParams(**DECODE))[0].outputs[0].token_ids == expected
-    time.sleep(0.3)
-    _wait_leases_freed(prefill)
+    _wait_leases_freed(prefill)  # the leases expire (0.2 s)
 
 
 def _ask(port: int, frame: dict) -> tuple[dict, bool]:
