@@ -13,6 +13,7 @@ import time
 import zlib
 
 import pytest
+from kv_pages import assert_same_pages, prompt_pages
 
 from openinfer import LLM, SamplingParams
 from openinfer.transfer.protocol import recv_frame, send_frame
@@ -88,6 +89,13 @@ def test_disaggregated_greedy_tokens_equal_colocated(engine, plain, tmp_path, co
     assert mover.stats.remote_pull_failures == 0
     if connector != "file":
         assert mover.stats.bytes["remote_to_host"] == 24 * mover.block_bytes
+    # Each pulled block lands in its place in the request's table (tokens cannot tell).
+    (prompt,) = _prompts(1, seed=11)
+    (pull,) = _prefill(prefill, [prompt])
+    moved = core.scheduler.num_remote_blocks_pulled + core.kv.hit_tokens_by_tier["L3"] // 16
+    assert_same_pages(prompt_pages(decode, prompt, SamplingParams(**DECODE, kv_transfer_params=pull)),
+                      prompt_pages(plain, prompt))
+    assert core.scheduler.num_remote_blocks_pulled + core.kv.hit_tokens_by_tier["L3"] // 16 == moved + 6
     _wait_leases_freed(prefill)
 
 
@@ -187,8 +195,7 @@ def test_failed_transfers_recompute_and_free_blocks_on_both_sides(engine, plain,
     core = decode.engine.core
     assert core.executor.worker.mover.stats.remote_pull_failures == 2
     assert core.scheduler.num_prompt_tokens_computed == 2 * PROMPT_LEN
-    time.sleep(0.6)  # nobody pulled: the prefill side's leases expire
-    _wait_leases_freed(prefill)
+    _wait_leases_freed(prefill)  # nobody pulled: the prefill side's leases expire (0.5 s)
 
 
 def test_fail_policy_fails_the_request_and_keeps_serving(engine, plain):
@@ -202,8 +209,7 @@ def test_fail_policy_fails_the_request_and_keeps_serving(engine, plain):
     assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
     expected = plain.generate(prompts[:1], SamplingParams(**DECODE))[0].outputs[0].token_ids
     assert decode.generate(prompts[:1], SamplingParams(**DECODE))[0].outputs[0].token_ids == expected
-    time.sleep(0.3)
-    _wait_leases_freed(prefill)
+    _wait_leases_freed(prefill)  # the leases expire (0.2 s)
 
 
 def _ask(port: int, frame: dict) -> tuple[dict, bool]:

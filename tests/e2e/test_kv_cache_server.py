@@ -17,6 +17,8 @@ import zmq
 from server_process import MODEL, start_server
 from test_server import _metrics
 
+from openinfer import LLM, SamplingParams
+
 PROMPT = list(range(100, 140))  # 40 token ids: two full blocks
 
 
@@ -68,6 +70,11 @@ def test_file_store_events_reset_and_restart(qwen3_checkpoint, tmp_path):
         connected.close(linger=0)
         text, cached = _complete(base)
         assert cached == 0
+        # The reference of every later answer (a hit from L1, then L3, then a restart's
+        # files): the offline engine's, computed from scratch.
+        offline = LLM(str(qwen3_checkpoint), progress=False, enable_prefix_caching=False)
+        assert text == offline.generate([PROMPT], SamplingParams(
+            temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].text
         assert sub.poll(10_000)
         topic, seq, payload = sub.recv_multipart()
         batch = msgpack.unpackb(payload)

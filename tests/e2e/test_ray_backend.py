@@ -54,6 +54,10 @@ def test_serve_data_parallel_on_ray(qwen3_checkpoint):
 
         text, worker, route = _complete(base)
         assert worker in urls and route != "cache_hit"
+        from openinfer import LLM, SamplingParams
+        offline = LLM(str(qwen3_checkpoint), progress=False).generate(
+            [PROMPT], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        assert text == offline[0].outputs[0].text  # the reference for every answer below
         # The replica's KV events reach the router's exact index ...
         _wait_for(lambda: any(w["url"] == worker and w["events"] and w["indexed_blocks"]
                               for w in _workers(base)))

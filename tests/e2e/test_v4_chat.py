@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import DEEPSEEK_V4, build_checkpoint, randomize_v4
-from server_process import MODEL, start_servers, stop
+from server_process import MODEL, metrics, start_servers, stop
 
 TURNS = 32
 
@@ -38,6 +38,19 @@ def test_32_turn_chat_gives_the_same_replies_with_and_without_caching(tmp_path, 
             messages.append({"role": "assistant", "content": texts[0]})
         # From the second turn on, the conversation so far is found in the cache.
         assert all(h > 0 for h in hits[1:]), hits
+        # Each turn resumes at the last one's final block, whose window pages are kept: no
+        # replay. A branch from inside an earlier turn (an edited question) hits up to a
+        # block between window snapshots: the bounded replay recomputes from the snapshot
+        # behind it, and the reply is still the plain server's.
+        for turn in (9, 17, 22, 30):
+            branch = messages[:2 * turn] + [
+                {"role": "user", "content": f"Turn {turn}: tell me less, please."}]
+            replies = [c.chat.completions.create(model=MODEL, messages=branch, max_tokens=4,
+                                                 temperature=0) for c in clients]
+            texts = [r.choices[0].message.content for r in replies]
+            assert texts[0] == texts[1], f"branch at turn {turn}: {texts}"
+            assert replies[0].usage.prompt_tokens_details.cached_tokens > 0
+        assert metrics(cached_url)["openinfer:swa_replayed_tokens_total"] > 0
     finally:
         stop(cached)
         stop(plain)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from kv_pages import assert_same_pages, prompt_pages
 
 from openinfer import LLM, SamplingParams
 from openinfer.kv.block_hash import extend_block_hashes
@@ -47,6 +48,14 @@ def test_device_evictions_are_served_from_host_memory(qwen3_checkpoint, plain):
     assert core.kv.hit_tokens_by_tier["L2"] > 0
     assert core.executor.worker.mover.stats.bytes["host_to_device"] > 0
     core.check_integrity()
+    # Each reloaded block lands in its place in the table: a prompt evicted from the device
+    # (15 blocks of other prompts through the 12) comes back from host memory whole.
+    (prompt,) = _prompts(1, 70, seed=9)
+    llm.generate([prompt], GREEDY)
+    llm.generate(_prompts(3, 70, seed=10), GREEDY)
+    from_host = core.kv.hit_tokens_by_tier["L2"]
+    assert_same_pages(prompt_pages(llm, prompt), prompt_pages(plain, prompt))
+    assert core.kv.hit_tokens_by_tier["L2"] - from_host == 64
 
 
 def test_file_store_hits_across_engines_and_processes(qwen3_checkpoint, plain, tmp_path):
@@ -66,9 +75,11 @@ def test_file_store_hits_across_engines_and_processes(qwen3_checkpoint, plain, t
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected
     files = sorted(store.rglob(f"*{SUFFIX}"))
     assert len(files) == 3 * 4 and not list(store.rglob("*.tmp"))
-    # ... and this one, starting cold, hits it.
+    # ... and this one, starting cold, hits it, each block in its place in the table.
     llm = LLM(str(qwen3_checkpoint), kv_store_dir=str(store), progress=False)
-    outs = llm.generate(prompts, GREEDY)
+    assert_same_pages(prompt_pages(llm, prompts[0]), prompt_pages(plain, prompts[0]))
+    assert llm.engine.core.kv.hit_tokens_by_tier["L3"] == 64
+    outs = llm.generate(prompts, GREEDY)  # the first from the device now, the others from L3
     assert _tokens(outs) == expected
     assert [o.num_cached_tokens for o in outs] == [64, 64, 64]
     assert llm.engine.core.kv.hit_tokens_by_tier["L3"] == 3 * 64

@@ -114,8 +114,19 @@ def test_seeded_sampling_is_independent_of_the_batch(qwen3_checkpoint):
     # ... and under preemption, which recomputes the request from scratch.
     small = LLM(str(qwen3_checkpoint), block_size=4, kv_cache_memory=24 * 4 * 2 * 2 * 2 * 16 * 4,
                 max_model_len=96, progress=False)
-    assert _tokens(small.generate(prompts, busy_params))[1] == alone
-    assert small.engine.core.scheduler.num_preemptions > 0
+    scheduler, preempted = small.engine.core.scheduler, []
+    preempt = scheduler._preempt
+
+    def recording(req, out):  # the seeded request itself, after some of its samples
+        preempted.append((req.sampling_params.seed, len(req.output_token_ids)))
+        preempt(req, out)
+
+    scheduler._preempt = recording
+    # The seeded request last: the newest running request is the one preempted.
+    order = [*range(len(prompts))[:1], *range(len(prompts))[2:], 1]
+    outs = small.generate([prompts[i] for i in order], [busy_params[i] for i in order])
+    assert _tokens(outs)[-1] == alone
+    assert any(seed == 1234 and n > 0 for seed, n in preempted), preempted
     other = _tokens(llm.generate([prompts[1]], SamplingParams(
         temperature=1.0, top_p=0.9, max_tokens=16, seed=99, ignore_eos=True)))[0]
     assert other != alone

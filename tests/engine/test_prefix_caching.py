@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from kv_pages import assert_same_pages, prompt_pages
 
 from openinfer import LLM, SamplingParams
 
@@ -49,6 +50,12 @@ def test_hits_from_prompts_and_from_generated_blocks_keep_greedy_tokens(qwen3_ch
     assert hit.outputs[0].token_ids == _alone(plain, turn2).outputs[0].token_ids
     core = llm.engine.core
     assert core.kv.num_hit_tokens > 0 and core.kv.num_queried_tokens > core.kv.num_hit_tokens
+
+    # The hit blocks sit in the request's table in their order (its tokens cannot tell).
+    cousin = system + _random_ids(20, seed=8)  # 4 hit blocks, then one computed
+    hits = core.kv.num_hit_tokens
+    assert_same_pages(prompt_pages(llm, cousin), prompt_pages(plain, cousin))
+    assert core.kv.num_hit_tokens - hits == 64
 
 
 def test_cache_salt_isolates_tenants(qwen3_checkpoint):

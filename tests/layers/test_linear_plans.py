@@ -30,6 +30,12 @@ from openinfer.layers.gemm_summary import describe_gemms
 from openinfer.layers.linear import Linear, MergedLinear
 
 ROWS = (1, 7, 33, 600)  # one row per bucket
+ONLY = {"amx": torch.bfloat16, "mkl_packed": torch.float32, "small_gemm": torch.float32}
+"""Paths with a kernel for one dtype only, on every CPU (the others run both): the other
+dtype is not parametrized, so a skip means "not on this CPU"."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PATH_DTYPES = [pytest.param(path, dtype, id=f"{path}-{name}") for path in PATHS
+               for name, dtype in DTYPES.items() if ONLY.get(path, dtype) == dtype]
 SHAPES = [(13, 37), (96, 64), (200, 384), (256, 80), (128, 96)]  # (in, out): odd sizes, model-like
 
 
@@ -72,10 +78,9 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("path", list(PATHS))
-def test_each_path_equals_f_linear(path, bias, dtype):
+@pytest.mark.parametrize("path, dtype", PATH_DTYPES)
+def test_each_path_equals_f_linear(path, dtype, bias):
     tested = 0
     for i, (k, n) in enumerate(SHAPES):
         layer, w, b = _linear(k, n, bias, dtype, seed=i)
@@ -84,7 +89,7 @@ def test_each_path_equals_f_linear(path, bias, dtype):
         except ValueError as e:
             if "N a multiple of 16 and K of 32" in str(e):
                 continue  # amx: a shape its tiles do not cover (auto plans leave amx out there)
-            pytest.skip(str(e))  # the path has no kernel for this dtype on this CPU
+            pytest.skip(str(e))  # no kernel for the path and dtype on this CPU (AMX, MKL)
         tested += 1
         assert layer.plan.paths == [path] * len(BUCKETS)
         for rows in ROWS:
@@ -94,6 +99,16 @@ def test_each_path_equals_f_linear(path, bias, dtype):
         assert layer(x).shape == (2, 3, n)
         _check(layer(x).reshape(6, n), x.reshape(6, k), w, b)
     assert tested
+
+
+@pytest.mark.parametrize("path, dtype", [
+    pytest.param(path, dtype, id=f"{path}-{name}") for path, only in ONLY.items()
+    for name, dtype in DTYPES.items() if dtype != only])
+def test_a_single_dtype_path_refuses_the_other(path, dtype):
+    """On every CPU: forced onto a weight of the dtype it lacks, the path is refused."""
+    layer, _, _ = _linear(96, 64, False, dtype)
+    with pytest.raises(ValueError, match=f"{path} fails"):
+        plan_gemms(layer, path)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -343,12 +358,11 @@ def _generate(model: str, prompts: list[list[int]], dtype: str = "auto") -> tupl
     return llm, llm.generate(prompts, params)
 
 
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("path", [p for p in PATHS if ONLY.get(p, torch.float32) == torch.float32])
 def test_every_path_gives_the_engine_the_same_logprobs(path, qwen3_checkpoint, monkeypatch):
     """Through load_model's plans and the LM head: prefills of 1..150 rows (every bucket) and
-    batched decodes give F.linear's logprobs."""
-    if path == "amx":
-        pytest.skip("bfloat16 only: test_the_amx_path_gives_the_engine_the_same_logprobs")
+    batched decodes give F.linear's logprobs (float32; amx, bfloat16 only, has its own test:
+    test_the_amx_path_gives_the_engine_the_same_logprobs)."""
     prompts = [[7], [5, 9, 200, 31], list(range(40, 90)), [(7 * i) % 500 for i in range(150)]]
     monkeypatch.setenv(gemm.ENV_VAR, "default")
     _, expected = _generate(str(qwen3_checkpoint), prompts)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -284,7 +285,10 @@ def test_gguf_fingerprint_reads_the_file(make_checkpoint, tmp_path):
     ckpt = make_checkpoint("Qwen3ForCausalLM")
     a = write_gguf(ckpt, tmp_path / "a.gguf")
     b = write_gguf(ckpt, tmp_path / "b.gguf", QT.Q8_0)
-    assert model_fingerprint(a) == model_fingerprint(a)
+    elsewhere = tmp_path / "elsewhere" / "a.gguf"  # the same bytes under another directory
+    elsewhere.parent.mkdir()
+    shutil.copyfile(a, elsewhere)
+    assert model_fingerprint(elsewhere) == model_fingerprint(a)
     assert model_fingerprint(a) != model_fingerprint(b)
     assert len(model_fingerprint(a)) == 64
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import re
 
+import grammar_check
 import jsonschema
 import llguidance
 import pytest
 import torch
 from conftest import run_disaggregated
+from grammar_check import GrammarCheck
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +30,12 @@ def llm(qwen3_checkpoint) -> LLM:
     return LLM(str(qwen3_checkpoint), progress=False)
 
 
+@pytest.fixture(scope="module")
+def check(qwen3_checkpoint) -> GrammarCheck:
+    """The test's own matchers, for outputs cut by max_tokens."""
+    return GrammarCheck(qwen3_checkpoint)
+
+
 def _json(schema: dict, **params) -> SamplingParams:
     params.setdefault("max_tokens", 120)
     return SamplingParams(structured_outputs={"json": schema, "disable_any_whitespace": True},
@@ -36,12 +44,6 @@ def _json(schema: dict, **params) -> SamplingParams:
 
 def _texts(outputs) -> list[tuple[str, str]]:
     return [(c.text, c.finish_reason) for o in outputs for c in o.outputs]
-
-
-def _valid_prefix(llm: LLM, so: StructuredOutputsParams, token_ids: list[int]) -> bool:
-    """Whether the grammar accepts every token (an output cut by max_tokens)."""
-    matcher = llm.engine.core.structured.compiler.matcher(so)
-    return all(matcher.consume_token(t) for t in token_ids) and not matcher.is_error()
 
 
 # ---- schemas: hypothesis generates them, the output validates -------------------------------
@@ -68,14 +70,14 @@ _schema = st.recursive(_leaf, lambda inner: st.one_of(
 @settings(max_examples=12, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=_schema, seed=st.integers(0, 1000))
-def test_hypothesis_schemas_outputs_validate(llm, schema, seed):
+def test_hypothesis_schemas_outputs_validate(llm, check, schema, seed):
     params = _json(schema, temperature=1.0, seed=seed, n=2)
+    grammar = grammar_check.json_schema(schema, any_whitespace=False)
     for completion in (c for o in llm.generate([PROMPTS[seed % 3]], params) for c in o.outputs):
         if completion.finish_reason == "length":
             # A nested schema can outgrow max_tokens (a CI run drew an array of two objects of
             # objects): what was written must still be a prefix the grammar accepts.
-            so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
-            assert _valid_prefix(llm, so, list(completion.token_ids)), (schema, completion.text)
+            assert check.accepts_prefix(grammar, completion.token_ids), (schema, completion.text)
             continue
         assert completion.finish_reason == "stop", (schema, completion.text)
         jsonschema.validate(json.loads(completion.text), schema)
@@ -88,32 +90,100 @@ def test_without_the_constraint_the_model_writes_no_json(llm):
             json.loads(text)
 
 
-def test_json_object_regex_choice_and_grammars(llm):
-    cases = {
-        "json_object": ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
-        "regex": ({"regex": r"[0-9]{3}-[a-z]{2,4}"},
-                  lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t)),
-        "choice": ({"choice": ["yes", "no way", "maybe"]}, lambda t: t in ("yes", "no way", "maybe")),
-        "lark": ({"grammar": 'start: "(" num ("+" num)* ")"\nnum: /[1-9][0-9]?/'},
-                 lambda t: re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", t)),
-        "gbnf": ({"grammar": 'root ::= "say " word\nword ::= [a-z]+ "."'},
-                 lambda t: re.fullmatch(r"say [a-z]+\.", t)),
-    }
-    for name, (so, ok) in cases.items():
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "tags": {"type": "array", "items": {
+        "type": "string", "maxLength": 4}, "maxItems": 3},
+    "n": {"type": "integer", "minimum": 0, "maximum": 99999}},
+    "required": ["name", "tags"], "additionalProperties": False}
+
+
+REGEX = r"[0-9]{3}-[a-z]{2,4}"
+CHOICES = ["yes", "no way", "maybe"]
+LARK = 'start: "(" num ("+" num)* ")"\nnum: /[1-9][0-9]?/'
+GBNF = 'root ::= "say " word\nword ::= [a-z]+ "."'
+CASES = {  # name: (the request's constraint, the test's own grammar, a finished output's check)
+    "json_object": ({"json_object": True}, grammar_check.json_schema({"type": "object"}),
+                    lambda t: isinstance(json.loads(t), dict)),
+    "regex": ({"regex": REGEX}, grammar_check.regex(REGEX), lambda t: re.fullmatch(REGEX, t)),
+    "choice": ({"choice": CHOICES}, grammar_check.choice(CHOICES), lambda t: t in CHOICES),
+    "lark": ({"grammar": LARK}, grammar_check.lark(LARK),
+             lambda t: re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", t)),
+    "gbnf": ({"grammar": GBNF}, grammar_check.gbnf(GBNF), lambda t: re.fullmatch(r"say [a-z]+\.", t)),
+}
+# An open JSON object or a GBNF word rarely ends on a random model (at a random '"' or
+# '.'): a bias towards the closing tokens ends most within the budget. Only the grammar
+# makes the result valid (where '"' or '}' may not come, the mask refuses them).
+CLOSING = {"json_object": ['"', "}", '",'], "gbnf": ["."]}
+
+
+def _closing_bias(check: GrammarCheck, name: str) -> dict:
+    ids = check.hf_tokenizer.convert_tokens_to_ids(CLOSING.get(name, []))
+    return {"logit_bias": {i: 5.0 for i in ids}} if ids else {}
+
+
+def _check_outputs(check: GrammarCheck, name: str, completions) -> None:
+    """Finished outputs pass the case's check; outputs cut by max_tokens are prefixes its
+    grammar accepts; at least one finished (so the check ran)."""
+    _, grammar, ok = CASES[name] if name in CASES else MIXED_ONLY[name]
+    finished = 0
+    for c in completions:
+        if c.finish_reason == "length":  # an unbounded grammar may run out
+            assert check.accepts_prefix(grammar, c.token_ids), (name, c.text)
+            continue
+        assert c.finish_reason == "stop" and ok(c.text), (name, c.text, c.finish_reason)
+        finished += 1
+    assert finished, (name, [c.text for c in completions])
+
+
+def test_json_object_regex_choice_and_grammars(llm, check):
+    for name, (so, _, _) in CASES.items():
         outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=1, max_tokens=200,
-                                                    structured_outputs=so))
-        for text, finish in _texts(outs):
-            if finish == "length":  # an unbounded grammar may run out: still a valid prefix
-                continue
-            assert finish == "stop" and ok(text), (name, text)
+                                                    structured_outputs=so,
+                                                    **_closing_bias(check, name)))
+        _check_outputs(check, name, [c for o in outs for c in o.outputs])
 
 
-def test_unsatisfiable_within_max_tokens_finishes_with_length(llm):
+MIXED_ONLY = {
+    "json": ({"json": SCHEMA, "disable_any_whitespace": True},
+             grammar_check.json_schema(SCHEMA, any_whitespace=False),
+             lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+}
+
+
+def test_a_batch_mixing_grammars_and_free_requests(llm, check):
+    """One ``generate``: requests under six different grammars between unconstrained ones.
+    Each row gets its own request's mask: constrained outputs satisfy their own grammar (the
+    test's checks, not the engine's), and the free rows are those of a batch without any
+    constraint (a mask on the wrong row would constrain them)."""
+    cases = {**CASES, **MIXED_ONLY}
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts, params, names = [], [], []
+    for i, (name, (so, _, _)) in enumerate(cases.items()):
+        for j in range(2):
+            prompts.append(PROMPTS[(i + j) % 3])
+            params.append(SamplingParams(temperature=1.0, seed=10 * i + j, n=2, max_tokens=120,
+                                         structured_outputs=so, **_closing_bias(check, name)))
+            names.append(name)
+        prompts.append(PROMPTS[i % 3][::-1])
+        params.append(free)
+        names.append(None)
+    outs = llm.generate(prompts, params)
+    for name in cases:
+        _check_outputs(check, name, [c for o, n in zip(outs, names) if n == name
+                                     for c in o.outputs])
+    free_prompts = [p for p, n in zip(prompts, names) if n is None]
+    expected = [o.outputs[0].token_ids for o in llm.generate(free_prompts, free)]
+    assert [o.outputs[0].token_ids for o, n in zip(outs, names) if n is None] == expected
+
+
+def test_unsatisfiable_within_max_tokens_finishes_with_length(llm, check):
     so = {"regex": "a{60}"}
     outs = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=5, structured_outputs=so))
     c = outs[0].outputs[0]
     assert c.finish_reason == "length" and len(c.token_ids) == 5
-    assert _valid_prefix(llm, StructuredOutputsParams(**so), c.token_ids)
+    assert check.accepts_prefix(grammar_check.regex("a{60}"), c.token_ids)
+    free = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=5))[0].outputs[0]
+    assert not check.accepts_prefix(grammar_check.regex("a{60}"), free.token_ids), free.text
 
 
 @pytest.mark.parametrize("bad, field", [
@@ -131,13 +201,6 @@ def test_invalid_grammars_are_refused_before_queueing(llm, bad, field):
     # ... and the engine keeps serving.
     assert _texts(llm.generate(PROMPTS[:1], SamplingParams(
         max_tokens=4, structured_outputs={"choice": ["ok"]})))[0] == ("ok", "stop")
-
-
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 12}, "tags": {"type": "array", "items": {
-        "type": "string", "maxLength": 4}, "maxItems": 3},
-    "n": {"type": "integer", "minimum": 0, "maximum": 99999}},
-    "required": ["name", "tags"], "additionalProperties": False}
 
 
 def _greedy_json(**params) -> SamplingParams:
@@ -182,15 +245,14 @@ def test_disaggregated_decode_builds_the_matcher_from_the_prompt(qwen3_checkpoin
     assert decode.engine.core.scheduler.num_remote_blocks_pulled == 3 * 2  # pulled, not recomputed
 
 
-def test_seeded_samples_are_batch_independent_with_n(llm):
+def test_seeded_samples_are_batch_independent_with_n(llm, check):
     params = SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=60, structured_outputs={
         "json": SCHEMA, "disable_any_whitespace": True})
-    alone = _texts(llm.generate(PROMPTS[:1], params))
+    alone_outputs = llm.generate(PROMPTS[:1], params)
+    alone = _texts(alone_outputs)
     busy = _texts(llm.generate(PROMPTS, params))[:3]
     assert alone == busy and len({t for t, _ in alone}) > 1
-    for text, finish in alone:
-        if finish == "stop":
-            jsonschema.validate(json.loads(text), SCHEMA)
+    _check_outputs(check, "json", alone_outputs[0].outputs)
 
 
 def test_stop_strings_cut_the_constrained_output(llm):
@@ -213,7 +275,10 @@ def test_constraint_starts_after_the_reasoning_end(llm):
                                                  structured_outputs=so))[0].outputs[0]
     assert c.token_ids[:1] == list(gate)
     assert tokenizer.decode(c.token_ids[1:]) in ("yes", "no") and c.finish_reason == "stop"
-    assert end  # the server's reasoning parser gives the tokenizer's ids for the tag
+    # The server's reasoning parser gates with the tokenizer's ids for the tag.
+    from openinfer.server.reasoning import get_reasoning_parser
+    assert tokenizer.decode(end) == "</think>"
+    assert get_reasoning_parser("deepseek_r1", tokenizer).end_token_ids() == end
 
 
 def test_grammar_text_kinds():
