@@ -40,8 +40,8 @@ def test_32_turn_chat_gives_the_same_replies_with_and_without_caching(tmp_path, 
         assert all(h > 0 for h in hits[1:]), hits
         # Each turn resumes at the last one's final block, whose window pages are kept: no
         # replay. A branch from inside an earlier turn (an edited question) hits up to a
-        # block between window snapshots: the bounded replay recomputes from the snapshot
-        # behind it, and the reply is still the plain server's.
+        # block between window snapshots: it resumes from the snapshot behind it and replays
+        # the rest, and the reply is still the plain server's.
         for turn in (9, 17, 22, 30):
             branch = messages[:2 * turn] + [
                 {"role": "user", "content": f"Turn {turn}: tell me less, please."}]
@@ -50,7 +50,7 @@ def test_32_turn_chat_gives_the_same_replies_with_and_without_caching(tmp_path, 
             texts = [r.choices[0].message.content for r in replies]
             assert texts[0] == texts[1], f"branch at turn {turn}: {texts}"
             assert replies[0].usage.prompt_tokens_details.cached_tokens > 0
-        assert metrics(cached_url)["openinfer:swa_replayed_tokens_total"] > 0
+        assert metrics(cached_url)["openinfer:window_replayed_tokens_total"] > 0
     finally:
         stop(cached)
         stop(plain)

@@ -306,7 +306,7 @@ def test_row_seed_is_a_fixed_mix():
     # Fixed: another process (another hash seed) computes the same streams, so a seeded
     # request gives the same tokens after a restart.
     pairs = [(7, 3), (0, 0), (-5, 0), (2**70, 11), (1234, 4095)]
-    code = (f"from openinfer.layers.sampler import row_seed; "
+    code = (f"from openinfer.sample.sampler import row_seed; "
             f"print([row_seed(s, p) for s, p in {pairs!r}])")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            timeout=120, env={**os.environ, "PYTHONHASHSEED": "12345"})
