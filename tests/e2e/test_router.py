@@ -273,15 +273,21 @@ def test_a_drained_replica_finishes_its_streams_and_gets_no_new_traffic(replicas
             "temperature": 1, "seed": 0, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=120) as client, _stream_on(client, router, victim, body) as resp:
         with ThreadPoolExecutor(1) as pool:
-            drained = pool.submit(httpx.post, f"{router}/admin/workers/drain", timeout=120,
-                                  headers=ADMIN, json={"url": victim, "timeout_s": 100})
+            # (hang guards only: on a 2-core box under load the stream took over 100 s)
+            drained = pool.submit(httpx.post, f"{router}/admin/workers/drain", timeout=600,
+                                  headers=ADMIN, json={"url": victim, "timeout_s": 500})
             deadline = time.monotonic() + 30
             while not {w["url"]: w for w in admin_workers(router)}[victim]["draining"]:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             served = {_complete(router, p)[1] for p in PROMPTS[:6]}
             assert victim not in served and len(served) == 2
-            assert not drained.done()  # still waiting on the stream
+            # The drain has not returned while the stream is in flight there. Read in this
+            # order (a drain that has returned sees no request come back), it cannot fail on a
+            # machine fast enough to end 128 x 480 tokens first, as `not done()` alone could.
+            returned = drained.done()
+            in_flight = {w["url"]: w for w in admin_workers(router)}[victim]["in_flight"]
+            assert not returned or in_flight == 0, in_flight
             events = [json.loads(line[6:]) for line in resp.iter_lines()
                       if line.startswith("data: {")]
             assert not any("error" in event for event in events)
