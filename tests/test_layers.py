@@ -74,8 +74,6 @@ OVERSIZED = {
     "openinfer/server/app.py:build_app", "openinfer/server/app.py:chat",
     "openinfer/server/anthropic_api.py:install_anthropic_routes",
     "openinfer/server/anthropic_api.py:messages",
-    "openinfer/router/app.py", "openinfer/router/app.py:build_router_app",
-    "openinfer/router/app.py:_generate_route",
     # A Triton kernel's body: split into jit helpers once a GPU can time the compiled code.
     "openinfer/kernels/triton_attention.py:_attention_kernel",
 }

@@ -64,7 +64,8 @@ def cmd_router(args: argparse.Namespace) -> int:
 def run_router(urls: list[str], tokenizer_path: str, args: argparse.Namespace,
                sock: socket.socket, prefill_urls: list[str] = ()) -> None:
     """Serve the router on ``sock`` (bound by the caller before anything slow)."""
-    from openinfer.router.app import RouterState, build_router_app
+    from openinfer.router.app import build_router_app
+    from openinfer.router.state import RouterState
     from openinfer.server.prompt import PromptRenderer
     from openinfer.server.sampling_defaults import load_chat_template
 
