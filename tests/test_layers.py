@@ -69,10 +69,6 @@ MAX_FUNCTION_LINES = 80
 DECLARATIVE = {"openinfer/engine_flags.py:add_engine_args", "openinfer/cli.py:build_parser"}
 """Argument parsers: one flag after another, nothing to split."""
 OVERSIZED = {
-    # The server's route builders, until its OpenAIServing class lands (issue 48, step 5).
-    "openinfer/server/app.py:build_app", "openinfer/server/app.py:chat",
-    "openinfer/server/anthropic_api.py:install_anthropic_routes",
-    "openinfer/server/anthropic_api.py:messages",
     # A Triton kernel's body: split into jit helpers once a GPU can time the compiled code.
     "openinfer/kernels/triton_attention.py:_attention_kernel",
 }

@@ -1,28 +1,31 @@
-"""Anthropic's Messages API (``POST /v1/messages``) over the same engine."""
+"""Anthropic's Messages API (``POST /v1/messages``) over the same engine: the request is
+translated and checked by the OpenAI handlers' ``OpenAIServing`` (server/serving.py), and
+the output read back as Anthropic's content blocks and events."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from openinfer.engine.async_llm import AsyncLLM, RequestFailedError
+from openinfer.engine.async_llm import RequestFailedError
 from openinfer.engine.core_client import EngineDeadError
 from openinfer.kv.remote import KVTransferParams
-from openinfer.outputs import CompletionOutput
+from openinfer.outputs import CompletionOutput, RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.anthropic_protocol import MessagesRequest, openai_tools
 from openinfer.server.chat_output import ChatOutput, ToolPlan, plan_tools
 from openinfer.server.error_bodies import anthropic_error_body
 from openinfer.server.exceptions import APIError
 from openinfer.server.openai_protocol import kv_transfer_field, structured_param
-from openinfer.server.prompt import PromptRenderer, is_special_token
-from openinfer.server.tool_parsers import ToolParser
+from openinfer.server.serving import OpenAIServing
+from openinfer.server.streaming import final
 
 
 def tool_plan(body: MessagesRequest, parser_name: str | None, auto_enabled: bool) -> ToolPlan:
@@ -82,103 +85,122 @@ def _event(kind: str, payload: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
 
 
-def install_anthropic_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str,
-                             check_model: Callable, renderer: PromptRenderer,
-                             tokenized: Callable, final: Callable,
-                             sampling_defaults: dict[str, Any],
-                             tool_parser: ToolParser | None = None,
-                             enable_auto_tool_choice: bool = False) -> None:
+def install_anthropic_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest):
-        check_model(body.model)
-        body.refuse_unsupported()
-        plan = tool_plan(body, tool_parser.name if tool_parser else None,
-                         enable_auto_tool_choice)
-        token_ids = renderer.anthropic_messages(body, tools=plan.tools or None)
+        return await create_message(serving, body)
 
-        def pick(name: str, value: Any, fallback: Any) -> Any:
-            return value if value is not None else sampling_defaults.get(name, fallback)
 
-        params = SamplingParams(
-            max_tokens=body.max_tokens, temperature=pick("temperature", body.temperature, 1.0),
-            top_p=pick("top_p", body.top_p, 1.0), top_k=pick("top_k", body.top_k, 0),
-            min_p=pick("min_p", None, 0.0),
-            repetition_penalty=pick("repetition_penalty", None, 1.0), stop=body.stop_sequences,
-            kv_transfer_params=KVTransferParams.parse(body.kv_transfer_params),
-            structured_outputs=structured_param(plan.constraint, "tools"))
-        if plan.mode == "auto" and tool_parser is not None and llm.tokenizer is not None:
-            special = is_special_token(llm.tokenizer, tool_parser.start)
-            params.skip_special_tokens = params.skip_special_tokens and not special
-        _, token_ids = tokenized(token_ids, params, "tools", "messages")
-        message_id = f"msg_{uuid.uuid4().hex}"
-        stream = llm.generate(token_ids, params, message_id)
-        message = {"id": message_id, "type": "message", "role": "assistant",
-                   "model": served_model_name}
-        output = ChatOutput(plan, tool_parser, None, None)
+async def create_message(serving: OpenAIServing, body: MessagesRequest):
+    """``POST /v1/messages``: a message, whole or as Anthropic's stream of events."""
+    serving.check_model(body.model)
+    body.refuse_unsupported()
+    tool_parser = serving.tool_parser
+    plan = tool_plan(body, tool_parser.name if tool_parser else None,
+                     serving.enable_auto_tool_choice)
+    token_ids = serving.renderer.anthropic_messages(body, tools=plan.tools or None)
+    params = _sampling_params(body, plan, serving.sampling_defaults or {})
+    serving.keep_tool_markers(params, plan)
+    _, token_ids = serving.tokenized(token_ids, params, "tools", "messages")
+    message_id = f"msg_{uuid.uuid4().hex}"
+    stream = serving.llm.generate(token_ids, params, message_id)
+    message = {"id": message_id, "type": "message", "role": "assistant",
+               "model": serving.model_name}
+    output = ChatOutput(plan, tool_parser, None, None)
+    if body.stream:
+        return StreamingResponse(_message_events(stream, message, output, len(token_ids)),
+                                 media_type="text/event-stream")
+    whole = await final(stream)
+    out = whole.outputs[0]
+    content = _content_blocks(output.message(out.text))
+    stop_reason, stop_sequence = _stop(out, output.has_tool_calls)
+    return JSONResponse({**message, "content": content,
+                         "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+                         "usage": {**_input_usage(len(token_ids), whole.num_cached_tokens),
+                                   "output_tokens": len(out.token_ids)},
+                         **kv_transfer_field(whole)})
 
-        if body.stream:
-            async def events() -> AsyncIterator[str]:
-                output_tokens, last, started = 0, None, False
-                index, in_tool_block = 0, False  # the open content block
-                try:
-                    async with contextlib.aclosing(stream):
-                        async for delta in stream:
-                            if not started:  # at the first delta, the cache hit is known
-                                started = True
-                                yield _event("message_start", {"message": {
-                                    **message, "content": [], "stop_reason": None,
-                                    "stop_sequence": None,
-                                    "usage": {**_input_usage(len(token_ids),
-                                                             delta.num_cached_tokens),
-                                              "output_tokens": 0}}})
-                                yield _event("content_block_start", {"index": 0, "content_block": {
-                                    "type": "text", "text": ""}})
-                            for c in delta.outputs:
-                                output_tokens += len(c.token_ids)
-                                last = c
-                                pieces = output.feed(c.text)
-                                if c.finish_reason is not None:
-                                    pieces += output.finish()
-                                for piece in pieces:
-                                    if piece.get("content"):
-                                        if in_tool_block:  # text after a call: a block of its own
-                                            yield _event("content_block_stop", {"index": index})
-                                            index, in_tool_block = index + 1, False
-                                            yield _event("content_block_start", {
-                                                "index": index,
-                                                "content_block": {"type": "text", "text": ""}})
-                                        yield _event("content_block_delta", {"index": index, "delta": {
-                                            "type": "text_delta", "text": piece["content"]}})
-                                    for call in piece.get("tool_calls", ()):
-                                        yield _event("content_block_stop", {"index": index})
-                                        index, in_tool_block = index + 1, True
-                                        yield _event("content_block_start", {
-                                            "index": index,
-                                            "content_block": _tool_use_block(call, {})})
-                                        yield _event("content_block_delta", {
-                                            "index": index, "delta": {
-                                                "type": "input_json_delta",
-                                                "partial_json": call["function"]["arguments"]}})
-                except (EngineDeadError, RequestFailedError) as e:  # reported in-band
-                    reason = str(e) if isinstance(e, RequestFailedError) else (
-                        f"the engine is unavailable: {e}")
-                    body = anthropic_error_body(getattr(e, "status", 503), reason)
-                    yield _event("error", {"error": body["error"]})
-                    return
-                yield _event("content_block_stop", {"index": index})
-                stop_reason, stop_sequence = _stop(last, output.has_tool_calls)
-                yield _event("message_delta", {
-                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                    "usage": {"output_tokens": output_tokens}})
-                yield _event("message_stop", {})
-            return StreamingResponse(events(), media_type="text/event-stream")
 
-        whole = await final(stream)
-        out = whole.outputs[0]
-        content = _content_blocks(output.message(out.text))
-        stop_reason, stop_sequence = _stop(out, output.has_tool_calls)
-        return JSONResponse({**message, "content": content,
-                             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                             "usage": {**_input_usage(len(token_ids), whole.num_cached_tokens),
-                                       "output_tokens": len(out.token_ids)},
-                             **kv_transfer_field(whole)})
+def _sampling_params(body: MessagesRequest, plan: ToolPlan,
+                     sampling_defaults: dict[str, Any]) -> SamplingParams:
+    def pick(name: str, value: Any, fallback: Any) -> Any:
+        return value if value is not None else sampling_defaults.get(name, fallback)
+
+    return SamplingParams(
+        max_tokens=body.max_tokens, temperature=pick("temperature", body.temperature, 1.0),
+        top_p=pick("top_p", body.top_p, 1.0), top_k=pick("top_k", body.top_k, 0),
+        min_p=pick("min_p", None, 0.0),
+        repetition_penalty=pick("repetition_penalty", None, 1.0), stop=body.stop_sequences,
+        kv_transfer_params=KVTransferParams.parse(body.kv_transfer_params),
+        structured_outputs=structured_param(plan.constraint, "tools"))
+
+
+@dataclass
+class _Blocks:
+    """The content block a stream has open: its index, and whether it is a tool call."""
+    index: int = 0
+    in_tool: bool = False
+
+    def piece(self, piece: dict) -> list[str]:
+        """The events for one piece of the assistant message (text, tool calls)."""
+        events = []
+        if piece.get("content"):
+            if self.in_tool:  # text after a call: a block of its own
+                events.append(_event("content_block_stop", {"index": self.index}))
+                self.index, self.in_tool = self.index + 1, False
+                events.append(_event("content_block_start", {
+                    "index": self.index, "content_block": {"type": "text", "text": ""}}))
+            events.append(_event("content_block_delta", {"index": self.index, "delta": {
+                "type": "text_delta", "text": piece["content"]}}))
+        for call in piece.get("tool_calls", ()):
+            events.append(_event("content_block_stop", {"index": self.index}))
+            self.index, self.in_tool = self.index + 1, True
+            events.append(_event("content_block_start", {
+                "index": self.index, "content_block": _tool_use_block(call, {})}))
+            events.append(_event("content_block_delta", {"index": self.index, "delta": {
+                "type": "input_json_delta", "partial_json": call["function"]["arguments"]}}))
+        return events
+
+
+def _message_start(message: dict, prompt_tokens: int, delta: RequestOutput) -> list[str]:
+    """The opening events, at the first delta (when the cache hit is known)."""
+    return [_event("message_start", {"message": {
+                **message, "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": {**_input_usage(prompt_tokens, delta.num_cached_tokens),
+                          "output_tokens": 0}}}),
+            _event("content_block_start", {"index": 0, "content_block": {
+                "type": "text", "text": ""}})]
+
+
+async def _message_events(stream: AsyncIterator[RequestOutput], message: dict,
+                          output: ChatOutput, prompt_tokens: int) -> AsyncIterator[str]:
+    output_tokens, last, started = 0, None, False
+    blocks = _Blocks()
+    try:
+        async with contextlib.aclosing(stream):
+            async for delta in stream:
+                if not started:
+                    started = True
+                    for event in _message_start(message, prompt_tokens, delta):
+                        yield event
+                for c in delta.outputs:
+                    output_tokens += len(c.token_ids)
+                    last = c
+                    pieces = output.feed(c.text)
+                    if c.finish_reason is not None:
+                        pieces += output.finish()
+                    for piece in pieces:
+                        for event in blocks.piece(piece):
+                            yield event
+    except (EngineDeadError, RequestFailedError) as e:  # reported in-band
+        reason = str(e) if isinstance(e, RequestFailedError) else (
+            f"the engine is unavailable: {e}")
+        body = anthropic_error_body(getattr(e, "status", 503), reason)
+        yield _event("error", {"error": body["error"]})
+        return
+    yield _event("content_block_stop", {"index": blocks.index})
+    stop_reason, stop_sequence = _stop(last, output.has_tool_calls)
+    yield _event("message_delta", {
+        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+        "usage": {"output_tokens": output_tokens}})
+    yield _event("message_stop", {})
