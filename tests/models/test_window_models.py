@@ -14,7 +14,7 @@ from conftest import run_disaggregated
 from test_hf_parity import PagedModel, _hf_logits, _prompts
 
 from openinfer import LLM, SamplingParams
-from openinfer.config import EngineConfig
+from openinfer.engine_args import create_engine_config
 from openinfer.kv.spec import SKIPPED, page_bytes
 
 WINDOW = 8
@@ -189,12 +189,12 @@ def test_window_only_models_are_refused_off_device_kv_by_the_config(make_checkpo
     engine core's traceback); a model with a full-attention layer is not refused."""
     mistral = _checkpoint(make_checkpoint, "MistralForCausalLM")
     with pytest.raises(ValueError) as refused:
-        EngineConfig.create(str(mistral), **{option: value})
+        create_engine_config(str(mistral), **{option: value})
     message = str(refused.value)
     assert message.startswith(f"{named}: MistralForCausalLM has sliding-window layers only")
     assert "\n" not in message
     qwen3 = _checkpoint(make_checkpoint, "Qwen3-layer-types")
-    EngineConfig.create(str(qwen3), **{option: value})
+    create_engine_config(str(qwen3), **{option: value})
 
 
 def test_serve_refuses_host_memory_for_a_window_only_model_in_one_line(make_checkpoint):
