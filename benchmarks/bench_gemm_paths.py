@@ -35,8 +35,8 @@ from openinfer.cpu_features import (
     has_native_bf16,
     last_level_cache_bytes,
 )
-from openinfer.layers.gemm import DEFAULT_CACHE_BYTES
-from openinfer.layers.gemm_paths import PATHS, weight_formats
+from openinfer.kernels.gemm_paths import PATHS, weight_formats
+from openinfer.kernels.gemm_plan import DEFAULT_CACHE_BYTES
 
 SHAPES = {"qkv": (2048, 1024), "o": (1024, 1024), "gate_up": (6144, 1024), "down": (1024, 3072),
           "lm_head": (32000, 1024)}  # name: (N, K)
@@ -133,7 +133,7 @@ def table(dtype: torch.dtype, rounds: int, cold: bool = False) -> list[str]:
 
 def plan_report(model: str) -> list[str]:
     from openinfer.config import ModelConfig
-    from openinfer.layers.gemm_summary import describe_gemms
+    from openinfer.models.gemm_plans import describe_gemms
     from openinfer.models.loader import load_model
 
     config = ModelConfig.from_pretrained(model)
@@ -171,7 +171,7 @@ def main() -> None:
         + ("cold: each call reads its weight from memory (calls rotate over copies of it that "
            "outgrow the last-level cache). " if args.cold else
            "hot: the same weight every call (it stays in cache where it fits). ") +
-        "Paths: openinfer/layers/gemm_paths.py.",
+        "Paths: openinfer/kernels/gemm_paths.py.",
         "",
     ]
     print("\n".join(header), flush=True)

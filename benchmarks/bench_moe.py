@@ -23,9 +23,9 @@ from doc_sections import write_section
 
 from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.kv.spec import FullAttentionSpec, MLALatentSpec
-from openinfer.layers.gemm import plan_gemms
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.moe import MoE, RoutingConfig
+from openinfer.models.gemm_plans import plan_gemms
 from openinfer.models.platform import use_cpu_kernels
 
 REPO = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ from doc_sections import write_section
 
 from openinfer import LLM, SamplingParams
 from openinfer.layers import gemm
-from openinfer.layers.gemm_summary import describe_gemms
+from openinfer.models.gemm_plans import describe_gemms
 
 REPO = Path(__file__).resolve().parent.parent
 rng = random.Random(0)

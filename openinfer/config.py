@@ -65,7 +65,7 @@ class ModelConfig:
     """The model name the server shows unless told otherwise (--served-model-name)."""
     batch_invariant: bool = False
     """--batch-invariant: compute so that a request's logits are bitwise the same whatever else
-    is in the batch (CPU only; openinfer.layers.batch_invariant)."""
+    is in the batch (CPU only; openinfer.kernels.invariant_gemm)."""
 
     @staticmethod
     def from_pretrained(

@@ -22,7 +22,7 @@ class Attention(nn.Module):
     """Stores this step's K/V in the paged cache, then attends over each sequence's context."""
 
     batch_invariant = False
-    """Set on a model loaded with ``--batch-invariant`` (openinfer.layers.batch_invariant): the
+    """Set on a model loaded with ``--batch-invariant`` (openinfer.kernels.invariant_gemm): the
     backend's batch-invariant mode, whose rows never depend on the rest of the step."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,

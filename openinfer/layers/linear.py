@@ -5,7 +5,7 @@ fewer, larger GEMMs are faster on every device. The checkpoint still stores them
 apart, so a merged layer loads each shard into its slice of the weight.
 
 Every x @ W^T module (Linear, MergedLinear, the LM head) is a ``GemmLayer``: on CPU, once the
-weights are loaded, it gets a GEMM plan (openinfer.layers.gemm) that runs each call on the
+weights are loaded, it gets a GEMM plan (openinfer.kernels.gemm_plan) that runs each call on the
 path measured fastest for its row count; without one (CUDA, or OPENINFER_CPU_GEMM=default)
 it calls ``linear()``.
 
@@ -73,13 +73,13 @@ class GemmLayer(nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     timed_buckets: int | None = None
-    """How many of the GEMM plan's row buckets to time (openinfer.layers.gemm.BUCKETS); the
+    """How many of the GEMM plan's row buckets to time (openinfer.kernels.gemm_plan.BUCKETS); the
     rest take the last timed one's path. None: all."""
 
     def __init__(self) -> None:
         super().__init__()
         self.plan: Callable[[torch.Tensor], torch.Tensor] | None = None
-        """Set once after loading, on CPU (openinfer.layers.gemm.plan_gemms)."""
+        """Set once after loading, on CPU (openinfer.models.gemm_plans.plan_gemms)."""
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.plan is not None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openinfer.distributed.parallel_state import get_tp
-from openinfer.layers.batch_invariant import invariant_silu_and_mul
+from openinfer.kernels.invariant_gemm import invariant_silu_and_mul
 from openinfer.layers.linear import MergedLinear, RowParallelLinear
 
 
@@ -20,7 +20,7 @@ class GatedMLP(nn.Module):
     silu(gate) * up then runs as one C++ pass over the merged projection's rows."""
     batch_invariant = False
     """Set in batch-invariant mode: the activation runs in row tiles that never split across
-    threads (openinfer.layers.batch_invariant)."""
+    threads (openinfer.kernels.invariant_gemm)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  activation: str = "silu", clamp_limit: float | None = None) -> None:

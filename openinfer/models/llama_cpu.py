@@ -23,7 +23,7 @@ import torch
 
 from openinfer.attention.base import AttentionMetadata
 from openinfer.attention.cpu import attention_step, rope_kernel
-from openinfer.layers.gemm import PAD_FROM_ROWS, PAD_ROWS
+from openinfer.kernels.gemm_plan import PAD_FROM_ROWS, PAD_ROWS
 from openinfer.layers.linear import GemmLayer
 from openinfer.layers.mlp import GatedMLP
 from openinfer.models.llama import DecoderLayer, DecoderStack, LlamaAttention

@@ -20,10 +20,10 @@ from tqdm import tqdm
 from openinfer import gguf_file
 from openinfer.config import ModelConfig
 from openinfer.distributed.parallel_state import get_tp
-from openinfer.layers.gemm import plan_gemms
 from openinfer.layers.linear import default_weight_loader
 from openinfer.models import fp8
 from openinfer.models.base import CausalLM
+from openinfer.models.gemm_plans import plan_gemms
 from openinfer.models.platform import make_batch_invariant
 from openinfer.models.registry import get_model_class
 
@@ -36,8 +36,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 def load_model(config: ModelConfig, device: str | torch.device = "cpu",
                progress: bool = True, gemm: str | None = None) -> nn.Module:
     """The model with its weights, ready for inference. On CPU each linear layer then gets
-    a GEMM plan (openinfer.layers.gemm; ``gemm``: its mode, default $OPENINFER_CPU_GEMM), or,
-    with ``config.batch_invariant``, a batch-invariant one (openinfer.layers.batch_invariant)."""
+    a GEMM plan (openinfer.kernels.gemm_plan; ``gemm``: its mode, default $OPENINFER_CPU_GEMM), or,
+    with ``config.batch_invariant``, a batch-invariant one (openinfer.kernels.invariant_gemm)."""
     cls = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(config.dtype):
         model = cls(config.hf_config)

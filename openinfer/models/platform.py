@@ -1,8 +1,8 @@
 """Binding a loaded model to this machine's kernels, once, at load: the passes that route
 layers through the CPU extension (``use_cpu_kernels``; each layer keeps its torch path and
 takes a kernel only for the calls it covers) and put a model in batch-invariant mode
-(``make_batch_invariant``, openinfer/layers/batch_invariant.py). The GEMM plans are made by
-``plan_gemms`` (openinfer/layers/gemm.py)."""
+(``make_batch_invariant``, openinfer/kernels/invariant_gemm.py). The GEMM plans are made by
+``plan_gemms`` (openinfer/kernels/gemm_plan.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from openinfer.kernels.invariant_gemm import plan_invariant_gemm
 from openinfer.layers.attention import Attention
-from openinfer.layers.batch_invariant import plan_invariant_gemm
 from openinfer.layers.linear import GemmLayer
 from openinfer.layers.mla import MLAAttention
 from openinfer.layers.mlp import GatedMLP
@@ -21,6 +21,7 @@ from openinfer.layers.moe import FusedExperts
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding
 from openinfer.models import llama_cpu
+from openinfer.models.gemm_plans import free_plain_weight, weight_owners
 from openinfer.models.llama import DecoderStack
 
 KERNEL_LAYERS = (RMSNorm, RotaryEmbedding, GatedMLP, FusedExperts)
@@ -54,13 +55,14 @@ def make_batch_invariant(model: nn.Module) -> None:
         if isinstance(module, Attention) and module.is_variant:
             raise ValueError(f"batch_invariant: not supported for {type(model).__name__} "
                              "(sliding-window, soft-capped or sinked attention)")
-    owners: dict[int, int] = {}
-    for module in model.modules():  # a parameter held by two modules (tied embedding/LM head)
-        for p in module.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
+    owners = weight_owners(model)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, GemmLayer):
-                module.plan = plan_invariant_gemm(module, shared=owners[id(module.weight)] > 1)
+                shared = owners[id(module.weight)] > 1
+                bias = None if module.bias is None else module.bias.data
+                module.plan = plan_invariant_gemm(module.weight.data, bias, shared)
+                if not module.plan.reads_plain and not shared:
+                    free_plain_weight(module)
             elif isinstance(module, (Attention, GatedMLP)):
                 module.batch_invariant = True

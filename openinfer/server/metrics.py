@@ -166,7 +166,8 @@ class ServerMetrics:
         r.register(_InfoSeries(p + "cache_config_info", "Information of the LLMEngine CacheConfig",
                                self._values, cache_info or dict))
         r.register(_InfoSeries(p + "compute_info", "How the engine computes: dtype, GEMM paths "
-                               "(openinfer.layers.gemm), CPU capability, attention backend, huge pages, "
+                               "(openinfer.kernels.gemm_plan), CPU capability, attention backend, "
+                               "huge pages, "
                                "bytes the caching CPU allocator may keep, largest decode batch "
                                "replayed as a CUDA graph",
                                self._values, compute_info or dict, skip_empty=True))

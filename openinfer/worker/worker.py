@@ -46,8 +46,8 @@ from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.plan import BlockLoad
 from openinfer.kv.spec import BlockLayout, KVSpec, LayerGroup, MLALatentSpec
 from openinfer.layers.attention import Attention
-from openinfer.layers.gemm_summary import describe_gemms
 from openinfer.layers.moe import FusedExperts
+from openinfer.models.gemm_plans import describe_gemms
 from openinfer.models.loader import load_model
 from openinfer.models.platform import use_cpu_kernels
 from openinfer.spec.draft_model import DraftModelDrafter, check_draft_model

@@ -17,14 +17,14 @@ from openinfer.attention import build_attention_metadata
 from openinfer.cli import build_parser, engine_kwargs
 from openinfer.engine_args import create_engine_config
 from openinfer.executor.checks import check_tensor_parallel
+from openinfer.kernels import gemm_plan, invariant_gemm
 from openinfer.kernels.cpu_attention import paged_attention_reference
-from openinfer.layers import batch_invariant, gemm
-from openinfer.layers.batch_invariant import (
+from openinfer.kernels.gemm_paths import PLAIN, GemmPath
+from openinfer.kernels.invariant_gemm import (
     checked_sizes,
     invariant_silu_and_mul,
     plan_invariant_gemm,
 )
-from openinfer.layers.gemm_paths import PLAIN, GemmPath
 from openinfer.layers.linear import Linear
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=5,
@@ -204,7 +204,7 @@ def test_gemm_rows_do_not_depend_on_the_call(dtype):
         layer.weight.copy_(torch.randn(200, 96, generator=g) / 96**0.5)
         layer.bias.copy_(torch.randn(200, generator=g))
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
-    plan = plan_invariant_gemm(layer)
+    plan = plan_invariant_gemm(layer.weight.data, None if layer.bias is None else layer.bias.data)
     x = torch.randn(300, 96, generator=g).to(dtype)
     alone = torch.cat([plan(x[i:i + 1]) for i in range(len(x))])
     torch.testing.assert_close(alone.float(), F.linear(x.float(), weight.float(), bias.float()),
@@ -223,22 +223,22 @@ def test_gemm_sizes_whose_rows_differ_are_never_run():
 
     path = GemmPath("split", PLAIN, run)
     weight = torch.randn(64, 48) / 48**0.5
-    batch_invariant.clear_check_cache()
+    invariant_gemm.clear_check_cache()
     assert checked_sizes(path, weight, None, lambda fmt: weight) == (16, 32, 64, 128)
-    batch_invariant.clear_check_cache()
+    invariant_gemm.clear_check_cache()
 
 
 def test_no_path_passing_runs_row_by_row(monkeypatch):
     def by_place(x, w, b):  # right within tolerance, but a row's bits depend on its place
         return F.linear(x, w, b) + torch.arange(len(x))[:, None] * 1e-7
 
-    monkeypatch.setitem(gemm.PATHS, "by_place", GemmPath("by_place", PLAIN, by_place))
-    monkeypatch.setattr(batch_invariant, "PATH_PREFERENCE", ("by_place",))
-    batch_invariant.clear_check_cache()
+    monkeypatch.setitem(gemm_plan.PATHS, "by_place", GemmPath("by_place", PLAIN, by_place))
+    monkeypatch.setattr(invariant_gemm, "PATH_PREFERENCE", ("by_place",))
+    invariant_gemm.clear_check_cache()
     layer = Linear(48, 64)
     torch.nn.init.normal_(layer.weight, std=48**-0.5)
-    plan = plan_invariant_gemm(layer)
-    batch_invariant.clear_check_cache()
+    plan = plan_invariant_gemm(layer.weight.data, None if layer.bias is None else layer.bias.data)
+    invariant_gemm.clear_check_cache()
     assert plan.invariant_sizes == (1,) and plan.paths[0] == "torch"
     x = torch.randn(37, 48)
     assert torch.equal(plan(x), torch.cat([F.linear(x[i:i + 1], layer.weight) for i in range(37)]))

@@ -1,4 +1,4 @@
-"""CPU GEMM plans (openinfer.layers.gemm): every path computes F.linear, plans route by rows,
+"""CPU GEMM plans (openinfer.kernels.gemm_plan): every path computes F.linear, plans route by rows,
 timings are measured once per shape, the choice rules, the switch, and dtype 'auto' rules."""
 
 from __future__ import annotations
@@ -16,18 +16,14 @@ from openinfer import LLM, SamplingParams, cpu_allocator
 from openinfer.config import _resolve_dtype
 from openinfer.cpu_features import auto_cpu_dtype, cpu_capability, has_native_bf16
 from openinfer.huge_pages import huge_pages_in_use
+from openinfer.kernels import gemm_paths, gemm_plan
 from openinfer.kernels.cpu_attention import bf16_dot, bf16_dot_paths, load_cpu_attention
-from openinfer.layers import gemm, gemm_paths
+from openinfer.kernels.gemm_paths import PATHS
+from openinfer.kernels.gemm_plan import BUCKETS, EXTRA_COPY_MARGIN, choose_paths
 from openinfer.layers.embedding import LMHead, VocabEmbedding
-from openinfer.layers.gemm import (
-    BUCKETS,
-    EXTRA_COPY_MARGIN,
-    choose_paths,
-    plan_gemms,
-)
-from openinfer.layers.gemm_paths import PATHS
-from openinfer.layers.gemm_summary import describe_gemms
 from openinfer.layers.linear import Linear, MergedLinear
+from openinfer.models import gemm_plans
+from openinfer.models.gemm_plans import describe_gemms, plan_gemms
 
 ROWS = (1, 7, 33, 600)  # one row per bucket
 ONLY = {"amx": torch.bfloat16, "mkl_packed": torch.float32, "small_gemm": torch.float32}
@@ -42,10 +38,10 @@ SHAPES = [(13, 37), (96, 64), (200, 384), (256, 80), (128, 96)]  # (in, out): od
 @pytest.fixture(autouse=True)
 def fresh_timings(monkeypatch):
     """No timings from other tests; the small weights used here are timed all the same."""
-    monkeypatch.setattr(gemm, "MIN_TIMED_WEIGHT", 0)
-    gemm.clear_timing_cache()
+    monkeypatch.setattr(gemm_plan, "MIN_TIMED_WEIGHT", 0)
+    gemm_plan.clear_timing_cache()
     yield
-    gemm.clear_timing_cache()
+    gemm_plan.clear_timing_cache()
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
@@ -113,7 +109,7 @@ def test_a_single_dtype_path_refuses_the_other(path, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_auto_plan_equals_f_linear_in_every_bucket(dtype, monkeypatch):
-    monkeypatch.setattr(gemm, "cpu_flags", lambda: frozenset({"avx512_bf16"}))  # bf16 is planned
+    monkeypatch.setattr(gemm_plan, "cpu_flags", lambda: frozenset({"avx512_bf16"}))  # bf16 is planned
     layer, w, b = _linear(96, 160, True, dtype)
     plan_gemms(layer, "auto")
     assert len(layer.plan.routes) == len(BUCKETS)
@@ -167,13 +163,13 @@ def _filled(*layers: Linear) -> list[Linear]:
 
 def test_timings_are_measured_once_per_shape(monkeypatch):
     calls = []
-    original = gemm.time_paths
+    original = gemm_plan.time_paths
 
     def counting(paths, weight, bias, rows, weight_in, **kwargs):
         calls.append((tuple(weight.shape), bias is not None, rows))
         return original(paths, weight, bias, rows, weight_in, **kwargs)
 
-    monkeypatch.setattr(gemm, "time_paths", counting)
+    monkeypatch.setattr(gemm_plan, "time_paths", counting)
     model = nn.Sequential(*_filled(*(Linear(32, 48) for _ in range(5)), Linear(48, 32),
                                    Linear(48, 32, bias=True)))
     plan_gemms(model, "auto")
@@ -190,7 +186,7 @@ def test_timings_are_measured_once_per_shape(monkeypatch):
 def test_a_model_larger_than_the_cache_is_timed_cold(monkeypatch):
     """Few-row buckets flush the weight a path reads from the caches before each timed call;
     compute-bound buckets and models that fit the cache are timed hot."""
-    if gemm.cache_flusher() is None:
+    if gemm_plan.cache_flusher() is None:
         pytest.skip("no cache flush here (no CPU extension, or no flush instruction)")
     events: list[tuple] = []  # ("call", rows, address) or ("flush", address, nbytes)
     for name in ("torch", "onednn"):
@@ -201,15 +197,15 @@ def test_a_model_larger_than_the_cache_is_timed_cold(monkeypatch):
             return path.run(x, w, b)
 
         monkeypatch.setitem(PATHS, name, gemm_paths.GemmPath(name, path.weight_format, run, path.rows))
-    monkeypatch.setattr(gemm, "PATHS", {n: PATHS[n] for n in ("torch", "onednn")})
-    flush = gemm.cache_flusher()
+    monkeypatch.setattr(gemm_plan, "PATHS", {n: PATHS[n] for n in ("torch", "onednn")})
+    flush = gemm_plan.cache_flusher()
 
     def recording(t):
         events.append(("flush", t.data_ptr(), t.numel() * t.element_size()))
         flush(t)
 
-    monkeypatch.setattr(gemm, "cache_flusher", lambda: recording)
-    monkeypatch.setattr(gemm, "last_level_cache_bytes", lambda: 4096)
+    monkeypatch.setattr(gemm_plans, "cache_flusher", lambda: recording)
+    monkeypatch.setattr(gemm_plans, "last_level_cache_bytes", lambda: 4096)
     layer = _filled(Linear(64, 64))[0]  # 16 KiB: outgrows a 4 KiB "cache"
     address = layer.weight.data_ptr()
     plan_gemms(nn.Sequential(layer), "auto")
@@ -219,9 +215,9 @@ def test_a_model_larger_than_the_cache_is_timed_cold(monkeypatch):
         assert timed
         for i in timed:
             flushed = events[i - 1] == ("flush", address, 64 * 64 * 4)
-            assert flushed == (bucket.timed_rows <= gemm.COLD_MAX_ROWS), (bucket, events[i - 1])
-    monkeypatch.setattr(gemm, "last_level_cache_bytes", lambda: 1 << 30)  # the model fits
-    gemm.clear_timing_cache()
+            assert flushed == (bucket.timed_rows <= gemm_plan.COLD_MAX_ROWS), (bucket, events[i - 1])
+    monkeypatch.setattr(gemm_plans, "last_level_cache_bytes", lambda: 1 << 30)  # the model fits
+    gemm_plan.clear_timing_cache()
     events.clear()
     plan_gemms(nn.Sequential(_filled(Linear(64, 64))[0]), "auto")
     assert events and not any(e[0] == "flush" for e in events)
@@ -230,7 +226,7 @@ def test_a_model_larger_than_the_cache_is_timed_cold(monkeypatch):
 def test_the_cache_flush_evicts_what_it_is_given(kernels):
     """evict_from_cache takes any address and length (unaligned, empty, oneDNN's opaque packed
     weight through cache_flusher) and leaves the bytes as they were."""
-    flush = gemm.cache_flusher()
+    flush = gemm_plan.cache_flusher()
     if flush is None:
         pytest.skip("no cache flush instruction on this CPU")
     x = torch.randn(1000, 37)
@@ -249,13 +245,13 @@ def test_the_cache_flush_evicts_what_it_is_given(kernels):
 
 def test_lm_head_times_its_first_buckets_and_keeps_a_tied_weight(monkeypatch):
     calls = []
-    original = gemm.time_paths
+    original = gemm_plan.time_paths
 
     def counting(paths, weight, bias, rows, weight_in, **kwargs):
         calls.append(rows)
         return original(paths, weight, bias, rows, weight_in, **kwargs)
 
-    monkeypatch.setattr(gemm, "time_paths", counting)
+    monkeypatch.setattr(gemm_plan, "time_paths", counting)
     model = nn.Module()
     model.embed = VocabEmbedding(300, 32)
     model.head = LMHead(300, 32, tied_to=model.embed)
@@ -265,7 +261,7 @@ def test_lm_head_times_its_first_buckets_and_keeps_a_tied_weight(monkeypatch):
     plan_gemms(model, "auto")
     assert sorted(calls) == sorted(b.timed_rows for b in BUCKETS[:LMHead.timed_buckets])
     paths = model.head.plan.paths
-    last = gemm.PATHS[paths[LMHead.timed_buckets - 1]]
+    last = gemm_plan.PATHS[paths[LMHead.timed_buckets - 1]]
     for bucket, path in zip(BUCKETS[LMHead.timed_buckets:], paths[LMHead.timed_buckets:]):
         assert path == (last.name if last.timed_in(bucket) else "torch")
     assert model.embed.weight.device.type == "cpu"  # shared: never freed
@@ -286,30 +282,30 @@ def test_a_packed_only_plan_frees_the_plain_weight():
 
 def test_default_switch_and_bad_values(monkeypatch):
     layer, w, _ = _linear(16, 8, False, torch.float32)
-    monkeypatch.setenv(gemm.ENV_VAR, "default")
+    monkeypatch.setenv(gemm_plan.ENV_VAR, "default")
     plan_gemms(layer)
     assert layer.plan is None and describe_gemms(layer).label == "default"
     x = torch.randn(4, 16)
     torch.testing.assert_close(layer(x), F.linear(x, w))
-    monkeypatch.setenv(gemm.ENV_VAR, "fastest")
+    monkeypatch.setenv(gemm_plan.ENV_VAR, "fastest")
     with pytest.raises(ValueError, match="OPENINFER_CPU_GEMM must be one of"):
         plan_gemms(layer)
-    monkeypatch.setenv(gemm.ENV_VAR, "torch_t")
+    monkeypatch.setenv(gemm_plan.ENV_VAR, "torch_t")
     plan_gemms(layer)
     assert layer.plan.paths == ["torch_t"] * len(BUCKETS)
     assert describe_gemms(layer).label == "torch_t"
 
 
 def test_small_weights_run_f_linear_untimed(monkeypatch):
-    monkeypatch.setattr(gemm, "MIN_TIMED_WEIGHT", 16 * 8 + 1)
-    monkeypatch.setattr(gemm, "time_paths", None)  # must not be called
+    monkeypatch.setattr(gemm_plan, "MIN_TIMED_WEIGHT", 16 * 8 + 1)
+    monkeypatch.setattr(gemm_plan, "time_paths", None)  # must not be called
     layer, _, _ = _linear(16, 8, False, torch.float32)
     plan_gemms(layer, "auto")
     assert layer.plan.paths == ["torch"] * len(BUCKETS)
 
 
 def test_no_plans_for_a_dtype_without_native_gemms(monkeypatch):
-    monkeypatch.setattr(gemm, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(gemm_plan, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     layer, _, _ = _linear(16, 8, False, torch.bfloat16)
     plan_gemms(layer, "auto")
     assert layer.plan is None
@@ -340,7 +336,7 @@ def test_a_path_that_fails_is_left_out_or_refused(monkeypatch):
 def test_a_path_that_disagrees_with_f_linear_is_left_out(monkeypatch):
     wrong = gemm_paths.GemmPath("torch_t", gemm_paths.PLAIN, lambda x, w, b: F.linear(x, w, b) * 1.01,
                           rows=(2, 256))
-    monkeypatch.setitem(gemm.PATHS, "torch_t", wrong)
+    monkeypatch.setitem(gemm_plan.PATHS, "torch_t", wrong)
     layer, _, _ = _linear(32, 16, False, torch.float32)
     plan_gemms(layer, "auto")
     assert "torch_t" not in layer.plan.paths
@@ -364,9 +360,9 @@ def test_every_path_gives_the_engine_the_same_logprobs(path, qwen3_checkpoint, m
     batched decodes give F.linear's logprobs (float32; amx, bfloat16 only, has its own test:
     test_the_amx_path_gives_the_engine_the_same_logprobs)."""
     prompts = [[7], [5, 9, 200, 31], list(range(40, 90)), [(7 * i) % 500 for i in range(150)]]
-    monkeypatch.setenv(gemm.ENV_VAR, "default")
+    monkeypatch.setenv(gemm_plan.ENV_VAR, "default")
     _, expected = _generate(str(qwen3_checkpoint), prompts)
-    monkeypatch.setenv(gemm.ENV_VAR, path)
+    monkeypatch.setenv(gemm_plan.ENV_VAR, path)
     llm, outs = _generate(str(qwen3_checkpoint), prompts)
     assert llm.engine.core.compute_info["gemm"] == path
     assert llm.engine.core.compute_info["dtype"] == "float32"
@@ -379,9 +375,9 @@ def test_the_amx_path_gives_the_engine_the_same_logprobs(qwen3_checkpoint, monke
     if not _amx_here():
         pytest.skip("no AMX-BF16 here")
     prompts = [[7], [5, 9, 200, 31], list(range(40, 90)), [(7 * i) % 500 for i in range(150)]]
-    monkeypatch.setenv(gemm.ENV_VAR, "default")
+    monkeypatch.setenv(gemm_plan.ENV_VAR, "default")
     _, expected = _generate(str(qwen3_checkpoint), prompts, dtype="bfloat16")
-    monkeypatch.setenv(gemm.ENV_VAR, "amx")
+    monkeypatch.setenv(gemm_plan.ENV_VAR, "amx")
     llm, outs = _generate(str(qwen3_checkpoint), prompts, dtype="bfloat16")
     assert llm.engine.core.compute_info["gemm"] == "amx"
     _assert_same_logprobs(outs, expected, tol=5e-2)
@@ -403,7 +399,7 @@ def _assert_same_logprobs(outs: list, expected: list, tol: float) -> None:
 
 
 def test_the_engine_reports_how_it_computes(qwen3_checkpoint, monkeypatch):
-    monkeypatch.setenv(gemm.ENV_VAR, "auto")
+    monkeypatch.setenv(gemm_plan.ENV_VAR, "auto")
     llm = LLM(str(qwen3_checkpoint), progress=False, kv_cache_memory=1 << 24)
     info = llm.engine.core.compute_info
     assert set(info) == {"dtype", "gemm", "cpu_capability", "attention", "attention_bf16_dot",
@@ -490,11 +486,11 @@ def test_second_copies_stop_at_the_memory_budget(monkeypatch):
         fast_packed = rows <= 128  # packed 2x faster for decode-sized calls, 1.5x slower above
         return {"torch": 1.0, "onednn_packed": 0.5 if fast_packed else 1.5}
 
-    monkeypatch.setattr(gemm, "time_paths", fake_times)
+    monkeypatch.setattr(gemm_plan, "time_paths", fake_times)
     model = nn.Sequential(*(_linear(64, 96, False, torch.float32, seed=i)[0] for i in range(3)))
     weights = [m.weight.detach().clone() for m in model]
     weight_bytes = 64 * 96 * 4
-    monkeypatch.setenv(gemm.EXTRA_MEMORY_ENV, str(2 * weight_bytes))
+    monkeypatch.setenv(gemm_plan.EXTRA_MEMORY_ENV, str(2 * weight_bytes))
     try:
         plan_gemms(model, "auto")
     except RuntimeError as e:  # oneDNN cannot pack here
@@ -507,11 +503,11 @@ def test_second_copies_stop_at_the_memory_budget(monkeypatch):
         for rows in ROWS:
             x = torch.randn(rows, 64)
             _check(layer(x), x, w, None)
-    monkeypatch.setenv(gemm.EXTRA_MEMORY_ENV, "lots")
-    with pytest.raises(ValueError, match=gemm.EXTRA_MEMORY_ENV):
-        gemm.extra_copy_budget()
-    monkeypatch.setenv(gemm.EXTRA_MEMORY_ENV, "1MiB")
-    assert gemm.extra_copy_budget() == 2**20
+    monkeypatch.setenv(gemm_plan.EXTRA_MEMORY_ENV, "lots")
+    with pytest.raises(ValueError, match=gemm_plan.EXTRA_MEMORY_ENV):
+        gemm_plan.extra_copy_budget()
+    monkeypatch.setenv(gemm_plan.EXTRA_MEMORY_ENV, "1MiB")
+    assert gemm_plan.extra_copy_budget() == 2**20
 
 
 def test_paths_that_build_per_row_count_need_a_margin_up_to_1024_rows(monkeypatch):
@@ -521,14 +517,14 @@ def test_paths_that_build_per_row_count_need_a_margin_up_to_1024_rows(monkeypatc
         # float32: F.linear (MKL) builds nothing per row count; oneDNN's packed linear does.
         return {"torch": 1.0, "onednn_packed": 0.5 if rows <= 128 else 0.85}
 
-    monkeypatch.setattr(gemm, "time_paths", fake_times)
-    monkeypatch.setenv(gemm.EXTRA_MEMORY_ENV, "1GiB")
+    monkeypatch.setattr(gemm_plan, "time_paths", fake_times)
+    monkeypatch.setenv(gemm_plan.EXTRA_MEMORY_ENV, "1GiB")
     layer, w, _ = _linear(64, 96, False, torch.float32, seed=0)
     try:
         plan_gemms(nn.Sequential(layer), "auto")
     except RuntimeError as e:  # oneDNN cannot pack here
         pytest.skip(str(e))
-    assert 0.85 * gemm.BUILD_MARGIN > 1.0 * gemm.EXTRA_COPY_MARGIN
+    assert 0.85 * gemm_plan.BUILD_MARGIN > 1.0 * gemm_plan.EXTRA_COPY_MARGIN
     assert [str(b) for b in BUCKETS[3:]] == ["M=129-1024", "M>1024"]
     assert layer.plan.paths == ["onednn_packed"] * 3 + ["torch", "onednn_packed"]
     for rows in (200, 1024, 1025, 1100):

@@ -13,8 +13,8 @@ from test_moe import MOE_CONFIGS
 from test_window_models import WINDOW_MODELS
 
 from openinfer import LLM, SamplingParams
+from openinfer.kernels.gemm_paths import PATHS
 from openinfer.layers import gemm
-from openinfer.layers.gemm_paths import PATHS
 from openinfer.models.registry import MODEL_REGISTRY
 
 _DEEPSEEK_V2 = DEEPSEEK_CONFIGS["v2-lite"][1]  # V2-Lite's shape: no q LoRA, a dense first layer

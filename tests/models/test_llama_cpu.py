@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from openinfer import LLM, SamplingParams
-from openinfer.layers.gemm import ENV_VAR as GEMM_ENV
+from openinfer.kernels.gemm_plan import ENV_VAR as GEMM_ENV
 
 PROMPTS = [[5 + i for i in range(n)] for n in (3, 40, 17, 9, 150)]
 """The first step prefills 219 rows: a prefill-sized call that paths building per row count

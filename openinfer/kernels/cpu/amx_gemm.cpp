@@ -6,7 +6,7 @@
 // streams one contiguous run of memory, and each block is one tile load for up to 64 rows of x.
 // Accumulation is fp32 in the tiles, rounded to bf16 once at the end.
 // Built into the CPU kernel extension (openinfer/kernels/cpu_attention.py); the GEMM planner
-// (openinfer/layers/gemm.py, path "amx") times it against oneDNN's at start-up and uses it only
+// (openinfer/kernels/gemm_plan.py, path "amx") times it against oneDNN's at start-up and uses it only
 // where it is faster and matches F.linear.
 
 #include <ATen/Parallel.h>

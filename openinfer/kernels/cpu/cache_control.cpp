@@ -1,5 +1,5 @@
 // Evicting a tensor's bytes from every cache level: the GEMM planner times few-row calls with
-// their weight read from memory, as a forward pass reads it (openinfer/layers/gemm.py).
+// their weight read from memory, as a forward pass reads it (openinfer/kernels/gemm_plan.py).
 
 #include <cstdint>
 

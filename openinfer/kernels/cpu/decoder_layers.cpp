@@ -19,7 +19,7 @@
 
 #include "ops.h"
 
-// oneDNN's linear (layers/gemm_paths.py's _onednn) on a plain or a packed weight: the op torch
+// oneDNN's linear (kernels/gemm_paths.py's _onednn) on a plain or a packed weight: the op torch
 // registers, through the dispatcher (it has no C++ function in torch's headers).
 static at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   static const auto op = c10::Dispatcher::singleton()
@@ -71,7 +71,7 @@ at::Tensor Gemm::run(const GemmRoute& r, const at::Tensor& x) const {
     }
     case GEMM_TORCH:
       return at::linear(x, r.weight, bias);
-    case GEMM_TORCH_T: {  // as layers/gemm_paths.py's _torch_t: (W @ x^T)^T, then the bias
+    case GEMM_TORCH_T: {  // as kernels/gemm_paths.py's _torch_t: (W @ x^T)^T, then the bias
       at::Tensor out = at::mm(r.weight, x.t()).t().contiguous();
       return bias.has_value() ? out.add_(*bias) : out;
     }

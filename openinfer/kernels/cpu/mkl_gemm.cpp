@@ -1,5 +1,5 @@
 // y = x @ W^T (+ b), float32, on a weight MKL packed once at load (cblas_sgemm_pack): the
-// GEMM planner's "mkl_packed" path (openinfer/layers/gemm.py).
+// GEMM planner's "mkl_packed" path (openinfer/kernels/gemm_plan.py).
 //
 // Why: MKL's sgemm, behind F.linear, repacks W into its kernel's panel layout on every call.
 // At decode's few rows that copy is most of the call (a 6144x1024 weight at 7 rows: 1.30 ms

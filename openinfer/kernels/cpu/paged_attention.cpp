@@ -48,7 +48,7 @@
 //   depends only on its own query, position and keys, never on the rest of the step: key chunks
 //   are aligned to absolute block indices, keys past a row's position contribute exact zeros,
 //   and no row is merged from partial results. Slower for decode (no split across threads, K
-//   transposed for a few rows); see openinfer/layers/batch_invariant.py.
+//   transposed for a few rows); see openinfer/kernels/invariant_gemm.py.
 //
 // Variants (per layer): a sliding window (query p reads keys p - window + 1 .. p: items start at
 //   their first row's window, no shared-prefix items, keys before a row's window get p = 0), tanh

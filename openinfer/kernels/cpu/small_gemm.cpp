@@ -6,7 +6,7 @@
 // side by side (R independent streams for the prefetchers) against up to four rows of x held
 // in L1. Accumulation is in float32 lanes, reduced in a fixed order per output.
 // Built into the CPU attention extension (openinfer/kernels/cpu_attention.py); the GEMM
-// planner (openinfer/layers/gemm.py, path "small_gemm") times it against torch's paths at
+// planner (openinfer/kernels/gemm_plan.py, path "small_gemm") times it against torch's paths at
 // start-up and uses it only where it is faster and matches F.linear.
 
 #include <ATen/Parallel.h>

@@ -1,4 +1,4 @@
-"""The paths a CPU GEMM plan (openinfer/layers/gemm.py) chooses between: each computes
+"""The paths a CPU GEMM plan (openinfer/kernels/gemm_plan.py) chooses between: each computes
 y = x @ W^T + b from the weight in one of four formats.
 
     path           weight           call

@@ -1,9 +1,11 @@
 """CPU GEMM plans: y = x @ W^T + b by the fastest correct path for this CPU, chosen at load.
 
     load_model ── load_weights ── process_weights_after_loading ── plan_gemms(model)
-                                  ──> every GemmLayer (Linear, MergedLinear, LMHead) gets a GemmPlan
+                                  ──> every GemmLayer (Linear, MergedLinear, LMHead) gets the
+                                      GemmPlan ``plan_weight`` makes for its weight
 
-The paths, and the weight formats they read, are in openinfer/layers/gemm_paths.py.
+``plan_gemms`` (openinfer/models/gemm_plans.py) walks the model; this module knows weights, not
+layers. The paths, and the weight formats they read, are in openinfer/kernels/gemm_paths.py.
 
 A plan sends each call, by its row count M (tokens in the step), to one path:
 
@@ -69,11 +71,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from openinfer.cpu_features import cpu_capability, cpu_flags, has_native_gemm, last_level_cache_bytes
+from openinfer.cpu_features import cpu_capability, cpu_flags, has_native_gemm
 from openinfer.kernels.cpu_attention import load_cpu_attention
-from openinfer.layers.gemm_paths import (
+from openinfer.kernels.gemm_paths import (
     FORMATS,
     PATHS,
     PLAIN,
@@ -81,7 +82,6 @@ from openinfer.layers.gemm_paths import (
     GemmPath,
     weight_formats,
 )
-from openinfer.layers.linear import GemmLayer
 from openinfer.units import env_bytes
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class GemmPlan:
     """y = x @ W^T + b for one weight; each call goes to the path chosen for its row count."""
 
     invariant_sizes: tuple[int, ...] = ()
-    """Batch-invariant plans (openinfer.layers.batch_invariant): the row counts they run."""
+    """Batch-invariant plans (openinfer.kernels.invariant_gemm): the row counts they run."""
 
     def __init__(self, routes: Sequence[Route], bias: torch.Tensor | None, extra_bytes: int,
                  seconds: float) -> None:
@@ -199,6 +199,12 @@ class GemmPlan:
     def paths(self) -> list[str]:
         return [r.path.name for r in self.routes]
 
+    @property
+    def reads_plain(self) -> bool:
+        """Whether some route reads the weight in its plain format (else the layer's loaded
+        weight may be freed: see the module docstring)."""
+        return any(r.path.weight_format == PLAIN for r in self.routes)
+
 
 # (N, K, has bias, dtype, timed rows, CPU capability, threads) -> {path: seconds per call}
 _timings: dict[tuple, dict[str, float]] = {}
@@ -207,29 +213,6 @@ _timings: dict[tuple, dict[str, float]] = {}
 def clear_timing_cache() -> None:
     """Forget measured timings (tests; a process keeps them for its lifetime otherwise)."""
     _timings.clear()
-
-
-def plan_gemms(model: nn.Module, mode: str | None = None) -> None:
-    """Give every GemmLayer of a loaded CPU ``model`` a GEMM plan (``mode``: see
-    ``gemm_mode``). Does nothing where ``why_no_plans`` gives a reason."""
-    mode = gemm_mode(mode)
-    layers = [m for m in model.modules() if isinstance(m, GemmLayer)]
-    if why_no_plans(layers, mode) is not None:
-        return
-    owners: dict[int, int] = {}
-    for module in model.modules():  # a parameter held by two modules (tied embedding/LM head)
-        for p in module.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    cache = last_level_cache_bytes() or DEFAULT_CACHE_BYTES
-    cold = sum(m.weight.numel() * m.weight.element_size() for m in layers) > cache
-    flush = cache_flusher() if cold and mode == "auto" else None
-    budget = extra_copy_budget()
-    with torch.no_grad():
-        for layer in layers:
-            weight_bytes = layer.weight.numel() * layer.weight.element_size()
-            layer.plan = _plan_layer(layer, mode, shared=owners[id(layer.weight)] > 1, flush=flush,
-                                     may_copy=weight_bytes <= budget)
-            budget -= layer.plan.extra_bytes
 
 
 def extra_copy_budget() -> int:
@@ -251,13 +234,13 @@ def _available_memory() -> int | None:
     return None
 
 
-def why_no_plans(layers: Sequence[GemmLayer], mode: str) -> str | None:
-    """Why these layers get no GEMM plans in ``mode``, or None if they do."""
+def why_no_plans(weight: torch.Tensor | None, mode: str) -> str | None:
+    """Why a model whose first linear layer holds ``weight`` (None: it has none) gets no GEMM
+    plans in ``mode``, or None if it does."""
     if mode == "default":
         return f"{ENV_VAR}=default"
-    if not layers:
+    if weight is None:
         return "no linear layers"
-    weight = layers[0].weight
     if weight.device.type != "cpu":
         return f"on {weight.device.type}"
     if mode == "auto" and not has_native_gemm(weight.dtype, cpu_flags()):
@@ -267,11 +250,15 @@ def why_no_plans(layers: Sequence[GemmLayer], mode: str) -> str | None:
     return None
 
 
-def _plan_layer(layer: GemmLayer, mode: str, shared: bool,
-                flush: Callable[[torch.Tensor], None] | None = None, may_copy: bool = False) -> GemmPlan:
+def plan_weight(weight: torch.Tensor, bias: torch.Tensor | None, mode: str, shared: bool,
+                flush: Callable[[torch.Tensor], None] | None = None, may_copy: bool = False,
+                timed_buckets: int | None = None) -> GemmPlan:
+    """The plan for y = x @ weight^T + bias (``mode``: see ``gemm_mode``; ``shared``: another
+    module reads the plain weight; ``timed_buckets``: how many of BUCKETS to time, the rest take
+    the last timed one's path). Where the plan reads no plain weight (``reads_plain``), the
+    caller may free it."""
     start = time.perf_counter()
-    weight, bias = layer.weight.data, None if layer.bias is None else layer.bias.data
-    buckets = BUCKETS[:layer.timed_buckets]
+    buckets = BUCKETS[:timed_buckets]
     weight_in = weight_formats(weight)
 
     if mode == "auto" and weight.numel() < MIN_TIMED_WEIGHT:
@@ -302,9 +289,6 @@ def _plan_layer(layer: GemmLayer, mode: str, shared: bool,
     formats = {r.path.weight_format for r in routes}
     held = formats | ({PLAIN} if shared else set())  # a shared weight stays plain for its sharer
     extra = (len(held) - 1) * weight.numel() * weight.element_size()
-    if PLAIN not in formats and not shared:
-        # Free the loaded weight: nothing reads it any more (see the module docstring).
-        layer.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
     return GemmPlan(routes, bias, extra, time.perf_counter() - start)
 
 

@@ -48,13 +48,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from openinfer.cpu_features import cpu_capability
+from openinfer.kernels.gemm_paths import PACKED, PATHS, GemmPath, weight_formats
+from openinfer.kernels.gemm_plan import BUCKETS, GemmPlan, Route, _mismatch
 from openinfer.kernels.paged_attention import INVARIANT_GRAIN
-from openinfer.layers.gemm import BUCKETS, GemmPlan, Route, _mismatch
-from openinfer.layers.gemm_paths import PACKED, PATHS, GemmPath, weight_formats
-from openinfer.layers.linear import GemmLayer
 
 logger = logging.getLogger(__name__)
 
@@ -120,12 +118,13 @@ class InvariantGemmPlan(GemmPlan):
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def plan_invariant_gemm(layer: GemmLayer, shared: bool = False) -> InvariantGemmPlan:
-    """The layer's batch-invariant plan: the first path of PATH_PREFERENCE whose checks pass
-    down to 1 row, else the one with the smallest checked size, else row by row."""
+def plan_invariant_gemm(weight: torch.Tensor, bias: torch.Tensor | None,
+                        shared: bool = False) -> InvariantGemmPlan:
+    """The weight's batch-invariant plan: the first path of PATH_PREFERENCE whose checks pass
+    down to 1 row, else the one with the smallest checked size, else row by row. A plan on a
+    packed weight reads no plain one (``reads_plain``): the caller may free it unless
+    ``shared``."""
     start = time.perf_counter()
-    weight = layer.weight.data
-    bias = None if layer.bias is None else layer.bias.data
     weight_in = weight_formats(weight)
 
     best: tuple[str, tuple[int, ...]] | None = None
@@ -142,12 +141,8 @@ def plan_invariant_gemm(layer: GemmLayer, shared: bool = False) -> InvariantGemm
     path = PATHS[best[0]]
     w = weight_in(path.weight_format)
     extra = 0
-    if path.weight_format == PACKED:
-        if shared:
-            extra = weight.numel() * weight.element_size()
-        else:  # nothing reads the plain weight any more (as in openinfer.layers.gemm)
-            layer.weight = nn.Parameter(torch.empty_like(weight, device="meta"),
-                                        requires_grad=False)
+    if path.weight_format == PACKED and shared:
+        extra = weight.numel() * weight.element_size()
     return InvariantGemmPlan(path, w, bias, best[1], extra, time.perf_counter() - start)
 
 
