@@ -25,7 +25,7 @@ from bench_step_overhead import given_or_peers_models
 from doc_sections import write_section
 
 from openinfer import LLM, SamplingParams
-from openinfer.layers import gemm
+from openinfer.kernels import gemm_plan
 from openinfer.models.gemm_plans import describe_gemms
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,14 +33,14 @@ rng = random.Random(0)
 
 
 def load(model: str, build_margin: float, max_tokens: int) -> LLM:
-    chosen = gemm.BUCKETS
-    gemm.BUCKETS = tuple(dataclasses.replace(b, build_margin=build_margin) if b.build_margin != 1.0
+    chosen = gemm_plan.BUCKETS
+    gemm_plan.BUCKETS = tuple(dataclasses.replace(b, build_margin=build_margin) if b.build_margin != 1.0
                          else b for b in chosen)
     try:
         llm = LLM(model, max_model_len=4096, seed=0, max_num_seqs=64, progress=False,
                   enable_prefix_caching=False, max_num_batched_tokens=max_tokens)
     finally:
-        gemm.BUCKETS = chosen
+        gemm_plan.BUCKETS = chosen
     print(f"margin {build_margin}: {describe_gemms(llm.engine.core.executor.worker.model).text}")
     return llm
 
@@ -69,7 +69,7 @@ def main() -> None:
     lengths = args.length or [256, 512, 768]
     rows = []
     for model in given_or_peers_models(args.model):
-        engines = {"as chosen": load(model, gemm.BUILD_MARGIN, args.batch * 256),
+        engines = {"as chosen": load(model, gemm_plan.BUILD_MARGIN, args.batch * 256),
                    "timing alone": load(model, 1.0, args.batch * 256)}
         for llm in engines.values():
             prefill(llm, [64] * 2)  # first calls of the process (allocations, thread pools)
@@ -102,7 +102,7 @@ def main() -> None:
         "",
         f"{torch.get_num_threads()} threads; two engines in one process, one planned as chosen "
         f"(in 129-1024 rows a path that builds a kernel per row count must be "
-        f"{gemm.BUILD_MARGIN}x faster as timed), one from timing alone; {args.rounds} rounds "
+        f"{gemm_plan.BUILD_MARGIN}x faster as timed), one from timing alone; {args.rounds} rounds "
         f"alternating them. `first`: a prompt length the process has not run (the round adds "
         f"32 x its index to the length); `again`: the same length next. Speedup = timing alone / as "
         f"chosen, per round: median [min, max].",

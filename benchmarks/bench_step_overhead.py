@@ -41,8 +41,7 @@ from openinfer.cpu_features import cpu_capability
 from openinfer.engine.llm_engine import LLMEngine
 from openinfer.engine.output_processor import OutputProcessor
 from openinfer.engine.scheduler import Scheduler
-from openinfer.kernels import cpu_attention
-from openinfer.layers import gemm_paths
+from openinfer.kernels import cpu_attention, gemm_paths
 from openinfer.layers.attention import Attention
 from openinfer.worker.runner import ModelRunner
 

@@ -13,8 +13,8 @@ from test_moe import MOE_CONFIGS
 from test_window_models import WINDOW_MODELS
 
 from openinfer import LLM, SamplingParams
+from openinfer.kernels import gemm_plan
 from openinfer.kernels.gemm_paths import PATHS
-from openinfer.layers import gemm
 from openinfer.models.registry import MODEL_REGISTRY
 
 _DEEPSEEK_V2 = DEEPSEEK_CONFIGS["v2-lite"][1]  # V2-Lite's shape: no q LoRA, a dense first layer
@@ -47,7 +47,7 @@ def test_every_registered_architecture_is_covered():
 
 
 def _greedy(path, dtype: str, mode: str, monkeypatch) -> list:
-    monkeypatch.setenv(gemm.ENV_VAR, mode)
+    monkeypatch.setenv(gemm_plan.ENV_VAR, mode)
     llm = LLM(str(path), dtype=dtype, kv_cache_memory=16 << 20, progress=False)
     params = SamplingParams(max_tokens=TOKENS, temperature=0, logprobs=20, ignore_eos=True)
     return [o.outputs[0] for o in llm.generate(PROMPTS, params)]
@@ -74,14 +74,14 @@ def test_gemm_plans_keep_greedy_tokens(arch, dtype, make_checkpoint, monkeypatch
     if arch == "DeepseekV4ForCausalLM":
         randomize_v4(path)
     # Plan bf16 too on a CPU without a native bf16 GEMM (auto leaves it unplanned there).
-    monkeypatch.setattr(gemm, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(gemm_plan, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     plain = _greedy(path, dtype, "default", monkeypatch)
     ran = []
     for mode in ["auto", *PATHS]:
         try:
             ours = _greedy(path, dtype, mode, monkeypatch)
         except ValueError as e:  # a forced path with no kernel for this dtype/shape on this CPU
-            assert f"{gemm.ENV_VAR}={mode}" in str(e)
+            assert f"{gemm_plan.ENV_VAR}={mode}" in str(e)
             continue
         _assert_same_greedy(ours, plain, dtype, f"{arch} {dtype} {mode}")
         ran.append(mode)
