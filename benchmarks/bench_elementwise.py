@@ -2,7 +2,7 @@
 SiLU-and-multiply) against torch's composites, inside one engine, interleaved.
 
 One ``openinfer.LLM`` on the peers' model; each round runs every workload once with the
-kernels switched on and once with them off (the modules' ``cpu_kernels`` attribute; float32
+kernels switched on and once with them off (the modules bound to the CPU platform or not; float32
 norms keep their kernel in both: it predates this comparison), in alternating order, so that
 the machine's drift hits both alike. Reports per workload the median time with kernels over
 the time without (below 1: the kernels are faster) and its range over rounds.
@@ -51,6 +51,7 @@ def main() -> None:
                                              else "qwen3-0.4b-random-fp32"))
     from openinfer import LLM, SamplingParams
     from openinfer.cpu_features import cpu_capability, cpu_model_name
+    from openinfer.kernels.custom_op import Platform
     from openinfer.layers.mlp import GatedMLP
     from openinfer.layers.norm import RMSNorm
     from openinfer.layers.rotary import RotaryEmbedding
@@ -78,7 +79,7 @@ def main() -> None:
             times = {}
             for on in ((True, False) if r % 2 == 0 else (False, True)):
                 for m in switched:
-                    m.cpu_kernels = kernels if on else None
+                    m.bind(Platform("cpu", kernels if on else None))
                 times[on] = run(prompts, out)
             ratios[name].append(times[True] / times[False])
             print(f"round {r} {name}: kernels {times[True]:.2f} s, torch {times[False]:.2f} s",

@@ -22,11 +22,12 @@ import torch
 from doc_sections import write_section
 
 from openinfer.kernels.cpu_attention import load_cpu_attention
+from openinfer.kernels.custom_op import Platform
 from openinfer.kv.spec import FullAttentionSpec, MLALatentSpec
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.moe import MoE, RoutingConfig
 from openinfer.models.gemm_plans import plan_gemms
-from openinfer.models.platform import use_cpu_kernels
+from openinfer.models.platform import bind_platform
 
 REPO = Path(__file__).resolve().parent.parent
 HIDDEN, EXPERT_INTER, EXPERTS, TOP_K, SHARED = 1024, 256, 64, 6, 1
@@ -58,7 +59,7 @@ def layer_figures(rounds: int) -> list[str]:
     plan_gemms(dense)
     kernels = load_cpu_attention()
     if kernels is not None:
-        use_cpu_kernels(moe, kernels)
+        bind_platform(moe, Platform("cpu", kernels))
     rows = ["| tokens | MoE ms | dense ms (same active params) | MoE / dense | experts hit |",
             "|---|---|---|---|---|"]
     with torch.inference_mode():

@@ -12,18 +12,22 @@ import torch
 from torch import nn
 
 from openinfer.attention.base import AttentionMetadata
+from openinfer.kernels.custom_op import CustomOp, Platform
 
 if TYPE_CHECKING:
     from openinfer.layers.norm import RMSNorm
     from openinfer.layers.rotary import RotaryEmbedding
 
 
-class Attention(nn.Module):
-    """Stores this step's K/V in the paged cache, then attends over each sequence's context."""
+class Attention(CustomOp):
+    """Stores this step's K/V in the paged cache, then attends over each sequence's context.
+    ``forward_batch_invariant`` (``--batch-invariant``): the backend's batch-invariant mode,
+    whose rows never depend on the rest of the step."""
 
-    batch_invariant = False
-    """Set on a model loaded with ``--batch-invariant`` (openinfer.kernels.invariant_gemm): the
-    backend's batch-invariant mode, whose rows never depend on the rest of the step."""
+    batch_dependent = True
+    fuses_rope = True
+    """Whether ``forward_qkv`` may hand the backend the whole rotate-and-attend chain (not in
+    batch-invariant mode, whose backend path takes rotated q and k)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, logit_softcap: float | None = None,
@@ -47,17 +51,25 @@ class Attention(nn.Module):
         """Whether this layer needs more than plain causal attention."""
         return bool(self.sliding_window or self.logit_softcap or self.sinks is not None)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def bind(self, platform: Platform) -> None:
+        super().bind(platform)
+        self.fuses_rope = not platform.batch_invariant
+
+    def forward_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, H, D]; cache: this layer's [2, num_blocks, bs, H, D]."""
         if meta.context_parallel is not None:  # the other ranks' pieces of split prompts
             meta.context_parallel.exchange_kv(cache, k, v)
-        if self.batch_invariant:
-            return meta.backend.forward_batch_invariant(q, k, v, cache, meta, self.scale)
         if self.is_variant:
             return meta.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window,
                                         self.logit_softcap, self.sinks)
         return meta.backend.forward(q, k, v, cache, meta, self.scale)
+
+    def forward_batch_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.context_parallel is not None:
+            meta.context_parallel.exchange_kv(cache, k, v)
+        return meta.backend.forward_batch_invariant(q, k, v, cache, meta, self.scale)
 
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, rotary: RotaryEmbedding,
                     cache: torch.Tensor, meta: AttentionMetadata, q_norm: RMSNorm | None = None,
@@ -66,7 +78,7 @@ class Attention(nn.Module):
         split into heads, q and k normalised per head (``q_norm``/``k_norm``, Qwen3) and
         rotated, then ``forward``; returns [T, Hq * D]. A backend may run the whole chain in
         one call (``AttentionBackend.rope_attention``; the cpu backend's C++ entry)."""
-        if not self.batch_invariant and meta.context_parallel is None:
+        if self.fuses_rope and meta.context_parallel is None:
             out = meta.backend.rope_attention(self, positions, qkv, rotary, q_norm, k_norm, cache, meta)
             if out is not None:
                 return out

@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +36,7 @@ from torch import nn
 
 from openinfer.distributed.eplb import Placement, initial_placement
 from openinfer.distributed.parallel_state import get_ep, get_tp
+from openinfer.kernels.custom_op import CustomOp
 from openinfer.layers.linear import narrow, reads_slices
 
 SCORING_FUNCS = ("softmax", "sigmoid", "topk_softmax")
@@ -178,13 +178,27 @@ class ClampedSiluAndMul:
         return F.silu(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
 
 
+class ExpertGemm(CustomOp):
+    """y = x @ W^T + b for one expert's rows. ``forward_cpu``: float32 calls of at most
+    SMALL_GEMM_ROWS rows (an expert's share of a decode step) run the C++ few-row kernel, which
+    streams the weight once; F.linear's MKL call costs more than the product at such sizes."""
+
+    def forward_native(self, x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def forward_cpu(self, x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.shape[0] > SMALL_GEMM_ROWS:
+            return F.linear(x, weight, bias)
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        self.cpu_kernels.small_gemm(out, x.contiguous(), weight, bias)
+        return out
+
+
 class FusedExperts(nn.Module):
     """``num_experts`` gated MLPs stored as two stacked tensors (and, with ``bias``, two
     stacked biases)."""
-
-    cpu_kernels: ModuleType | None = None
-    """The CPU kernel extension (``models.platform.use_cpu_kernels``), for experts with few
-    rows."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  bias: bool = False,
@@ -207,6 +221,7 @@ class FusedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         """This rank's share (all of it under expert parallelism)."""
         self.activation = activation
+        self.gemm = ExpertGemm()
         self.w13 = nn.Parameter(torch.empty(self.num_slots, 2 * intermediate_size, hidden_size),
                                 requires_grad=False)
         """Each expert's gate rows then its up rows."""
@@ -292,8 +307,8 @@ class FusedExperts(nn.Module):
                 continue
             rows = tokens[start:start + n]
             b13, b2 = (None, None) if self.b13 is None else (self.b13[slot], self.b2[slot])
-            gate, up = self._gemm(x[rows], self.w13[slot], b13).chunk(2, dim=-1)
-            y = self._gemm(self.activation(gate, up), self.w2[slot], b2)
+            gate, up = self.gemm(x[rows], self.w13[slot], b13).chunk(2, dim=-1)
+            y = self.gemm(self.activation(gate, up), self.w2[slot], b2)
             out.index_add_(0, rows, y * pair_weights[start:start + n, None])
             start += n
         return out
@@ -377,15 +392,6 @@ class FusedExperts(nn.Module):
         rank's replica takes it (token t goes to replica t mod replicas)."""
         local = self._physical_slots(ids) - self.first_slot
         return local.masked_fill_((local < 0) | (local >= self.num_slots), self.num_slots)
-
-    def _gemm(self, x: torch.Tensor, weight: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.cpu_kernels is not None and x.dtype == torch.float32 and x.shape[0] <= SMALL_GEMM_ROWS:
-            out = x.new_empty(x.shape[0], weight.shape[0])
-            self.cpu_kernels.small_gemm(out, x.contiguous(), weight, bias)
-            return out
-        return F.linear(x, weight, bias)
-
 
 
 class MoE(nn.Module):

@@ -8,11 +8,10 @@ by an attention factor; the rotation itself is the same for all of them.
 from __future__ import annotations
 
 import math
-from types import ModuleType
 
 import torch
-from torch import nn
 
+from openinfer.kernels.custom_op import CustomOp
 from openinfer.layers.norm import RMSNorm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -93,16 +92,13 @@ def _yarn_params(
     return inv_freq, float(attention_factor)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     """Applies RoPE to q and k from a precomputed float32 cos/sin cache.
 
     The cache holds ``max_position x rotary_dim`` floats, so build one per model and share it
-    across layers. Positions must be in ``[0, max_position)``.
+    across layers. Positions must be in ``[0, max_position)``. ``forward_cpu``: NeoX rotations
+    of whole heads run as one C++ pass over q and k (with Qwen3's q/k norms fused in).
     """
-
-    cpu_kernels: ModuleType | None = None
-    """The CPU kernel extension (set with the norms' by ``models.platform.use_cpu_kernels``):
-    NeoX rotations of whole heads then run as one C++ pass over q and k."""
 
     def __init__(
         self,
@@ -127,7 +123,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos() * attention_factor, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * attention_factor, persistent=False)
 
-    def forward(
+    def forward_native(
         self, positions: torch.LongTensor, q: torch.Tensor, k: torch.Tensor,
         q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,16 +134,28 @@ class RotaryEmbedding(nn.Module):
         ``positions [T]`` gives each token's position. Returns new tensors with the shapes and
         dtypes of q and k.
         """
-        in_kernel = self.cpu_kernels is not None and self._in_kernel(positions, q, k)
+        if q_norm is not None:
+            q, k = q_norm(q), k if k_norm is None else k_norm(k)
+        return self._rotate_pairs(positions, q, k)
+
+    def forward_cpu(
+        self, positions: torch.LongTensor, q: torch.Tensor, k: torch.Tensor,
+        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        in_kernel = self._in_kernel(positions, q, k)
         if q_norm is not None and not (in_kernel and self._fuses(q_norm, k_norm, q, k)):
             q, k, q_norm = q_norm(q), k if k_norm is None else k_norm(k), None  # norms, then RoPE
-            in_kernel = self.cpu_kernels is not None and self._in_kernel(positions, q, k)
-        if in_kernel:
-            q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
-            norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
-            self.cpu_kernels.rotary_neox(q_out, k_out, q, k, positions, self.cos_cache,
-                                         self.sin_cache, *norms)
-            return q_out, k_out
+            in_kernel = self._in_kernel(positions, q, k)
+        if not in_kernel:
+            return self._rotate_pairs(positions, q, k)
+        q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+        norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        self.cpu_kernels.rotary_neox(q_out, k_out, q, k, positions, self.cos_cache,
+                                     self.sin_cache, *norms)
+        return q_out, k_out
+
+    def _rotate_pairs(self, positions: torch.Tensor, q: torch.Tensor,
+                      k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos_cache[positions].unsqueeze(-2)  # [T, 1, rotary_dim / 2]: same for every head
         sin = self.sin_cache[positions].unsqueeze(-2)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
@@ -157,7 +165,7 @@ class RotaryEmbedding(nn.Module):
         """Whether the kernel can apply these q/k norms itself: both given, one eps, weights
         of the rows' dtype over the whole head (of at most 512 values: the kernel's buffer)."""
         return (k_norm is not None and q_norm.eps == k_norm.eps
-                and q_norm._in_kernel(q) and k_norm._in_kernel(k)
+                and q_norm.in_kernel(q) and k_norm.in_kernel(k)
                 and q_norm.weight.numel() == q.shape[-1] == k_norm.weight.numel() <= 512)
 
     def _in_kernel(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:

@@ -22,6 +22,7 @@ from torch import nn
 
 from openinfer.attention.base import AttentionMetadata
 from openinfer.distributed.parallel_state import get_tp
+from openinfer.kernels.custom_op import CustomOp
 from openinfer.kv.spec import FullAttentionSpec, KVSpec, SlidingWindowSpec
 from openinfer.layers.attention import Attention
 from openinfer.layers.embedding import LMHead, VocabEmbedding
@@ -29,6 +30,7 @@ from openinfer.layers.linear import MergedLinear, RowParallelLinear
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding, get_rope
+from openinfer.models import llama_cpu
 from openinfer.models.base import CausalLM
 
 
@@ -109,35 +111,52 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class DecoderStack(nn.Module):
+class DecoderStack(CustomOp):
     """embed -> decoder layers -> final norm; subclasses build ``embed_tokens``, ``layers`` and
-    ``norm``."""
+    ``norm``. ``forward_cpu``: Llama blocks run in one C++ call per step
+    (openinfer/models/llama_cpu.py) where it covers the model and the step."""
 
     embed_tokens: VocabEmbedding
     layers: nn.ModuleList
     norm: RMSNorm
-    fused_layers: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
-    """The layers in one C++ call per step (set by ``models.platform.use_cpu_kernels``;
-    openinfer/models/llama_cpu.py): (x, residual) after the last layer, or None for a step or
-    model it does not cover."""
 
     def __init__(self) -> None:
         super().__init__()
         self.cpu_layers: dict[torch.dtype, object] = {}
-        """That call per activation dtype (None: not covered), made at the first step."""
+        """The C++ call per activation dtype (None: not covered), made at the first step."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        if self.fused_layers is not None:
-            done = self.fused_layers(positions, x, kv_caches, metas)
-            if done is not None:
-                x, _ = self.norm(*done)
-                return x
+    def forward_native(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
+        return self._run_layers(self.embed_tokens(input_ids), positions, kv_caches, metas)
+
+    def forward_cpu(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        done = llama_cpu.run_layers(self, self.cpu_kernels, positions, x, kv_caches, metas)
+        if done is None:
+            return self._run_layers(x, positions, kv_caches, metas)
+        x, _ = self.norm(*done)
+        return x
+
+    def _run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                    metas: list[AttentionMetadata]) -> torch.Tensor:
+        residual = None
         for layer, cache, meta in zip(self.layers, kv_caches, metas):
             x, residual = layer(positions, x, residual, cache, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def llama_blocks(self) -> list[llama_cpu.LlamaBlock] | None:
+        """Each layer's (input norm, attention, post-attention norm, MLP) where every layer is a
+        plain Llama block, the one the C++ call computes; else None."""
+        blocks = []
+        for layer in self.layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if not (type(layer) is DecoderLayer and type(attn) is LlamaAttention
+                    and type(mlp) is GatedMLP):
+                return None
+            blocks.append((layer.input_layernorm, attn, layer.post_attention_layernorm, mlp))
+        return blocks
 
 
 class LlamaModel(DecoderStack):

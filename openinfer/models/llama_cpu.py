@@ -18,18 +18,34 @@ one.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from openinfer.attention.base import AttentionMetadata
 from openinfer.attention.cpu import attention_step, rope_kernel
 from openinfer.kernels.gemm_plan import PAD_FROM_ROWS, PAD_ROWS
 from openinfer.layers.linear import GemmLayer
 from openinfer.layers.mlp import GatedMLP
-from openinfer.models.llama import DecoderLayer, DecoderStack, LlamaAttention
+from openinfer.layers.norm import RMSNorm
+
+LlamaBlock = tuple[RMSNorm, Any, RMSNorm, GatedMLP]
+"""A layer's input norm, attention (``LlamaAttention``), post-attention norm and MLP."""
 
 
-def run_layers(stack: DecoderStack, kernels: ModuleType, positions: torch.Tensor, x: torch.Tensor,
+class FusableStack(Protocol):
+    """A decoder stack (``models.llama.DecoderStack``) as this call reads it."""
+
+    layers: nn.ModuleList
+    cpu_layers: dict[torch.dtype, object]
+    """The call per activation dtype (None: not covered), made at the first step."""
+
+    def llama_blocks(self) -> list[LlamaBlock] | None:
+        """Each layer's parts where every layer is a plain Llama block, else None."""
+
+
+def run_layers(stack: FusableStack, kernels: ModuleType, positions: torch.Tensor, x: torch.Tensor,
                caches: list[torch.Tensor], metas: list[AttentionMetadata]
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(x, residual) after the stack's last layer, in one C++ call; None where the call does
@@ -40,7 +56,9 @@ def run_layers(stack: DecoderStack, kernels: ModuleType, positions: torch.Tensor
     caches, metas = caches[:n], metas[:n]  # (a draft model is handed the runner's rest)
     layers = stack.cpu_layers.get(x.dtype, _UNDECIDED)
     if layers is _UNDECIDED:
-        layers = stack.cpu_layers[x.dtype] = _build(stack, kernels, x.dtype, caches)
+        blocks = stack.llama_blocks()
+        layers = stack.cpu_layers[x.dtype] = (None if blocks is None
+                                              else _build(blocks, kernels, x.dtype, caches))
     if layers is None or not layers.covers(x.shape[0]):
         return None
     for meta in metas:
@@ -52,8 +70,9 @@ def run_layers(stack: DecoderStack, kernels: ModuleType, positions: torch.Tensor
 _UNDECIDED = object()
 
 
-def _build(stack: DecoderStack, kernels: ModuleType, dtype: torch.dtype, caches: list[torch.Tensor]):
-    """The stack's ``DecoderLayers``, or None where some layer is not covered."""
+def _build(blocks: list[LlamaBlock], kernels: ModuleType, dtype: torch.dtype,
+           caches: list[torch.Tensor]):
+    """The blocks' ``DecoderLayers``, or None where some layer is not covered."""
     paths = dict(kernels.GEMM_PATHS)
 
     def gemm(linear: GemmLayer):
@@ -65,14 +84,12 @@ def _build(stack: DecoderStack, kernels: ModuleType, dtype: torch.dtype, caches:
         return kernels.Gemm(routes, plan.bias, PAD_FROM_ROWS, PAD_ROWS)
 
     built = []
-    for layer, cache in zip(stack.layers, caches):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if not (type(layer) is DecoderLayer and type(attn) is LlamaAttention and type(mlp) is GatedMLP):
-            return None
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if (attn.attn.batch_invariant or mlp.batch_invariant or mlp.activation != "silu"
-                or mlp.clamp_limit is not None or mlp.cpu_kernels is None
-                or any(n.cpu_kernels is None or n.weight.dtype != dtype for n in norms)):
+    for (input_norm, attn, post_norm, mlp), cache in zip(blocks, caches):
+        norms = (input_norm, post_norm)
+        # Each part bound to its CPU kernel path (not batch-invariant mode's, nor torch's).
+        if (not attn.attn.fuses_rope or mlp.forward_path != "forward_cpu"
+                or mlp.activation != "silu" or mlp.clamp_limit is not None
+                or any(n.forward_path != "forward_cpu" or n.weight.dtype != dtype for n in norms)):
             return None
         q_norm, k_norm = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
         attention = rope_kernel(attn.attn, dtype, attn.rotary, q_norm, k_norm, cache)

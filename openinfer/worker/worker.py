@@ -42,6 +42,7 @@ from openinfer.kernels.cpu_attention import (
     choose_bf16_dot,
     load_cpu_attention,
 )
+from openinfer.kernels.custom_op import Platform
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.plan import BlockLoad
 from openinfer.kv.spec import BlockLayout, KVSpec, LayerGroup, MLALatentSpec
@@ -49,7 +50,7 @@ from openinfer.layers.attention import Attention
 from openinfer.layers.moe import FusedExperts
 from openinfer.models.gemm_plans import describe_gemms
 from openinfer.models.loader import load_model
-from openinfer.models.platform import use_cpu_kernels
+from openinfer.models.platform import bind_platform
 from openinfer.spec.draft_model import DraftModelDrafter, check_draft_model
 from openinfer.spec.drafters import make_token_proposer
 from openinfer.spec.mtp import MTPDrafter, mtp_layers
@@ -84,9 +85,9 @@ class Worker:
                     gemm.text)
         self.attention = select_attention_backend(config.attention_backend, config.device)
         attention_dot, kept_bytes = "", 0
+        bind_platform(self.model, self._platform(mc.batch_invariant))
         if self.attention.name == "cpu":  # its extension also has the norms, SiLU-and-mul, GEMM
             kernels = load_cpu_attention()
-            use_cpu_kernels(self.model, kernels)
             attention_dot = self._choose_bf16_attention()
             if cpu_allocator.install(kernels):  # (after the load: its transient blocks are gone)
                 kept_bytes = cpu_allocator.cache_limit()
@@ -121,6 +122,12 @@ class Worker:
         self.kv_server: KVServer | None = None
 
     # ---- set-up -----------------------------------------------------------------------
+
+    def _platform(self, batch_invariant: bool) -> Platform:
+        """What a model here is bound to: the cpu attention backend's extension also has the
+        norms, rotary, SiLU-and-mul and few-row GEMM kernels."""
+        kernels = load_cpu_attention() if self.attention.name == "cpu" else None
+        return Platform(self.config.device, kernels, batch_invariant)
 
     def _choose_bf16_attention(self) -> str:
         """With a bf16 model on the cpu backend, the fastest bf16 product path of the
@@ -200,8 +207,7 @@ class Worker:
                                                    device=self.config.device)
         check_draft_model(mc, draft_config, self.config.tokenizer)
         model = load_model(draft_config, self.config.device, progress=progress)
-        if self.attention.name == "cpu":
-            use_cpu_kernels(model, load_cpu_attention())
+        bind_platform(model, self._platform(draft_config.batch_invariant))
         logger.info("draft model %s (%s, %.0fM parameters): %d tokens per proposal", spec.model,
                     draft_config.architecture, sum(p.numel() for p in model.parameters()) / 1e6,
                     spec.num_speculative_tokens)

@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from openinfer.kernels.custom_op import Platform
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding
-from openinfer.models.platform import use_cpu_kernels
+from openinfer.models.platform import bind_platform
 
 
 def _norms(kernels, hidden: int, dtype: torch.dtype = torch.float32) -> tuple[RMSNorm, RMSNorm]:
@@ -20,7 +21,7 @@ def _norms(kernels, hidden: int, dtype: torch.dtype = torch.float32) -> tuple[RM
     with torch.no_grad():
         plain.weight.normal_()
         fused.weight.copy_(plain.weight)
-    use_cpu_kernels(fused, kernels)
+    bind_platform(fused, Platform("cpu", kernels))
     return plain, fused
 
 
@@ -61,7 +62,7 @@ def test_a_float32_weight_on_bfloat16_rows_stays_on_torch(kernels):
     """DeepSeek-V4's norms keep float32 weights and round once at the end: not the kernel's
     rounding, so those calls take the torch path."""
     norm = RMSNorm(64, fp32_weight=True)
-    use_cpu_kernels(norm, kernels)
+    bind_platform(norm, Platform("cpu", kernels))
     x = torch.randn(4, 64).bfloat16()
     want = (norm.weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True)
                                                    + norm.eps))).bfloat16()
@@ -94,7 +95,7 @@ def test_the_gated_mlp_uses_the_kernel_where_it_applies(kernels, dtype):
             p.normal_(std=0.2)
     fused = GatedMLP(64, 96).to(dtype)
     fused.load_state_dict(plain.state_dict())
-    use_cpu_kernels(fused, kernels)
+    bind_platform(fused, Platform("cpu", kernels))
     calls = []
     real = kernels.silu_and_mul
 
@@ -106,13 +107,13 @@ def test_the_gated_mlp_uses_the_kernel_where_it_applies(kernels, dtype):
             calls.append(tuple(x.shape))
             return real(out, x)
 
-    fused.cpu_kernels = Counting()
+    bind_platform(fused, Platform("cpu", Counting()))
     x = torch.randn(7, 64).to(dtype)
     torch.testing.assert_close(fused(x), plain(x), rtol=1e-5 if dtype == torch.float32 else 0,
                                atol=1e-5 if dtype == torch.float32 else 0)
     assert calls == [(7, 192)]
     clamped = GatedMLP(64, 96, clamp_limit=0.5).to(dtype)  # DeepSeek-V4: torch's path
-    clamped.cpu_kernels = fused.cpu_kernels
+    bind_platform(clamped, Platform("cpu", fused.cpu_kernels))
     clamped(x)
     assert calls == [(7, 192)]
 
@@ -133,7 +134,7 @@ def test_rotary_is_bitwise_torchs(kernels, dtype, tokens):
     q, k = qkv[:, :1024].view(tokens, 16, 64), qkv[:, 1024:1280].view(tokens, 4, 64)
     positions = torch.randint(0, 4096, (tokens,))
     plain, fast = _rope(), _rope()
-    use_cpu_kernels(fast, kernels)
+    bind_platform(fast, Platform("cpu", kernels))
     for qi, ki in ((q, k), (q.contiguous(), k.contiguous())):
         for got, want in zip(fast(positions, qi, ki), plain(positions, qi, ki)):
             assert got.is_contiguous() and torch.equal(got, want)
@@ -152,10 +153,12 @@ def test_qk_norm_and_rotary_in_one_pass_give_the_bits_of_the_two_steps(kernels, 
     q_plain, q_norm = _norms(kernels, 64, dtype)
     k_plain, k_norm = _norms(kernels, 64, dtype)
     plain, fast = _rope(), _rope()
-    use_cpu_kernels(fast, kernels)
+    bind_platform(fast, Platform("cpu", kernels))
     calls = []
     real = kernels.rms_norm
-    q_norm.cpu_kernels = k_norm.cpu_kernels = _Recording(kernels, calls)
+    recording = Platform("cpu", _Recording(kernels, calls))
+    bind_platform(q_norm, recording)
+    bind_platform(k_norm, recording)
     fused = fast(positions, q, k, q_norm, k_norm)
     assert calls == []  # the norms ran inside the rotary kernel
     two_steps = fast(positions, _kernel_norm(real, q, q_norm), _kernel_norm(real, k, k_norm))
@@ -199,11 +202,11 @@ def test_rotary_variants_the_kernel_does_not_cover_stay_on_torch(kernels):
     positions = torch.tensor([0, 7, 4095])
     for make in (lambda: _rope(rotary_dim=32), lambda: _rope(interleaved=True)):
         plain, fast = make(), make()
-        fast.cpu_kernels = object()  # a poisoned extension: only the torch path succeeds
+        bind_platform(fast, Platform("cpu", object()))  # poisoned: only torch's path succeeds
         for got, want in zip(fast(positions, q, k), plain(positions, q, k)):
             assert torch.equal(got, want)
     fast = _rope()
-    use_cpu_kernels(fast, kernels)
+    bind_platform(fast, Platform("cpu", kernels))
     with pytest.raises(RuntimeError, match="a position past the cache"):
         fast(torch.tensor([4096, 0, 1]), q, k)
 
@@ -238,10 +241,12 @@ def test_float32_engines_on_the_cpu_backend_use_it(qwen3_checkpoint, kernels):
               kv_cache_memory=16 * 2**20)
     model = llm.engine.core.executor.worker.model
     norms = [m for m in model.modules() if isinstance(m, (RMSNorm, GatedMLP, RotaryEmbedding))]
-    assert len({type(m) for m in norms}) == 3 and all(m.cpu_kernels is kernels for m in norms)
+    assert len({type(m) for m in norms}) == 3
+    assert all(m.cpu_kernels is kernels and m.forward_path == "forward_cpu" for m in norms)
     reference = LLM(str(qwen3_checkpoint), progress=False, attention_backend="torch",
                     kv_cache_memory=16 * 2**20)
-    assert all(m.cpu_kernels is None for m in reference.engine.core.executor.worker.model.modules()
+    assert all(m.cpu_kernels is None and m.forward_path == "forward_native"
+               for m in reference.engine.core.executor.worker.model.modules()
                if isinstance(m, (RMSNorm, GatedMLP, RotaryEmbedding)))
 
 

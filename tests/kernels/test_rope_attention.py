@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from openinfer.attention import select_attention_backend
+from openinfer.kernels.custom_op import Platform
 from openinfer.layers.attention import Attention
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding, get_rope
-from openinfer.models.platform import use_cpu_kernels
+from openinfer.models.platform import bind_platform
 
 HEADS, KV_HEADS, BLOCK, LAYERS, NUM_BLOCKS = 8, 2, 16, 3, 64
 
@@ -41,7 +42,7 @@ def _layer(kernels, head_dim: int, dtype: torch.dtype, qk_norm: bool, **variant)
         for norm in norms:
             norm.weight.data.normal_(1.0, 0.2)
     for module in (rotary, *[n for n in norms if n is not None]):
-        use_cpu_kernels(module, kernels)
+        bind_platform(module, Platform("cpu", kernels))
     return attn, rotary, norms
 
 
@@ -103,7 +104,7 @@ def test_layers_the_call_does_not_cover_take_the_separate_steps(kernels):
     cases = [(partial, None, None), (interleaved, None, None), (get_rope(64, 4096, 10000.0, None), q_norm,
                                                                  k_norm)]
     for rotary, qn, kn in cases:
-        use_cpu_kernels(rotary, kernels)
+        bind_platform(rotary, Platform("cpu", kernels))
         attn.rope_kernels.clear()
         meta.derived.clear()
         out = attn.forward_qkv(positions, qkv, rotary, cache, meta, qn, kn)

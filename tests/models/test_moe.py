@@ -9,6 +9,7 @@ import transformers
 from test_hf_parity import PagedModel, _hf_logits, _prompts
 
 from openinfer import LLM, SamplingParams
+from openinfer.kernels.custom_op import Platform
 from openinfer.layers.moe import FusedExperts, Router, RoutingConfig
 
 MOE_CONFIGS = {
@@ -94,7 +95,7 @@ def test_fused_experts_match_a_loop_over_tokens_and_count_them(kernels):
 
         if load_cpu_attention() is None:
             pytest.skip("the CPU kernel extension cannot be built here")
-        experts.cpu_kernels = load_cpu_attention()
+        experts.gemm.bind(Platform("cpu", load_cpu_attention()))
     with torch.no_grad():
         experts.w13.normal_(std=0.3)
         experts.w2.normal_(std=0.3)
