@@ -8,7 +8,7 @@ import os
 import torch
 
 from openinfer.config import EngineConfig, ModelConfig
-from openinfer.models.deepseek import num_routed_experts
+from openinfer.models.arch import num_routed_experts
 from openinfer.models.registry import get_model_class
 
 
