@@ -216,7 +216,7 @@ class ArchConfig:
 
 def _moe(hf: dict[str, Any]) -> MoEArch:
     return MoEArch(
-        num_experts=num_routed_experts(hf), top_k=hf.get("num_experts_per_tok", 0),
+        num_experts=_routed_experts(hf), top_k=hf.get("num_experts_per_tok", 0),
         intermediate_size=hf.get("moe_intermediate_size") or 0,
         num_shared_experts=hf.get("n_shared_experts") or 0,
         first_dense_layers=hf.get("first_k_dense_replace", 0),
@@ -229,7 +229,7 @@ def _moe(hf: dict[str, Any]) -> MoEArch:
     )
 
 
-def num_routed_experts(hf: dict[str, Any]) -> int:
+def _routed_experts(hf: dict[str, Any]) -> int:
     """Hub configs say n_routed_experts (DeepSeek) or num_experts (Qwen3-MoE); transformers 5
     may save either as num_local_experts (Mixtral's and gpt-oss's name)."""
     return hf.get("n_routed_experts") or hf.get("num_local_experts") or hf.get("num_experts") or 0
