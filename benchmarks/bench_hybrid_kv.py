@@ -103,11 +103,12 @@ def v4_figures(length: int = 32768, prompt: int = 30720) -> str:
     import torch
     import transformers
 
+    from openinfer.models.arch import ArchConfig
     from openinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     hf = transformers.DeepseekV4Config().to_dict()
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(hf)
+        model = DeepseekV4ForCausalLM(ArchConfig.from_hf(hf))
     groups = group_layers(model.kv_cache_specs(BLOCK, "bfloat16"))
     kv = KVCacheManager(groups, 4 * len(groups) * length // BLOCK, enable_caching=False)
     computed = 0

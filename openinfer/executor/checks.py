@@ -8,7 +8,7 @@ import os
 import torch
 
 from openinfer.config import EngineConfig, ModelConfig
-from openinfer.models.deepseek import num_routed_experts
+from openinfer.models.arch import ArchConfig
 from openinfer.models.registry import get_model_class
 
 
@@ -44,11 +44,12 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     if size == 1:
         return
     _check_ranks_fit(config, size, "tensor_parallel_size")
-    _check_split(mc.architecture, mc.hf_config, size, config.enable_expert_parallel)
+    _check_split(mc.architecture, ArchConfig.from_hf(mc.hf_config), size, config.enable_expert_parallel)
     spec = config.speculative
     if spec is not None and spec.method == "draft_model":  # split like the target
         draft = ModelConfig.from_pretrained(spec.model)
-        _check_split(draft.architecture, draft.hf_config, size, False, "the draft model's ")
+        _check_split(draft.architecture, ArchConfig.from_hf(draft.hf_config), size, False,
+                     "the draft model's ")
     # (Every speculative method runs split: token drafters alike on every rank, a draft
     # model or MTP module split like the target, its layers reading the same parallel state.)
     _refuse_unsupported(config, f"tensor_parallel_size {size}", {
@@ -63,19 +64,18 @@ def check_tensor_parallel(config: EngineConfig) -> None:
             _disaggregated(config) and config.distributed_executor_backend == "ray"})
 
 
-def _check_split(architecture: str, hf: dict, size: int, expert_parallel: bool,
+def _check_split(architecture: str, arch: ArchConfig, size: int, expert_parallel: bool,
                  whose: str = "") -> None:
     """Refuse a model that ``size`` tensor-parallel ranks cannot split, naming why."""
     if not get_model_class(architecture).supports_tensor_parallel:
         raise ValueError(f"tensor_parallel_size {size}: {whose}{architecture} cannot be split "
                          "yet (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and "
                          "DeepSeek-V2/V3/V4 models can)")
-    heads = hf["num_attention_heads"]
-    kv_heads = hf.get("num_key_value_heads") or heads
-    sizes = [(heads, "num_attention_heads"), (hf.get("intermediate_size", 0), "intermediate_size"),
-             (hf.get("o_groups", 0), "o_groups")]
-    if hf.get("moe_intermediate_size") and not expert_parallel:
-        sizes.append((hf["moe_intermediate_size"], "moe_intermediate_size"))
+    heads, kv_heads = arch.num_heads, arch.num_kv_heads
+    sizes = [(heads, "num_attention_heads"), (arch.intermediate_size, "intermediate_size"),
+             (arch.raw.get("o_groups", 0), "o_groups")]  # DeepSeek-V4's grouped output
+    if arch.moe.intermediate_size and not expert_parallel:
+        sizes.append((arch.moe.intermediate_size, "moe_intermediate_size"))
     for n, what in sizes:
         if n % size:
             raise ValueError(f"tensor_parallel_size {size} does not divide {whose}{what} ({n})")
@@ -88,7 +88,8 @@ def check_expert_parallel(config: EngineConfig) -> None:
     """Refuse at start-up an expert-parallel split the model cannot take."""
     if not config.enable_expert_parallel:
         return
-    experts = num_routed_experts(config.model.hf_config)
+    moe = ArchConfig.from_hf(config.model.hf_config).moe
+    experts = moe.num_experts
     if not experts:
         raise ValueError(f"enable_expert_parallel: {config.model.architecture} has no routed "
                          "experts (it is not a mixture-of-experts model)")
@@ -104,7 +105,7 @@ def check_expert_parallel(config: EngineConfig) -> None:
         raise ValueError(f"expert parallel size {size} ({ranks}) does not divide the physical "
                          f"experts ({experts} routed + {redundant} redundant)")
     if config.eplb is not None and config.eplb.policy == "hierarchical":
-        groups = config.model.hf_config.get("n_group") or 1
+        groups = moe.num_groups
         nodes = config.nodes.nnodes if dp.size == 1 else 1  # (a DP group's are not known)
         per_node = (experts + redundant) // nodes
         if nodes == 1 or groups % nodes or size % nodes or experts % groups \

@@ -180,3 +180,40 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.gemm(x))
+
+
+class QKVParallelLinear(MergedLinear):
+    """The q, k and v projections of a (GQA) attention in one column-parallel matmul: this
+    rank's query heads, then its KV heads' keys and values. The head split is decided here, so
+    an attention layer reads ``num_heads`` and ``num_kv_heads`` (this rank's) and does no
+    tensor-parallel arithmetic.
+
+    A rank holds ``total_heads / tp`` query heads. KV heads are split the same way, or, with
+    fewer KV heads than ranks, replicated: each rank holds one, KV head ``rank * kv / tp``
+    (so ``tp / kv`` neighbouring ranks share it, as their query heads attend to it). The
+    loader reads each part's rows from where this rank's heads start in the checkpoint::
+
+        checkpoint q_proj  [h0 h1 | h2 h3]      k_proj / v_proj  [k0]   (tp 2, 1 KV head)
+        rank 0 qkv_proj    [h0 h1  k0  v0]      rank 1 qkv_proj  [h2 h3  k0  v0]
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, total_heads: int, total_kv_heads: int,
+                 bias: bool = False) -> None:
+        self.tp = get_tp()
+        self.head_dim = head_dim
+        self.num_heads = self.tp.split(total_heads, "num_attention_heads")
+        """This rank's query heads."""
+        # This rank's KV heads: its share, or one replicated head when there are fewer than ranks.
+        if total_kv_heads >= self.tp.size:
+            self.num_kv_heads = self.tp.split(total_kv_heads, "num_key_value_heads")
+            first_kv_head = self.tp.rank * self.num_kv_heads
+        else:
+            if self.tp.size % total_kv_heads:
+                raise ValueError(f"num_key_value_heads ({total_kv_heads}) does not divide "
+                                 f"tensor_parallel_size {self.tp.size}")
+            self.num_kv_heads = 1
+            first_kv_head = self.tp.rank * total_kv_heads // self.tp.size
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias,
+                         shard_offsets=None if self.tp.size == 1 else [
+                             self.tp.rank * q_size, *[first_kv_head * head_dim] * 2])

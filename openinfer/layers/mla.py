@@ -27,6 +27,7 @@ latent entry: MLA's cache is not split (it is already one head wide).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,10 +40,10 @@ from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding
 
 
-def yarn_softmax_scale(hf: dict, head_dim: int) -> float:
-    """head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when the config asks."""
+def yarn_softmax_scale(rope_scaling: dict | None, head_dim: int) -> float:
+    """head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when the RoPE scaling asks."""
     scale = head_dim**-0.5
-    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    scaling = rope_scaling or {}
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     mscale_all_dim = scaling.get("mscale_all_dim") or 0
     factor = scaling.get("factor", 1.0)
@@ -52,19 +53,39 @@ def yarn_softmax_scale(hf: dict, head_dim: int) -> float:
     return scale
 
 
+@dataclass(frozen=True)
+class MLAConfig:
+    """The shape of a latent attention (openinfer.models.arch reads it from config.json)."""
+
+    hidden_size: int
+    num_heads: int
+    """Heads of all tensor-parallel ranks (``num_attention_heads``)."""
+    nope_dim: int
+    """Each head's query/key dims without position (``qk_nope_head_dim``) ..."""
+    rope_dim: int
+    """... and with RoPE (``qk_rope_head_dim``, one key part shared by all heads)."""
+    v_dim: int
+    """Each head's value dims (``v_head_dim``)."""
+    latent_dim: int
+    """The cached latent (``kv_lora_rank``)."""
+    q_lora_rank: int
+    """The queries' low-rank projection (``q_lora_rank``); 0: q projected directly."""
+    bias: bool
+    """Biases on the input and output projections (``attention_bias``)."""
+    scale: float
+    """The softmax scale (``yarn_softmax_scale``)."""
+
+
 class MLAAttention(nn.Module):
-    def __init__(self, hf: dict, rotary: RotaryEmbedding) -> None:
+    def __init__(self, mla: MLAConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        hidden = hf["hidden_size"]
-        total_heads = hf["num_attention_heads"]
+        hidden, total_heads = mla.hidden_size, mla.num_heads
         self.num_heads = get_tp().split(total_heads, "num_attention_heads")
         """This rank's heads."""
-        self.nope_dim = hf["qk_nope_head_dim"]
-        self.rope_dim = hf["qk_rope_head_dim"]
-        self.v_dim = hf["v_head_dim"]
-        self.latent_dim = hf["kv_lora_rank"]
-        self.q_lora_rank = hf.get("q_lora_rank")
-        bias = bool(hf.get("attention_bias", False))
+        self.nope_dim, self.rope_dim, self.v_dim = mla.nope_dim, mla.rope_dim, mla.v_dim
+        self.latent_dim = mla.latent_dim
+        self.q_lora_rank = mla.q_lora_rank
+        bias = mla.bias
         qk_dim = self.nope_dim + self.rope_dim
         if self.q_lora_rank:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
@@ -78,7 +99,7 @@ class MLAAttention(nn.Module):
                                               total_heads * (self.nope_dim + self.v_dim))
         self.o_proj = RowParallelLinear(total_heads * self.v_dim, hidden, bias=bias)
         self.rotary = rotary
-        self.scale = yarn_softmax_scale(hf, qk_dim)
+        self.scale = mla.scale
         self.w_uk: torch.Tensor | None = None
         """W_UK as [H, nope, latent]: the absorbed decode's query map (process_weights_after_loading)."""
         self.w_uv_t: torch.Tensor | None = None

@@ -14,6 +14,8 @@ from openinfer.kv.spec import KVSpec
 
 
 class CausalLM(nn.Module):
+    """Built as ``cls(ArchConfig.from_hf(config_json))`` (openinfer/models/arch.py)."""
+
     packed_modules: ClassVar[dict[str, tuple[str, int]]] = {}
     """Checkpoint module names that load into a slice of one merged parameter
     (``q_proj`` -> (``qkv_proj``, 0))."""

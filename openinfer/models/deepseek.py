@@ -19,30 +19,30 @@ from openinfer.attention.base import AttentionMetadata
 from openinfer.kv.spec import KVSpec, MLALatentSpec
 from openinfer.layers.embedding import LMHead, VocabEmbedding
 from openinfer.layers.linear import Linear
-from openinfer.layers.mla import MLAAttention
+from openinfer.layers.mla import MLAAttention, MLAConfig
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.moe import MoE, RoutingConfig
 from openinfer.layers.norm import RMSNorm
-from openinfer.layers.rotary import RotaryEmbedding, get_rope
+from openinfer.layers.rotary import RotaryEmbedding
+from openinfer.models.arch import ArchConfig
 from openinfer.models.base import CausalLM
-from openinfer.models.llama import DecoderLayer, DecoderStack, require_silu, rope_scaling, rope_theta
+from openinfer.models.llama import DecoderLayer, DecoderStack, require_silu, shared_rope
 
 
 class DeepseekModel(DecoderStack):
-    def __init__(self, hf: dict, routing: RoutingConfig | None, interleaved_rope: bool) -> None:
+    def __init__(self, arch: ArchConfig, routing: RoutingConfig | None, interleaved_rope: bool) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(hf["vocab_size"], hf["hidden_size"])
-        rope_dim = hf["qk_rope_head_dim"]
-        rotary = get_rope(rope_dim, hf["max_position_embeddings"], rope_theta(hf), rope_scaling(hf),
-                          interleaved=interleaved_rope)
+        mla = arch.mla()
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
+        rotary = shared_rope(arch, mla.rope_dim, interleaved_rope)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf, MLAAttention(hf, rotary), _mlp(hf, i, routing))
-            for i in range(hf["num_hidden_layers"])
+            DecoderLayer(arch, MLAAttention(mla, rotary), _mlp(arch, i, routing))
+            for i in range(arch.num_layers)
         )
-        self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
-        n = hf["num_hidden_layers"]
-        self.mtp = nn.ModuleList(DeepseekMTPLayer(hf, n + k, routing, rotary)
-                                 for k in range(hf.get("num_nextn_predict_layers") or 0))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        n = arch.num_layers
+        self.mtp = nn.ModuleList(DeepseekMTPLayer(arch, mla, n + k, routing, rotary)
+                                 for k in range(arch.num_mtp_layers))
 
 
 class DeepseekMTPLayer(nn.Module):
@@ -54,35 +54,31 @@ class DeepseekMTPLayer(nn.Module):
         h' = eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)]) -> decoder block -> norm -> head
     """
 
-    def __init__(self, hf: dict, layer: int, routing: RoutingConfig | None,
+    def __init__(self, arch: ArchConfig, mla: MLAConfig, layer: int, routing: RoutingConfig | None,
                  rotary: RotaryEmbedding) -> None:
         super().__init__()
-        hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
-        self.embed_tokens = VocabEmbedding(hf["vocab_size"], hidden)
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, hidden)
         self.enorm = RMSNorm(hidden, eps)
         self.hnorm = RMSNorm(hidden, eps)
         self.eh_proj = Linear(2 * hidden, hidden)
-        self.block = DecoderLayer(hf, MLAAttention(hf, rotary), _mlp(hf, layer, routing))
+        self.block = DecoderLayer(arch, MLAAttention(mla, rotary), _mlp(arch, layer, routing))
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(hidden, eps)
-        self.shared_head.head = LMHead(hf["vocab_size"], hidden, None)
+        self.shared_head.head = LMHead(arch.vocab_size, hidden, None)
 
 
-def _mlp(hf: dict, layer: int, routing: RoutingConfig | None) -> nn.Module:
-    require_silu(hf)
-    sparse = (routing is not None and layer >= hf.get("first_k_dense_replace", 0)
-              and layer % (hf.get("moe_layer_freq") or 1) == 0)
+def _mlp(arch: ArchConfig, layer: int, routing: RoutingConfig | None) -> nn.Module:
+    """A dense MLP in the first ``first_k_dense_replace`` layers, DeepSeekMoE (routed experts
+    and the shared ones as one MLP) in every ``moe_layer_freq``-th after."""
+    require_silu(arch)
+    moe = arch.moe
+    sparse = routing is not None and layer >= moe.first_dense_layers and layer % moe.layer_freq == 0
     if not sparse:
-        return GatedMLP(hf["hidden_size"], hf["intermediate_size"])
-    inter = hf["moe_intermediate_size"]
-    shared = hf.get("n_shared_experts") or 0
-    return MoE(hf["hidden_size"], inter, routing,
-               GatedMLP(hf["hidden_size"], inter * shared) if shared else None)
-
-
-def num_routed_experts(hf: dict) -> int:
-    """Hub configs say n_routed_experts; transformers 5 may save it under an alias."""
-    return hf.get("n_routed_experts") or hf.get("num_local_experts") or hf.get("num_experts") or 0
+        return GatedMLP(arch.hidden_size, arch.intermediate_size)
+    inter, shared = moe.intermediate_size, moe.num_shared_experts
+    return MoE(arch.hidden_size, inter, routing,
+               GatedMLP(arch.hidden_size, inter * shared) if shared else None)
 
 
 class DeepseekV2ForCausalLM(CausalLM):
@@ -93,14 +89,17 @@ class DeepseekV2ForCausalLM(CausalLM):
     """Checkpoints converted by transformers keep num_nextn_predict_layers but drop the MTP
     weights: the model then loads without them."""
 
-    def __init__(self, hf: dict) -> None:
+    default_topk_method = "greedy"
+    """How experts are picked where the config does not say (V3: ``noaux_tc``)."""
+
+    def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
-        self.model = DeepseekModel(hf, self.routing(hf), self.interleaved_rope(hf))
-        tied = self.model.embed_tokens if hf.get("tie_word_embeddings", False) else None
-        self.lm_head = LMHead(hf["vocab_size"], hf["hidden_size"], tied)
+        self.model = DeepseekModel(arch, self.routing(arch), self.interleaved_rope(arch))
+        tied = self.model.embed_tokens if arch.tie_word_embeddings else None
+        self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, tied)
         # The MTP layers follow the decoder layers in the checkpoint; their decoder block's
         # names (self_attn, mlp, the two norms) sit directly under the layer.
-        n = hf["num_hidden_layers"]
+        n = arch.num_layers
         self.checkpoint_prefixes = {}
         for k in range(len(self.model.mtp)):
             own = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
@@ -109,20 +108,20 @@ class DeepseekV2ForCausalLM(CausalLM):
             self.checkpoint_prefixes[f"model.layers.{n + k}."] = f"model.mtp.{k}.block."
 
     @classmethod
-    def routing(cls, hf: dict) -> RoutingConfig | None:
-        experts = num_routed_experts(hf)
-        if not experts:
+    def routing(cls, arch: ArchConfig) -> RoutingConfig | None:
+        moe = arch.moe
+        if not moe.num_experts:
             return None
-        method = hf.get("topk_method") or "greedy"
+        method = moe.topk_method or cls.default_topk_method
         return RoutingConfig(
-            num_experts=experts, top_k=hf["num_experts_per_tok"],
-            scoring=hf.get("scoring_func") or ("sigmoid" if method == "noaux_tc" else "softmax"),
-            method=method, num_groups=hf.get("n_group") or 1, topk_groups=hf.get("topk_group") or 1,
-            renormalize=bool(hf.get("norm_topk_prob", False)) and hf["num_experts_per_tok"] > 1,
-            scaling=float(hf.get("routed_scaling_factor") or 1.0), fp32_logits=True)
+            num_experts=moe.num_experts, top_k=moe.top_k,
+            scoring=moe.scoring_func or ("sigmoid" if method == "noaux_tc" else "softmax"),
+            method=method, num_groups=moe.num_groups, topk_groups=moe.topk_groups,
+            renormalize=moe.norm_topk_prob and moe.top_k > 1,
+            scaling=moe.routed_scaling_factor, fp32_logits=True)
 
     @classmethod
-    def interleaved_rope(cls, hf: dict) -> bool:
+    def interleaved_rope(cls, arch: ArchConfig) -> bool:
         return True
 
     def kv_cache_specs(self, block_size: int, dtype: str) -> list[KVSpec | None]:
@@ -139,10 +138,8 @@ class DeepseekV2ForCausalLM(CausalLM):
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
-    @classmethod
-    def routing(cls, hf: dict) -> RoutingConfig | None:
-        return super().routing({"topk_method": "noaux_tc", **hf})
+    default_topk_method = "noaux_tc"
 
     @classmethod
-    def interleaved_rope(cls, hf: dict) -> bool:
-        return bool(hf.get("rope_interleave", True))
+    def interleaved_rope(cls, arch: ArchConfig) -> bool:
+        return bool(arch.raw.get("rope_interleave", True))  # V3's own switch

@@ -57,10 +57,8 @@ from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.moe import ClampedSiluAndMul, FusedExperts
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import _default_inv_freq, _yarn_params
+from openinfer.models.arch import CSA, HCA, SLIDING, ArchConfig, V4Arch
 from openinfer.models.base import CausalLM
-
-SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-DEFAULT_RATES = {CSA: 4, HCA: 128}
 
 
 class V4Rope:
@@ -153,13 +151,12 @@ class Indexer(nn.Module):
     and per query ``index_n_heads`` scores ``relu(q_h . k)`` weighted per head; each query
     keeps the entries of its top ``index_topk`` scores."""
 
-    def __init__(self, hf: dict, ratio: int, eps: float) -> None:
+    def __init__(self, arch: ArchConfig, v4: V4Arch, ratio: int) -> None:
         super().__init__()
-        self.num_heads, self.head_dim = hf["index_n_heads"], hf["index_head_dim"]
-        self.topk = hf["index_topk"]
-        self.compressor = Compressor(hf["hidden_size"], self.head_dim, ratio, True, eps)
-        self.wq_b = Linear(hf["q_lora_rank"], self.num_heads * self.head_dim)
-        self.weights_proj = Linear(hf["hidden_size"], self.num_heads)
+        self.num_heads, self.head_dim, self.topk = v4.index_heads, v4.index_head_dim, v4.index_topk
+        self.compressor = Compressor(arch.hidden_size, self.head_dim, ratio, True, arch.rms_norm_eps)
+        self.wq_b = Linear(v4.q_lora_rank, self.num_heads * self.head_dim)
+        self.weights_proj = Linear(arch.hidden_size, self.num_heads)
 
 
 class V4Attention(nn.Module):
@@ -169,38 +166,37 @@ class V4Attention(nn.Module):
     key/value head, the compressors and the indexer are shared by all heads, so every rank
     computes and caches them whole (as MLA's latent)."""
 
-    def __init__(self, hf: dict, layer: int, ropes: dict[str, V4Rope]) -> None:
+    def __init__(self, arch: ArchConfig, v4: V4Arch, layer: int, ropes: dict[str, V4Rope]) -> None:
         super().__init__()
-        hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
         tp = get_tp()
-        self.kind = hf["layer_types"][layer]
-        self.num_heads = tp.split(hf["num_attention_heads"], "num_attention_heads")  # this rank's
-        self.head_dim = hf["head_dim"]
-        self.window = hf["sliding_window"]
+        self.kind = v4.layer_types[layer]
+        self.num_heads = tp.split(arch.num_heads, "num_attention_heads")  # this rank's
+        self.head_dim = arch.head_dim
+        self.window = v4.window
         self.eps = eps
         self.rope = ropes["main" if self.kind == SLIDING else "compress"]
-        self.wq_a = Linear(hidden, hf["q_lora_rank"])
-        self.q_norm = RMSNorm(hf["q_lora_rank"], eps, fp32_weight=True)
-        self.wq_b = ColumnParallelLinear(hf["q_lora_rank"], hf["num_attention_heads"] * self.head_dim,
+        self.wq_a = Linear(hidden, v4.q_lora_rank)
+        self.q_norm = RMSNorm(v4.q_lora_rank, eps, fp32_weight=True)
+        self.wq_b = ColumnParallelLinear(v4.q_lora_rank, arch.num_heads * self.head_dim,
                                          what="num_attention_heads x head_dim")
         self.wkv = Linear(hidden, self.head_dim)
         self.norm = RMSNorm(self.head_dim, eps, fp32_weight=True)
-        self.groups, self.group_rank = tp.split(hf["o_groups"], "o_groups"), hf["o_lora_rank"]
+        self.groups, self.group_rank = tp.split(v4.o_groups, "o_groups"), v4.o_lora_rank
         self.wo_a = nn.Module()  # grouped: [groups * rank, heads * head_dim / groups]
         self.wo_a.weight = nn.Parameter(
             torch.empty(self.groups * self.group_rank, self.num_heads * self.head_dim // self.groups),
             requires_grad=False)
         self.wo_a.weight.weight_loader = _rank_rows(tp.rank)
-        self.wo_b = RowParallelLinear(hf["o_groups"] * self.group_rank, hidden)
+        self.wo_b = RowParallelLinear(v4.o_groups * self.group_rank, hidden)
         self.attn_sink = _fp32_param(self.num_heads)
         self.attn_sink.weight_loader = _rank_rows(tp.rank)
         self.ratio = 0
         if self.kind != SLIDING:
-            rates = {**DEFAULT_RATES, **(hf.get("compress_rates") or {})}
-            self.ratio = rates[self.kind]
+            self.ratio = v4.compress_rates[self.kind]
             self.compressor = Compressor(hidden, self.head_dim, self.ratio, self.kind == CSA, eps)
             if self.kind == CSA:
-                self.indexer = Indexer(hf, self.ratio, eps)
+                self.indexer = Indexer(arch, v4, self.ratio)
 
     # ---- the layer's KV slots ------------------------------------------------------------
 
@@ -352,17 +348,17 @@ class V4MoE(nn.Module):
     hash layers), renormalised weights times ``routed_scaling_factor``; clamped SwiGLU experts
     and one shared expert."""
 
-    def __init__(self, hf: dict, hashed: bool) -> None:
+    def __init__(self, arch: ArchConfig, v4: V4Arch, hashed: bool) -> None:
         super().__init__()
-        hidden, inter = hf["hidden_size"], hf["moe_intermediate_size"]
-        experts, self.top_k = hf["n_routed_experts"], hf["num_experts_per_tok"]
-        self.scaling = hf.get("routed_scaling_factor", 1.5)
-        limit = hf.get("swiglu_limit", 10.0)
+        hidden, inter = arch.hidden_size, arch.moe.intermediate_size
+        experts, self.top_k = arch.moe.num_experts, arch.moe.top_k
+        self.scaling = v4.routed_scaling_factor
+        limit = v4.swiglu_limit
         self.hashed = hashed
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)
         if hashed:
-            self.gate.tid2eid = nn.Parameter(torch.zeros(hf["vocab_size"], self.top_k, dtype=torch.long),
+            self.gate.tid2eid = nn.Parameter(torch.zeros(arch.vocab_size, self.top_k, dtype=torch.long),
                                              requires_grad=False)
         else:
             self.gate.bias = _fp32_param(experts)  # the expert-score correction: choice only
@@ -382,16 +378,16 @@ class V4MoE(nn.Module):
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, hf: dict, layer: int, ropes: dict[str, V4Rope]) -> None:
+    def __init__(self, arch: ArchConfig, v4: V4Arch, layer: int, ropes: dict[str, V4Rope]) -> None:
         super().__init__()
-        hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
-        streams, iters, hc_eps = hf.get("hc_mult", 4), hf.get("hc_sinkhorn_iters", 20), hf.get("hc_eps", 1e-6)
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
+        streams, iters, hc_eps = v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps
         self.hc_attn = HyperConnection(streams, hidden, iters, hc_eps, eps)
         self.attn_norm = RMSNorm(hidden, eps, fp32_weight=True)
-        self.attn = V4Attention(hf, layer, ropes)
+        self.attn = V4Attention(arch, v4, layer, ropes)
         self.hc_ffn = HyperConnection(streams, hidden, iters, hc_eps, eps)
         self.ffn_norm = RMSNorm(hidden, eps, fp32_weight=True)
-        self.ffn = V4MoE(hf, mlp_layer_types(hf)[layer] == "hash_moe")
+        self.ffn = V4MoE(arch, v4, v4.mlp_layer_types[layer] == "hash_moe")
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, input_ids: torch.Tensor,
                 caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
@@ -403,33 +399,19 @@ class V4DecoderLayer(nn.Module):
         return HyperConnection.write_back(h, post, comb, y)
 
 
-def mlp_layer_types(hf: dict) -> list[str]:
-    types = hf.get("mlp_layer_types")
-    if types is None:
-        hashed = hf.get("num_hash_layers", 3)
-        types = ["hash_moe" if i < hashed else "moe" for i in range(hf["num_hidden_layers"])]
-    return types
-
-
 class DeepseekV4Model(nn.Module):
-    def __init__(self, hf: dict) -> None:
+    def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
-        hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
-        rope_dim = int(hf["head_dim"] * (hf.get("partial_rotary_factor") or 64 / hf["head_dim"]))
-        max_position = hf.get("max_position_embeddings", 1 << 20)
-        params = hf.get("rope_parameters") or {}
-        main = params.get("main") or {}
-        compress = params.get("compress") or {}
+        v4 = arch.deepseek_v4()
+        hidden, eps, max_position = arch.hidden_size, arch.rms_norm_eps, arch.rope.max_position
         ropes = {
-            "main": V4Rope(rope_dim, main.get("rope_theta", hf.get("rope_theta", 10000.0)), None,
-                           max_position),
-            "compress": V4Rope(rope_dim, compress.get("rope_theta", hf.get("compress_rope_theta", 160000.0)),
-                               compress, max_position),
+            "main": V4Rope(v4.rope_dim, v4.main_rope_theta, None, max_position),
+            "compress": V4Rope(v4.rope_dim, v4.compress_rope_theta, v4.compress_rope, max_position),
         }
-        self.streams = hf.get("hc_mult", 4)
-        self.embed_tokens = VocabEmbedding(hf["vocab_size"], hidden)
-        self.layers = nn.ModuleList(V4DecoderLayer(hf, i, ropes) for i in range(hf["num_hidden_layers"]))
-        self.hc_head = HyperHead(self.streams, hidden, hf.get("hc_eps", 1e-6), eps)
+        self.streams = v4.hc_mult
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, hidden)
+        self.layers = nn.ModuleList(V4DecoderLayer(arch, v4, i, ropes) for i in range(arch.num_layers))
+        self.hc_head = HyperHead(self.streams, hidden, v4.hc_eps, eps)
         self.norm = RMSNorm(hidden, eps, fp32_weight=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -459,10 +441,10 @@ class DeepseekV4ForCausalLM(CausalLM):
         **{f"hc_{part}_{p}": f"hc_{part}.{p}" for part in ("attn", "ffn") for p in ("fn", "base", "scale")},
     }
 
-    def __init__(self, hf: dict) -> None:
+    def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
-        self.model = DeepseekV4Model(hf)
-        self.head = LMHead(hf["vocab_size"], hf["hidden_size"], None)
+        self.model = DeepseekV4Model(arch)
+        self.head = LMHead(arch.vocab_size, arch.hidden_size, None)
 
     def kv_cache_specs(self, block_size: int, dtype: str) -> list[KVSpec | None]:
         """The KV cache slots of every layer, in layer order (see the module docstring)."""

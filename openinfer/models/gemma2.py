@@ -20,16 +20,8 @@ from openinfer.layers.attention import Attention
 from openinfer.layers.embedding import LMHead, VocabEmbedding
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.norm import RMSNorm
-from openinfer.layers.rotary import get_rope
-from openinfer.models.llama import (
-    BlockVariant,
-    DecoderStack,
-    LlamaAttention,
-    LlamaForCausalLM,
-    rope_scaling,
-    rope_theta,
-    sliding_window,
-)
+from openinfer.models.arch import ArchConfig
+from openinfer.models.llama import BlockVariant, DecoderStack, LlamaAttention, LlamaForCausalLM, shared_rope
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -57,9 +49,9 @@ class Gemma2DecoderLayer(nn.Module):
     """x + norm(attn(norm(x))), then + norm(mlp(norm(x))); the residual add is fused into the
     next norm, as in ``DecoderLayer`` (the layer returns its MLP branch and the running sum)."""
 
-    def __init__(self, hf: dict, attn: nn.Module, mlp: nn.Module) -> None:
+    def __init__(self, arch: ArchConfig, attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.self_attn = attn
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
@@ -79,40 +71,39 @@ class Gemma2DecoderLayer(nn.Module):
 
 
 class Gemma2Model(DecoderStack):
-    def __init__(self, hf: dict, variant: BlockVariant) -> None:
+    def __init__(self, arch: ArchConfig, variant: BlockVariant) -> None:
         super().__init__()
-        hidden = hf["hidden_size"]
-        self.embed_tokens = ScaledEmbedding(hf["vocab_size"], hidden)
-        head_dim = hf.get("head_dim") or hidden // hf["num_attention_heads"]
-        rotary = get_rope(head_dim, hf["max_position_embeddings"], rope_theta(hf), rope_scaling(hf))
-        scale = hf.get("query_pre_attn_scalar", head_dim) ** -0.5
+        hidden, head_dim = arch.hidden_size, arch.head_dim
+        self.embed_tokens = ScaledEmbedding(arch.vocab_size, hidden)
+        rotary = shared_rope(arch)
+        # Gemma's own keys: the scores' scale and soft cap.
+        scale = arch.raw.get("query_pre_attn_scalar", head_dim) ** -0.5
+        softcap = arch.raw.get("attn_logit_softcapping")
         layers = []
-        for i in range(hf["num_hidden_layers"]):
-            attn = LlamaAttention(hf, variant, rotary)
+        for i in range(arch.num_layers):
+            attn = LlamaAttention(arch, variant, rotary)
             attn.attn = Attention(attn.num_heads, attn.num_kv_heads, head_dim, scale,
-                                  sliding_window=sliding_window(hf, i),
-                                  logit_softcap=hf.get("attn_logit_softcapping"))
-            mlp = GatedMLP(hidden, hf["intermediate_size"],
-                           activation=hf.get("hidden_activation") or hf.get("hidden_act", "silu"))
-            layers.append(Gemma2DecoderLayer(hf, attn, mlp))
+                                  sliding_window=arch.sliding_windows[i], logit_softcap=softcap)
+            mlp = GatedMLP(hidden, arch.intermediate_size, activation=arch.hidden_act)
+            layers.append(Gemma2DecoderLayer(arch, attn, mlp))
         self.layers = nn.ModuleList(layers)
-        self.norm = GemmaRMSNorm(hidden, hf.get("rms_norm_eps", 1e-6))
+        self.norm = GemmaRMSNorm(hidden, arch.rms_norm_eps)
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     supports_tensor_parallel = False  # (its scaled embedding and softcaps are not sharded yet)
     supports_context_parallel = False  # (its sliding-window layers)
 
-    def __init__(self, hf: dict) -> None:
+    def __init__(self, arch: ArchConfig) -> None:
         nn.Module.__init__(self)
-        self.model = Gemma2Model(hf, self.block_variant(hf))
-        tied = self.model.embed_tokens if hf.get("tie_word_embeddings", True) else None
-        self.lm_head = LMHead(hf["vocab_size"], hf["hidden_size"], tied)
-        self.final_logit_softcap = hf.get("final_logit_softcapping") or 0.0
+        self.model = Gemma2Model(arch, self.block_variant(arch))
+        tied = arch.raw.get("tie_word_embeddings", True)  # tied unless the config says (reference)
+        self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, self.model.embed_tokens if tied else None)
+        self.final_logit_softcap = arch.raw.get("final_logit_softcapping") or 0.0
 
     @classmethod
-    def block_variant(cls, hf: dict) -> BlockVariant:
-        bias = bool(hf.get("attention_bias", False))
+    def block_variant(cls, arch: ArchConfig) -> BlockVariant:
+        bias = arch.attention_bias
         return BlockVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from openinfer.layers.moe import ClampedSwiGLU, FusedExperts, Router, RoutingConfig
+from openinfer.models.arch import ArchConfig
 from openinfer.models.llama import BlockVariant, LlamaForCausalLM
 
 
@@ -28,15 +29,14 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:
 
 
 class GptOssMoE(nn.Module):
-    def __init__(self, hf: dict) -> None:
+    def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
-        hidden, inter = hf["hidden_size"], hf["intermediate_size"]
-        self.router = Router(hidden, RoutingConfig(
-            num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
-            scoring="topk_softmax", bias=True))
-        self.experts = FusedExperts(
-            hf["num_local_experts"], hidden, inter, bias=True,
-            activation=ClampedSwiGLU(hf.get("swiglu_alpha", 1.702), hf.get("swiglu_limit", 7.0)))
+        hidden, inter, experts = arch.hidden_size, arch.intermediate_size, arch.moe.num_experts
+        self.router = Router(hidden, RoutingConfig(num_experts=experts, top_k=arch.moe.top_k,
+                                                   scoring="topk_softmax", bias=True))
+        # gpt-oss alone clamps its SwiGLU this way: its keys, with its reference's defaults.
+        swiglu = ClampedSwiGLU(arch.raw.get("swiglu_alpha", 1.702), arch.raw.get("swiglu_limit", 7.0))
+        self.experts = FusedExperts(experts, hidden, inter, bias=True, activation=swiglu)
         e = self.experts
         e.w13.weight_loader = lambda p, t: p.copy_(_deinterleave(t).transpose(1, 2))
         e.b13.weight_loader = lambda p, t: p.copy_(_deinterleave(t))
@@ -58,11 +58,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
     experts are stacked already, so no per-expert name ever matches."""
 
     @classmethod
-    def block_variant(cls, hf: dict) -> BlockVariant:
-        bias = bool(hf.get("attention_bias", True))
+    def block_variant(cls, arch: ArchConfig) -> BlockVariant:
+        bias = bool(arch.raw.get("attention_bias", True))  # on unless the config says (reference)
         return BlockVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=False,
                             attention_sinks=True)
 
     @classmethod
-    def make_mlp(cls, hf: dict, layer: int) -> nn.Module:
-        return GptOssMoE(hf)
+    def make_mlp(cls, arch: ArchConfig, layer: int) -> nn.Module:
+        return GptOssMoE(arch)

@@ -7,8 +7,8 @@ sliding window on every layer; Qwen2/3 may put one on some layers (``layer_types
     x ─ embed ─┬─ RMSNorm ─ Attention ─(+)─┬─ RMSNorm ─ MLP ─(+)─ ... ─ RMSNorm ─ LM head
                └────────────────────────────┘└──────────────────┘
 
-Tensor parallel (Megatron): a rank holds its share of the query heads and of the KV heads
-(each KV head on tp / num_kv_heads ranks when there are fewer KV heads than ranks), and of
+Tensor parallel (Megatron), applied by the layers: ``qkv_proj`` holds a rank's share of the
+query and KV heads (openinfer.layers.linear.QKVParallelLinear), ``gate_up_proj`` its share of
 the MLP's intermediate features; ``o_proj`` and ``down_proj`` all-reduce.
 """
 
@@ -21,16 +21,16 @@ import torch
 from torch import nn
 
 from openinfer.attention.base import AttentionMetadata
-from openinfer.distributed.parallel_state import get_tp
 from openinfer.kernels.custom_op import CustomOp
 from openinfer.kv.spec import FullAttentionSpec, KVSpec, SlidingWindowSpec
 from openinfer.layers.attention import Attention
 from openinfer.layers.embedding import LMHead, VocabEmbedding
-from openinfer.layers.linear import MergedLinear, RowParallelLinear
+from openinfer.layers.linear import QKVParallelLinear, RowParallelLinear
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding, get_rope
 from openinfer.models import llama_cpu
+from openinfer.models.arch import ArchConfig
 from openinfer.models.base import CausalLM
 
 
@@ -45,33 +45,19 @@ class BlockVariant:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf: dict, variant: BlockVariant, rotary: RotaryEmbedding,
+    def __init__(self, arch: ArchConfig, variant: BlockVariant, rotary: RotaryEmbedding,
                  window: int | None = None) -> None:
         super().__init__()
-        hidden = hf["hidden_size"]
-        total_heads = hf["num_attention_heads"]
-        total_kv_heads = hf.get("num_key_value_heads") or total_heads
-        self.head_dim = hf.get("head_dim") or hidden // total_heads
-        tp = get_tp()
-        self.num_heads = tp.split(total_heads, "num_attention_heads")
-        if total_kv_heads >= tp.size:
-            self.num_kv_heads = tp.split(total_kv_heads, "num_key_value_heads")
-            first_kv_head = tp.rank * self.num_kv_heads
-        else:  # each KV head is replicated on tp / num_kv_heads ranks
-            if tp.size % total_kv_heads:
-                raise ValueError(f"num_key_value_heads ({total_kv_heads}) does not divide "
-                                 f"tensor_parallel_size {tp.size}")
-            self.num_kv_heads = 1
-            first_kv_head = tp.rank * total_kv_heads // tp.size
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            hidden, [q_size, kv_size, kv_size], bias=variant.qkv_bias,
-            shard_offsets=None if tp.size == 1 else [
-                tp.rank * q_size, *[first_kv_head * self.head_dim] * 2])
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=variant.o_bias)
+        self.head_dim = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads,
+                                          arch.num_kv_heads, bias=variant.qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        """This rank's."""
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size,
+                                        bias=variant.o_bias)
         if variant.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, hf.get("rms_norm_eps", 1e-6))
-            self.k_norm = RMSNorm(self.head_dim, hf.get("rms_norm_eps", 1e-6))
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.qk_norm = variant.qk_norm
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
@@ -92,12 +78,11 @@ class DecoderLayer(nn.Module):
     with the residual add fused into the next norm. The attention (GQA, MLA) and the MLP
     (dense, MoE) are the model's."""
 
-    def __init__(self, hf: dict, attn: nn.Module, mlp: nn.Module) -> None:
+    def __init__(self, arch: ArchConfig, attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        eps = hf.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = attn
-        self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = mlp
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
@@ -160,19 +145,17 @@ class DecoderStack(CustomOp):
 
 
 class LlamaModel(DecoderStack):
-    def __init__(self, hf: dict, variant: BlockVariant, make_mlp: Callable[[int], nn.Module]) -> None:
+    def __init__(self, arch: ArchConfig, variant: BlockVariant,
+                 make_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(hf["vocab_size"], hf["hidden_size"])
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-        # One cos/sin table shared by all layers. It spans the model's trained context:
-        # llama3/yarn scaling read max_position_embeddings, whatever max_model_len is.
-        rotary = get_rope(head_dim, hf["max_position_embeddings"], rope_theta(hf), rope_scaling(hf),
-                          hf.get("partial_rotary_factor", 1.0))
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
+        rotary = shared_rope(arch)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf, LlamaAttention(hf, variant, rotary, sliding_window(hf, i)), make_mlp(i))
-            for i in range(hf["num_hidden_layers"])
+            DecoderLayer(arch, LlamaAttention(arch, variant, rotary, arch.sliding_windows[i]),
+                         make_mlp(i))
+            for i in range(arch.num_layers)
         )
-        self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -191,23 +174,22 @@ class LlamaForCausalLM(CausalLM):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, hf: dict) -> None:
+    def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
-        self.model = LlamaModel(hf, self.block_variant(hf), lambda layer: self.make_mlp(hf, layer))
-        tied = self.model.embed_tokens if hf.get("tie_word_embeddings", False) else None
-        self.lm_head = LMHead(hf["vocab_size"], hf["hidden_size"], tied)
+        self.model = LlamaModel(arch, self.block_variant(arch), lambda layer: self.make_mlp(arch, layer))
+        tied = self.model.embed_tokens if arch.tie_word_embeddings else None
+        self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, tied)
 
     @classmethod
-    def block_variant(cls, hf: dict) -> BlockVariant:
-        bias = bool(hf.get("attention_bias", False))
-        return BlockVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)),
-                            qk_norm=False)
+    def block_variant(cls, arch: ArchConfig) -> BlockVariant:
+        bias = arch.attention_bias
+        return BlockVariant(qkv_bias=bias, o_bias=bias, mlp_bias=arch.mlp_bias, qk_norm=False)
 
     @classmethod
-    def make_mlp(cls, hf: dict, layer: int) -> nn.Module:
+    def make_mlp(cls, arch: ArchConfig, layer: int) -> nn.Module:
         """Layer ``layer``'s feed-forward block (mixture-of-experts models override this)."""
-        require_silu(hf)
-        return GatedMLP(hf["hidden_size"], hf["intermediate_size"], bias=cls.block_variant(hf).mlp_bias)
+        require_silu(arch)
+        return GatedMLP(arch.hidden_size, arch.intermediate_size, bias=cls.block_variant(arch).mlp_bias)
 
     def kv_cache_specs(self, block_size: int, dtype: str) -> list[KVSpec | None]:
         """What each layer keeps per token: K and V of its KV heads, in every layer (of its
@@ -224,20 +206,6 @@ class LlamaForCausalLM(CausalLM):
         return self.lm_head(hidden)
 
 
-def sliding_window(hf: dict, layer: int) -> int | None:
-    """Layer ``layer``'s window from config.json: every layer's (Mistral, Mixtral), those that
-    ``layer_types`` names ``sliding_attention``, or none (Qwen2/3 unless ``use_sliding_window``)."""
-    window = hf.get("sliding_window")
-    if not window or hf.get("use_sliding_window") is False:
-        return None
-    types = hf.get("layer_types")
-    if types is not None:
-        return window if types[layer] == "sliding_attention" else None
-    if "max_window_layers" in hf:  # Qwen configs written before layer_types existed
-        return window if layer >= hf["max_window_layers"] else None
-    return window
-
-
 def attention_spec(attn: Attention, block_size: int, dtype: str) -> KVSpec:
     """The KV spec of a (GQA) attention layer: full, or its sliding window."""
     if attn.sliding_window:
@@ -246,17 +214,14 @@ def attention_spec(attn: Attention, block_size: int, dtype: str) -> KVSpec:
     return FullAttentionSpec(block_size, attn.num_kv_heads, attn.head_dim, dtype)
 
 
-def require_silu(hf: dict) -> None:
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (gated MLPs run silu)")
+def require_silu(arch: ArchConfig) -> None:
+    if arch.hidden_act != "silu":
+        raise ValueError(f"hidden_act {arch.hidden_act!r} is not supported (gated MLPs run silu)")
 
 
-def rope_theta(hf: dict) -> float:
-    params = hf.get("rope_parameters") or {}
-    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
-
-
-def rope_scaling(hf: dict) -> dict | None:
-    """RoPE scaling from config.json: `rope_scaling` (transformers v4) or `rope_parameters` (v5)."""
-    return hf.get("rope_scaling") or hf.get("rope_parameters")
+def shared_rope(arch: ArchConfig, head_dim: int | None = None, interleaved: bool = False) -> RotaryEmbedding:
+    """The one cos/sin table all layers share, for heads of ``head_dim`` (the model's): it
+    spans the trained context (``max_position_embeddings``), whatever max_model_len is."""
+    rope = arch.rope
+    return get_rope(head_dim or arch.head_dim, rope.max_position, rope.theta, rope.scaling,
+                    rope.partial_rotary_factor, interleaved)

@@ -22,6 +22,7 @@ from openinfer.config import ModelConfig
 from openinfer.distributed.parallel_state import get_tp
 from openinfer.layers.linear import default_weight_loader
 from openinfer.models import fp8
+from openinfer.models.arch import ArchConfig
 from openinfer.models.base import CausalLM
 from openinfer.models.gemm_plans import plan_gemms
 from openinfer.models.platform import make_batch_invariant
@@ -40,7 +41,7 @@ def load_model(config: ModelConfig, device: str | torch.device = "cpu",
     with ``config.batch_invariant``, a batch-invariant one (openinfer.kernels.invariant_gemm)."""
     cls = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(config.dtype):
-        model = cls(config.hf_config)
+        model = cls(ArchConfig.from_hf(config.hf_config))
     load_weights(model, Path(config.path), progress=progress, hf_config=config.hf_config)
     process_weights_after_loading(model)
     if config.batch_invariant:

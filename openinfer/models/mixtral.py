@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from openinfer.layers.moe import MoE, RoutingConfig
+from openinfer.models.arch import ArchConfig
 from openinfer.models.llama import LlamaForCausalLM, require_silu
 
 
@@ -14,8 +15,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     expert_weights = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)}
 
     @classmethod
-    def make_mlp(cls, hf: dict, layer: int) -> nn.Module:
-        require_silu(hf)
-        routing = RoutingConfig(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
-                                renormalize=True)
-        return MoE(hf["hidden_size"], hf["intermediate_size"], routing)
+    def make_mlp(cls, arch: ArchConfig, layer: int) -> nn.Module:
+        require_silu(arch)
+        routing = RoutingConfig(num_experts=arch.moe.num_experts, top_k=arch.moe.top_k, renormalize=True)
+        return MoE(arch.hidden_size, arch.intermediate_size, routing)  # experts as wide as a dense MLP

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from openinfer.models.arch import ArchConfig
 from openinfer.models.llama import BlockVariant, LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
-    def block_variant(cls, hf: dict) -> BlockVariant:
-        bias = bool(hf.get("attention_bias", False))
+    def block_variant(cls, arch: ArchConfig) -> BlockVariant:
+        bias = arch.attention_bias
         return BlockVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)

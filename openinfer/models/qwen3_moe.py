@@ -7,6 +7,7 @@ from torch import nn
 
 from openinfer.layers.mlp import GatedMLP
 from openinfer.layers.moe import MoE, RoutingConfig
+from openinfer.models.arch import ArchConfig
 from openinfer.models.llama import require_silu
 from openinfer.models.qwen3 import Qwen3ForCausalLM
 
@@ -15,14 +16,13 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     expert_weights = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
 
     @classmethod
-    def make_mlp(cls, hf: dict, layer: int) -> nn.Module:
-        require_silu(hf)
-        # Hub configs say num_experts; transformers 5 saves it as num_local_experts.
-        num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
-        sparse = (layer not in (hf.get("mlp_only_layers") or []) and num_experts > 0
-                  and (layer + 1) % hf.get("decoder_sparse_step", 1) == 0)
+    def make_mlp(cls, arch: ArchConfig, layer: int) -> nn.Module:
+        require_silu(arch)
+        moe = arch.moe
+        sparse = (layer not in moe.dense_layers and moe.num_experts > 0
+                  and (layer + 1) % moe.sparse_step == 0)
         if not sparse:
-            return GatedMLP(hf["hidden_size"], hf["intermediate_size"])
-        routing = RoutingConfig(num_experts=num_experts, top_k=hf["num_experts_per_tok"],
-                                renormalize=bool(hf.get("norm_topk_prob", False)))
-        return MoE(hf["hidden_size"], hf["moe_intermediate_size"], routing)
+            return GatedMLP(arch.hidden_size, arch.intermediate_size)
+        routing = RoutingConfig(num_experts=moe.num_experts, top_k=moe.top_k,
+                                renormalize=moe.norm_topk_prob)
+        return MoE(arch.hidden_size, moe.intermediate_size, routing)
