@@ -32,7 +32,12 @@ import torch
 
 from openinfer.config import DEFAULT_KV_HOST_MEMORY_WITH_STORE, EngineConfig
 from openinfer.cpu_features import cpu_model_name
-from openinfer.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from openinfer.engine.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    StepUpdate,
+)
 from openinfer.engine.rank_results import (
     EveryRank,
     ReadsAcrossRanks,
@@ -45,6 +50,7 @@ from openinfer.executor import make_executor
 from openinfer.kv.events import KVEventPublisher, to_wire
 from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.kv_manager import KVCacheManager, KVEvent
+from openinfer.kv.remote import KVTransferParams
 from openinfer.kv.spec import BlockLayout, LayerGroup, SlidingWindowSpec, group_layers, page_bytes
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.confidence import PROFILE_ROWS, StepRateProfile
@@ -103,6 +109,9 @@ class EngineCore:
         """Live requests ended from outside (a client gone, a stop string met)."""
         self.kv_server_address = self._attach_kv_transfer(groups)
         self.structured: StructuredOutputManager | None = None
+        self._failed: list[EngineCoreOutput] = []
+        """Outputs of requests whose KV pull failed (the 'fail' policy), sent with the next
+        step's."""
         self._refused: list[EngineCoreOutput] = []
         """Outputs of requests refused at add_request, sent with the next step's."""
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
@@ -170,7 +179,8 @@ class EngineCore:
         stores = self.executor.collective_rpc("attach_tiers", layout, num_slots)
         # (With ranks on other machines, a store is only usable on a mount they all share.)
         store_contains = StoreMembership.of_ranks(stores) if stores[0] is not None else None
-        self.kv.attach_tiers(host, store_contains)
+        self.kv.attach_tiers(host, store_contains,
+                             can_pull=self.config.kv_transfer.pulls_kv)
         logger.info("KV tiers: L2 %d host blocks%s", num_slots,
                     f", L3 {cache.kv_store_dir}" if store_contains else "")
         return True
@@ -186,7 +196,6 @@ class EngineCore:
         pulls = kt.pulls_kv and self.has_tiers
         self.executor.collective_rpc("attach_kv_transfer", self._block_layout(groups), pulls,
                                      kt.serves_kv)
-        self.kv.can_pull = pulls
         # Every rank's KV server lends its share of the blocks, on a port of its own (and,
         # with ranks on other machines, on a host of its own).
         addresses = [address for address in self.executor.collective_rpc("kv_server_address")
@@ -283,10 +292,11 @@ class EngineCore:
     def _land(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """A step's tokens, into the scheduler and out as outputs."""
         self._after_step(scheduled)
-        outputs = self.scheduler.update_from_output(scheduled, result)
+        update = self.scheduler.update_from_output(scheduled, result)
+        outputs = update.outputs
         if self._refused:
             outputs, self._refused = self._refused + outputs, []
-        outputs += self._settle_kv_transfers(outputs)
+        outputs += self._settle_kv_transfers(update)
         self._release_if_idle()
         self._flush_events()
         return outputs
@@ -297,34 +307,31 @@ class EngineCore:
         if scheduled.kv.stores:
             self.kv.finish_host_stores([copy.slot for copy in scheduled.kv.stores])
 
-    def _settle_kv_transfers(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+    def _settle_kv_transfers(self, update: StepUpdate) -> list[EngineCoreOutput]:
         """Lease the blocks of finished prefill-only requests (telling their outputs where
         to pull them), free leases that ended, and end requests whose pull failed under
         the 'fail' policy; returns the outputs of those."""
-        holds, self.scheduler.new_holds = self.scheduler.new_holds, {}
-        for out in outputs:
-            if out.kv_transfer_params is None:
+        for out in update.outputs:
+            held = update.holds.get(out.request_id)
+            if held is None:
                 continue
             if self.kv_server_address is None:  # nobody could pull them: free them now
-                out.kv_transfer_params = None
                 self.kv.release(out.request_id)
                 continue
             # The lease is named by 128 random bits, not the request id: only the client the
             # answer went to (and the decode instance it hands it on to) can pull its blocks.
             lease_id = secrets.token_hex(16)
             self._lease_requests[lease_id] = out.request_id
-            self.executor.collective_rpc("add_lease", lease_id, holds[out.request_id])
+            self.executor.collective_rpc("add_lease", lease_id, held)
             host, port = self.kv_server_address
-            out.kv_transfer_params.update(remote_lease_id=lease_id, remote_host=host,
-                                          remote_port=port)
-            if len(self._kv_server_ports) > 1:
-                out.kv_transfer_params["remote_rank_ports"] = self._kv_server_ports
-            if self._kv_server_hosts:
-                out.kv_transfer_params["remote_rank_hosts"] = self._kv_server_hosts
+            out.kv_transfer_params = KVTransferParams(
+                remote_host=host, remote_port=port, remote_lease_id=lease_id,
+                remote_block_hashes=tuple(held),
+                remote_rank_ports=tuple(self._kv_server_ports) if len(self._kv_server_ports) > 1
+                else (), remote_rank_hosts=tuple(self._kv_server_hosts))
         self.collect_leases()
-        failed, self.scheduler.failed = self.scheduler.failed, []
-        return [EngineCoreOutput(req.request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value,
-                                 stop_reason="kv_transfer_failed") for req in failed]
+        failed, self._failed = self._failed, []
+        return failed
 
     def collect_leases(self) -> int:
         """Free the blocks of leases that were released or expired (also called when idle);
@@ -338,10 +345,9 @@ class EngineCore:
         return len(ended)
 
     def _flush_events(self) -> None:
-        if self.kv.events:
-            events, self.kv.events = self.kv.events, []
-            if self.event_sink is not None:
-                self.event_sink(events)
+        events = self.kv.take_events()
+        if events and self.event_sink is not None:
+            self.event_sink(events)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block in L1 and L2 (not the shared file store); returns how
@@ -390,7 +396,9 @@ class EngineCore:
             return
         for load, num_loaded in self._reads.finished(
                 self.executor.collective_rpc("finished_kv_reads", wait_s)):
-            self.scheduler.finish_load(load, num_loaded)
+            failed = self.scheduler.finish_load(load, num_loaded)
+            if failed is not None:
+                self._failed.append(failed)
 
     def drain_file_io(self, timeout_s: float = 30.0) -> None:
         """Wait until every file read and write and pull has finished (tests, shutdown)."""

@@ -115,7 +115,7 @@ def test_preemption_frees_newest_and_everyone_finishes():
     runner = FakeRunner()
     while s.has_unfinished_requests():
         out = s.schedule()
-        for core_out in s.update_from_output(out, runner.execute(out)):
+        for core_out in s.update_from_output(out, runner.execute(out)).outputs:
             if core_out.finish_reason:
                 finished_order.append(core_out.request_id)
         s.check_integrity()
@@ -239,7 +239,7 @@ def test_a_step_with_several_tokens_stops_anywhere_in_it():
     out = s.schedule()
     result = ModelRunnerOutput(sampled_token_ids={"stop": [5, 9, 6], "length": [5, 6, 8]},
                                logprobs={"stop": [{5: None}, {9: None}, {6: None}]})
-    outputs = {o.request_id: o for o in s.update_from_output(out, result)}
+    outputs = {o.request_id: o for o in s.update_from_output(out, result).outputs}
     assert outputs["stop"].new_token_ids == [5, 9] and outputs["stop"].finish_reason == "stop"
     assert outputs["stop"].stop_reason == 9 and len(outputs["stop"].new_logprobs) == 2
     assert outputs["length"].new_token_ids == [5, 6]
