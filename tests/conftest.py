@@ -213,7 +213,7 @@ def run_disaggregated(path: Path, prompts: list[list[int]], params: dict,
         deadline = time.monotonic() + 5
         while held.kv.num_held and time.monotonic() < deadline:
             time.sleep(0.02)
-            held.collect_leases()
+            held.connector.collect_leases()
         assert held.kv.num_held == 0
     finally:
         prefill.engine.core.shutdown()

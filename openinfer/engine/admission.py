@@ -147,7 +147,7 @@ class Admission:
         req.remote_load_tried = True
         pull = self._blocks_to_pull(req, hit)
         if not pull:  # it holds them all already: the prefill side may let go
-            self.kv.plan.releases.append(req.remote_prefill)
+            self.kv.release_remote(req.remote_prefill)
             return False
         return self._wait_for_kv(req, pull, req.remote_prefill)
 

@@ -15,42 +15,36 @@ into outputs. A step that needs the previous step's tokens before it can be sche
 (speculative drafts, grammar masks) runs the synchronous way, after the one in flight.
 
 It speaks token ids only; text lives in the front end (offline LLM or API server), and
-tensors in the workers behind the executor (executor/, worker/worker.py).
+tensors in the workers behind the executor (executor/, worker/worker.py). The lower KV
+tiers and disaggregation are its KV connector's (engine/kv_connector.py): the loop polls
+it for finished reads and hands it each landed step.
 """
 
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
-import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
 
-from openinfer.config import DEFAULT_KV_HOST_MEMORY_WITH_STORE, EngineConfig
+from openinfer.config import EngineConfig
 from openinfer.cpu_features import cpu_model_name
+from openinfer.engine.kv_connector import KVConnector
 from openinfer.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from openinfer.engine.rank_results import (
-    EveryRank,
-    ReadsAcrossRanks,
-    ended_on_every_rank,
-    summed,
-)
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
 from openinfer.executor import make_executor
 from openinfer.kv.events import KVEventPublisher, to_wire
-from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.kv_manager import KVCacheManager, KVEvent
-from openinfer.kv.spec import BlockLayout, LayerGroup, SlidingWindowSpec, group_layers, page_bytes
+from openinfer.kv.spec import SlidingWindowSpec, group_layers, page_bytes
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.confidence import PROFILE_ROWS, StepRateProfile
 from openinfer.structured.manager import StructuredOutputManager
 from openinfer.tokenizer import load_tokenizer
-from openinfer.transfer.file_store import StoreMembership, model_fingerprint
+from openinfer.transfer.file_store import model_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -91,17 +85,10 @@ class EngineCore:
                                    config.kv_transfer.load_failure_policy, spec,
                                    self._step_rates() if spec and spec.scheduler == "confidence"
                                    else None)
-        self._layout: BlockLayout | None = None
-        self._reads = ReadsAcrossRanks(config.num_ranks)
-        self._leases_ended = EveryRank(config.num_ranks)
-        self._kv_server_ports: list[int] = []
-        self._kv_server_hosts: list[str] = []
-        """Each rank's KV server host, where they differ (ranks on several machines)."""
-        self.has_tiers = self._attach_kv_tiers(groups)
-        self._lease_requests: dict[str, str] = {}  # live KV lease id -> its request
+        self.connector = KVConnector(config, self.executor, self.kv, self.scheduler, groups)
+        """The core's half of the KV connector: the tiers and disaggregation."""
         self.num_aborted = 0
         """Live requests ended from outside (a client gone, a stop string met)."""
-        self.kv_server_address = self._attach_kv_transfer(groups)
         self.structured: StructuredOutputManager | None = None
         self._refused: list[EngineCoreOutput] = []
         """Outputs of requests refused at add_request, sent with the next step's."""
@@ -144,57 +131,6 @@ class EngineCore:
             logger.info("speculative decoding: profiled steps/s at %d row counts in %.1f s "
                         "(cached in %s)", len(profile.points), time.perf_counter() - start, path)
         return profile
-
-    def _block_layout(self, groups: list[LayerGroup]) -> BlockLayout:
-        """What a cached block's bytes mean: instances and files that share blocks must
-        agree on all of it. (Computed once: the fingerprint reads the checkpoint's files.)"""
-        if self._layout is None:
-            fingerprint = model_fingerprint(self.config.model.path)
-            if self.config.model.batch_invariant:  # bitwise-different KV: never mixed in
-                fingerprint = hashlib.sha256(f"{fingerprint}:batch-invariant".encode()).hexdigest()
-            self._layout = BlockLayout.of(groups, fingerprint)
-        return self._layout
-
-    def _attach_kv_tiers(self, groups: list[LayerGroup]) -> bool:
-        """Tier L2 (host memory) and L3 (file store), when configured."""
-        cache = self.config.cache
-        host_memory = cache.kv_host_memory
-        if host_memory is None and (cache.kv_store_dir is not None
-                                    or self.config.kv_transfer.role == "decode"):
-            host_memory = DEFAULT_KV_HOST_MEMORY_WITH_STORE  # loaded blocks pass through it
-        if host_memory is None or not cache.enable_prefix_caching:
-            return False
-        layout = self._block_layout(groups)
-        num_slots = host_memory // layout.block_bytes
-        host = HostCacheIndex(num_slots)
-        stores = self.executor.collective_rpc("attach_tiers", layout, num_slots)
-        # (With ranks on other machines, a store is only usable on a mount they all share.)
-        store_contains = StoreMembership.of_ranks(stores) if stores[0] is not None else None
-        self.kv.attach_tiers(host, store_contains)
-        logger.info("KV tiers: L2 %d host blocks%s", num_slots,
-                    f", L3 {cache.kv_store_dir}" if store_contains else "")
-        return True
-
-    def _attach_kv_transfer(self, groups: list[LayerGroup]) -> tuple[str, int] | None:
-        """Disaggregation: a KV server that lends finished prompts' blocks (prefill), a
-        connector that pulls them (decode); returns the KV server's address."""
-        kt = self.config.kv_transfer
-        if kt.role == "both" and kt.port is None and not self.has_tiers:
-            return None  # colocated, nothing to lend, nowhere to pull into
-        if kt.role != "both" and not self.config.cache.enable_prefix_caching:
-            raise ValueError(f"--role {kt.role} needs prefix caching: blocks move by hash")
-        pulls = kt.pulls_kv and self.has_tiers
-        self.executor.collective_rpc("attach_kv_transfer", self._block_layout(groups), pulls,
-                                     kt.serves_kv)
-        self.kv.can_pull = pulls
-        # Every rank's KV server lends its share of the blocks, on a port of its own (and,
-        # with ranks on other machines, on a host of its own).
-        addresses = [address for address in self.executor.collective_rpc("kv_server_address")
-                     if address]
-        self._kv_server_ports = [port for _, port in addresses]
-        hosts = [host for host, _ in addresses]
-        self._kv_server_hosts = hosts if len(set(hosts)) > 1 else []
-        return addresses[0] if addresses else None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
@@ -239,7 +175,7 @@ class EngineCore:
         if self.config.scheduler.async_scheduling and self._can_overlap():
             return self._step_overlapped()
         outputs = self._land_in_flight()
-        self._finish_kv_reads()
+        self.connector.poll_reads()
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         masks = (self.structured.submit(scheduled, self.scheduler.requests)
@@ -249,8 +185,8 @@ class EngineCore:
         step_rates = self.scheduler.spec.step_rates if self.scheduler.spec else None
         if step_rates is not None and not scheduled.is_empty:
             step_rates.observe(scheduled.total_num_scheduled_tokens, time.perf_counter() - start)
-        if self.has_tiers and scheduled.is_empty and self.scheduler.num_waiting_for_kv:
-            self._finish_kv_reads(wait_s=0.01)  # nothing else to do: let loads land
+        if scheduled.is_empty and self.scheduler.num_waiting_for_kv:
+            self.connector.poll_reads(wait_s=0.01)  # nothing else to do: let loads land
         return outputs + self._land(scheduled, result)
 
     def _can_overlap(self) -> bool:
@@ -262,7 +198,7 @@ class EngineCore:
             req.grammar is not None for req in self.scheduler.requests.values())
 
     def _step_overlapped(self) -> list[EngineCoreOutput]:
-        self._finish_kv_reads()
+        self.connector.poll_reads()
         in_flight = self._in_flight[0] if self._in_flight is not None else None
         scheduled = self.scheduler.schedule(in_flight=in_flight)
         future = self.executor.submit_step(scheduled)  # runs once the step in flight is done
@@ -282,66 +218,20 @@ class EngineCore:
 
     def _land(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """A step's tokens, into the scheduler and out as outputs."""
-        self._after_step(scheduled)
-        outputs = self.scheduler.update_from_output(scheduled, result)
+        self.connector.free_store_slots(scheduled)
+        update = self.scheduler.update_from_output(scheduled, result)
+        outputs = update.outputs
         if self._refused:
             outputs, self._refused = self._refused + outputs, []
-        outputs += self._settle_kv_transfers(outputs)
+        outputs += self.connector.on_landed(update)
         self._release_if_idle()
         self._flush_events()
         return outputs
 
-    def _after_step(self, scheduled: SchedulerOutput) -> None:
-        """The host slots the step's stores were copied into (and queued for the file
-        store from) may be reused now."""
-        if scheduled.kv.stores:
-            self.kv.finish_host_stores([copy.slot for copy in scheduled.kv.stores])
-
-    def _settle_kv_transfers(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-        """Lease the blocks of finished prefill-only requests (telling their outputs where
-        to pull them), free leases that ended, and end requests whose pull failed under
-        the 'fail' policy; returns the outputs of those."""
-        holds, self.scheduler.new_holds = self.scheduler.new_holds, {}
-        for out in outputs:
-            if out.kv_transfer_params is None:
-                continue
-            if self.kv_server_address is None:  # nobody could pull them: free them now
-                out.kv_transfer_params = None
-                self.kv.release(out.request_id)
-                continue
-            # The lease is named by 128 random bits, not the request id: only the client the
-            # answer went to (and the decode instance it hands it on to) can pull its blocks.
-            lease_id = secrets.token_hex(16)
-            self._lease_requests[lease_id] = out.request_id
-            self.executor.collective_rpc("add_lease", lease_id, holds[out.request_id])
-            host, port = self.kv_server_address
-            out.kv_transfer_params.update(remote_lease_id=lease_id, remote_host=host,
-                                          remote_port=port)
-            if len(self._kv_server_ports) > 1:
-                out.kv_transfer_params["remote_rank_ports"] = self._kv_server_ports
-            if self._kv_server_hosts:
-                out.kv_transfer_params["remote_rank_hosts"] = self._kv_server_hosts
-        self.collect_leases()
-        failed, self.scheduler.failed = self.scheduler.failed, []
-        return [EngineCoreOutput(req.request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value,
-                                 stop_reason="kv_transfer_failed") for req in failed]
-
-    def collect_leases(self) -> int:
-        """Free the blocks of leases that were released or expired (also called when idle);
-        returns how many ended."""
-        if self.kv_server_address is None:
-            return 0
-        ended = ended_on_every_rank(self._leases_ended,
-                                    self.executor.collective_rpc("collect_leases"))
-        for lease_id in ended:
-            self.kv.release(self._lease_requests.pop(lease_id))
-        return len(ended)
-
     def _flush_events(self) -> None:
-        if self.kv.events:
-            events, self.kv.events = self.kv.events, []
-            if self.event_sink is not None:
-                self.event_sink(events)
+        events = self.kv.take_events()
+        if events and self.event_sink is not None:
+            self.event_sink(events)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block in L1 and L2 (not the shared file store); returns how
@@ -367,14 +257,7 @@ class EngineCore:
         if kv.windows:
             stats["window_replayed_tokens"] = kv.num_replayed_tokens
             stats["window_pages_cached"] = sum(kv.pools[g].num_cached for g, _ in kv.windows)
-        if self.has_tiers:
-            stats["kv_host_blocks_used"] = kv.host.num_used
-            stats["kv_host_blocks_total"] = kv.host.num_slots
-            stats["kv_host_stores_skipped"] = kv.num_host_stores_skipped
-            if kv.can_pull:
-                stats["kv_remote_blocks_pulled"] = s.num_remote_blocks_pulled
-        if self.has_tiers or self.kv_server_address is not None:
-            stats.update(summed(self.executor.collective_rpc("kv_io_stats")))  # every rank's
+        stats.update(self.connector.stats())
         if self.config.speculative is not None:
             stats.update(s.spec.stats.as_dict())
         if self.config.moe_expert_stats:
@@ -385,27 +268,11 @@ class EngineCore:
                           else ranks[0][key] for key in ranks[0]})
         return stats
 
-    def _finish_kv_reads(self, wait_s: float = 0.0) -> None:
-        if not self.has_tiers:
-            return
-        for load, num_loaded in self._reads.finished(
-                self.executor.collective_rpc("finished_kv_reads", wait_s)):
-            self.scheduler.finish_load(load, num_loaded)
-
-    def drain_file_io(self, timeout_s: float = 30.0) -> None:
-        """Wait until every file read and write and pull has finished (tests, shutdown)."""
-        deadline = time.monotonic() + timeout_s
-        while self.has_tiers and max(self.executor.collective_rpc("num_kv_io_in_flight")):
-            if time.monotonic() > deadline:
-                raise TimeoutError("KV file I/O did not finish")
-            self._finish_kv_reads(wait_s=0.05)
-
     def shutdown(self) -> None:
         self._land_in_flight()
         if self.structured is not None:
             self.structured.shutdown()
-        self.executor.collective_rpc("close_kv_server")
-        self.drain_file_io()
+        self.connector.close()
         self.executor.shutdown()
         if self.publisher is not None:
             self.publisher.shutdown()
@@ -429,7 +296,7 @@ class EngineCore:
             scheduled = self.scheduler.schedule()
             self.executor.execute_model(scheduled)  # (after the step in flight, if any)
             self.scheduler.update_from_output(scheduled, self.executor.sample_tokens(None))
-            self._after_step(scheduled)
+            self.connector.free_store_slots(scheduled)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

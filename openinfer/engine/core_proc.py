@@ -80,7 +80,7 @@ def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid
         if not busy and not inputs.poll(idle_ms):
             if os.getppid() != parent_pid:
                 return  # the front end is gone
-            if core.collect_leases():  # KV pulled or abandoned is freed even when idle
+            if core.connector.collect_leases():  # KV pulled or abandoned is freed even when idle
                 outputs.send(protocol.encode(protocol.OUTPUTS, {"outputs": [],
                                                                 "stats": core.stats()}))
             continue

@@ -121,8 +121,8 @@ class OutputProcessor:
             sample = state.samples[out.request_id]
             if state.num_cached_tokens is None and (out.new_token_ids or out.finish_reason):
                 state.num_cached_tokens = out.num_cached_tokens
-            if out.kv_transfer_params is not None:
-                state.kv_transfer_params = out.kv_transfer_params
+            if out.kv_transfer_params is not None:  # the offline API's (and vLLM's) plain dict
+                state.kv_transfer_params = out.kv_transfer_params.to_dict()
             if out.first_scheduled_time is not None:  # the earliest of its samples'
                 scheduled = state.metrics.first_scheduled_time
                 state.metrics.first_scheduled_time = out.first_scheduled_time if scheduled is None \

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.plan import KVPlan
+from openinfer.kv.remote import KVTransferParams
 from openinfer.outputs import PositionLogprobs
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.proposer import Draft
@@ -108,9 +110,25 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     """Prompt tokens the request took from the prefix cache."""
-    kv_transfer_params: dict | None = None
-    """On the last output of a prefill-only request: where a decode instance pulls its KV."""
+    kv_transfer_params: KVTransferParams | None = None
+    """On the last output of a prefill-only request: where a decode instance pulls its KV
+    (set by the engine core's KV connector, which leases the blocks)."""
     first_scheduled_time: float | None = None
     """time.monotonic() in the core when the request was first scheduled; set on its outputs
     up to its first token, None after. The front end compares it with its own monotonic
     timestamps: both processes run on one host, where that clock is system-wide."""
+
+
+HeldBlocks = dict[BlockHash, tuple[int, ...]]
+"""A finished prefill-only request's cached prompt blocks, kept for a decode instance to
+pull: hash -> its device block in each layer group, in prompt order."""
+
+
+@dataclass
+class StepUpdate:
+    """What ``Scheduler.update_from_output`` made of a landed step."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    holds: dict[str, HeldBlocks] = field(default_factory=dict)
+    """Request id -> the blocks of each prefill-only request that finished this step (its
+    output is among ``outputs``): the engine core's KV connector leases them."""

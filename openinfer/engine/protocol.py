@@ -19,6 +19,7 @@ from typing import Any
 import msgpack
 
 from openinfer.engine.outputs import EngineCoreOutput
+from openinfer.kv.remote import KVTransferParams
 from openinfer.outputs import Logprob, PositionLogprobs
 from openinfer.sampling_params import SamplingParams
 
@@ -61,7 +62,8 @@ def pack_output(out: EngineCoreOutput) -> list:
     return [out.request_id, out.new_token_ids,
             None if out.new_logprobs is None else [_pack_logprobs(e) for e in out.new_logprobs],
             prompt, out.finish_reason, out.stop_reason, out.num_cached_tokens,
-            out.kv_transfer_params, out.first_scheduled_time]
+            None if out.kv_transfer_params is None else out.kv_transfer_params.to_dict(),
+            out.first_scheduled_time]
 
 
 def unpack_output(packed: list) -> EngineCoreOutput:
@@ -76,6 +78,6 @@ def unpack_output(packed: list) -> EngineCoreOutput:
         finish_reason=finish_reason,
         stop_reason=stop_reason,
         num_cached_tokens=num_cached,
-        kv_transfer_params=kv,
+        kv_transfer_params=KVTransferParams.parse(kv),
         first_scheduled_time=scheduled,
     )

@@ -46,9 +46,11 @@ from openinfer.engine.admission import Admission, Admit, PrefixClaims, Verdict
 from openinfer.engine.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    HeldBlocks,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    StepUpdate,
 )
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.kv.block_hash import extend_block_hashes
@@ -71,12 +73,6 @@ class Scheduler:
         self.num_lookahead_tokens = speculative.num_lookahead_tokens if speculative else 0
         self.kv = kv
         self.kv_load_failure_policy = kv_load_failure_policy
-        self.new_holds: dict[str, dict[bytes, int]] = {}
-        """Finished prefill-only requests whose blocks were kept: hash -> block, for the
-        engine core to lease to decode instances."""
-        self.failed: list[Request] = []
-        """Requests ended by a failed KV pull under the 'fail' policy (their last output
-        is sent by the engine core)."""
         self.num_remote_blocks_pulled = 0
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
@@ -252,10 +248,10 @@ class Scheduler:
 
     # ---- KV loads ---------------------------------------------------------------------
 
-    def finish_load(self, load: BlockLoad, num_loaded: int) -> None:
+    def finish_load(self, load: BlockLoad, num_loaded: int) -> EngineCoreOutput | None:
         """Blocks read from the file store or pulled from a prefill instance are in the host
         tier: the request may start (recomputing what did not arrive, or failing, as the
-        policy says)."""
+        policy says). Returns the last output of a request the failure ended."""
         self.kv.finish_load(load, num_loaded)
         self.admission.waiting_for_kv.discard(load.request_id)
         req = self.requests.get(load.request_id)
@@ -264,16 +260,18 @@ class Scheduler:
         if load.source is None:
             if req is not None:
                 req.num_blocks_from_store = num_loaded
-            return
+            return None
         self.num_remote_blocks_pulled += num_loaded
         if req is None:
-            return
+            return None
         req.num_blocks_from_remote = num_loaded
-        if num_loaded < len(load.blocks) and self.kv_load_failure_policy == "fail":
-            self._waiting = [(k, r) for k, r in self._waiting if r is not req]
-            heapq.heapify(self._waiting)
-            self._finish(req, RequestStatus.FINISHED_ERROR)
-            self.failed.append(req)
+        if num_loaded >= len(load.blocks) or self.kv_load_failure_policy != "fail":
+            return None
+        self._waiting = [(k, r) for k, r in self._waiting if r is not req]
+        heapq.heapify(self._waiting)
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        return EngineCoreOutput(req.request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value,
+                                stop_reason="kv_transfer_failed")
 
     @property
     def num_waiting_for_kv(self) -> int:
@@ -321,9 +319,9 @@ class Scheduler:
 
     # ---- after the step --------------------------------------------------------------
 
-    def update_from_output(self, scheduled: SchedulerOutput,
-                           result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+    def update_from_output(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> StepUpdate:
+        update = StepUpdate()
+        outputs = update.outputs
         for request_id, n in scheduled.num_scheduled_tokens.items():
             req = self.requests.get(request_id)
             if (req is None or req.status is not RequestStatus.RUNNING
@@ -375,12 +373,10 @@ class Scheduler:
                 if len(req.output_token_ids) <= 1 else None,
             ))
             if status is not None:
-                self._finish(req, status)
-                held = self.new_holds.get(request_id)
-                if held is not None:
-                    # (the engine core adds the lease id and the KV server's address)
-                    outputs[-1].kv_transfer_params = {"remote_block_hashes": list(held)}
-        return outputs
+                held = self._finish(req, status)
+                if held is not None:  # the engine core's KV connector leases them
+                    update.holds[request_id] = held
+        return update
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """End requests from outside (abort, stop string); unknown ids are ignored."""
@@ -394,12 +390,15 @@ class Scheduler:
                 self._waiting = [(k, r) for k, r in self._waiting if r is not req]
                 heapq.heapify(self._waiting)
             if req.remote_prefill is not None and not req.remote_load_tried and self.kv.can_pull:
-                self.kv.plan.releases.append(req.remote_prefill)  # never to be pulled: let go
+                self.kv.release_remote(req.remote_prefill)  # never to be pulled
             self._finish(req, status)
             finished.append(req)
         return finished
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus) -> HeldBlocks | None:
+        """End the request and free its blocks; a prefill-only request that ended normally
+        keeps its prompt's cached blocks instead, returned for a decode instance to pull."""
+        held = None
         if req in self.running:
             self.running.remove(req)
         if self.spec is not None:
@@ -409,13 +408,13 @@ class Scheduler:
         self.claims.settle(req, release_all=True)
         if req.wants_remote_decode and status in (RequestStatus.FINISHED_LENGTH,
                                                   RequestStatus.FINISHED_STOPPED):
-            self.new_holds[req.request_id] = self.kv.hold(
-                req.request_id, req.block_hashes, req.num_prompt_tokens)
+            held = self.kv.hold(req.request_id, req.block_hashes, req.num_prompt_tokens)
         else:
             self.kv.free(req.request_id)
         self._forget_in_runner(req.request_id, self._dropped_since_last_step)
         del self.requests[req.request_id]
         del self._arrival_index[req.request_id]
+        return held
 
     # ---- invariants ------------------------------------------------------------------
 

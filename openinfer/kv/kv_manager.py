@@ -121,7 +121,7 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}
         """Per request: how many of its leading blocks are already in the cache index."""
         self.events: list[KVEvent] = []
-        """What entered and left the cache since the caller last drained this list."""
+        """What entered and left the cache since the last ``take_events``."""
         anchors = set(self.anchors)
         self.pool.on_evict = lambda group, h: group in anchors and self._on_device_evict(h)
         self.num_queried_tokens = 0
@@ -139,12 +139,16 @@ class KVCacheManager:
         self.num_host_stores_skipped = 0
 
     def attach_tiers(self, host: HostCacheIndex | None,
-                     store_contains: Callable[[BlockHash], bool] | None) -> None:
+                     store_contains: Callable[[BlockHash], bool] | None,
+                     can_pull: bool = False) -> None:
+        """The lower tiers: L2 (``host``), L3 (``store_contains``), and ``can_pull``: a KV
+        connector pulls prefill instances' blocks into L2."""
         if len(self.windows) == len(self.groups):
             raise ValueError("the host and file tiers need a full-attention layer group: a "
                              "model of sliding-window layers only keeps its cache on the device")
         self.host = host
         self.store_contains = store_contains
+        self.can_pull = can_pull
         if host is not None:
             host.on_evict = lambda h: self.events.append(BlockRemoved(h, "L2"))
 
@@ -152,6 +156,16 @@ class KVCacheManager:
         """The byte movement decided since the last call (for this step's SchedulerOutput)."""
         plan, self.plan = self.plan, KVPlan()
         return plan
+
+    def take_events(self) -> list[KVEvent]:
+        """What entered and left the cache since the last call (for the KV-event publisher)."""
+        events, self.events = self.events, []
+        return events
+
+    def release_remote(self, source: KVTransferParams) -> None:
+        """A prefill instance's lease this side will never pull from (it holds the blocks
+        already, or the request ended first): the next step tells it to let go."""
+        self.plan.releases.append(source)
 
     def _on_device_evict(self, block_hash: BlockHash) -> None:
         # A block is in L1 while every anchor group holds it: it leaves when the first one

@@ -110,16 +110,18 @@ class KVTransferParams:
                                 tuple(rank_hosts))
 
     def to_dict(self, hex_hashes: bool = False) -> dict[str, Any]:
-        """The fields that are set (hashes as hex for JSON, bytes for msgpack)."""
+        """The fields that are set (hashes as hex for JSON, bytes for msgpack), in the order
+        a prefill instance's answer has always listed them; a lease names its blocks even
+        when it holds none."""
         out: dict[str, Any] = {}
         if self.do_remote_decode:
             out["do_remote_decode"] = True
-        for key in ("remote_host", "remote_port", "remote_lease_id"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        if self.remote_block_hashes:
+        if self.remote_block_hashes or self.remote_lease_id is not None:
             out["remote_block_hashes"] = [h.hex() if hex_hashes else h
                                           for h in self.remote_block_hashes]
+        for key in ("remote_lease_id", "remote_host", "remote_port"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         if self.remote_rank_ports:
             out["remote_rank_ports"] = list(self.remote_rank_ports)
         if self.remote_rank_hosts:

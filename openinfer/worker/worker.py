@@ -1,20 +1,23 @@
-"""A worker: one device's model, its KV cache tensors, and the bytes that move in and out
-of them (host tier, file store, KV transfer). The engine core never touches a tensor; it
-talks to workers through an executor (executor/).
+"""A worker: one device's model and its KV cache tensors; the bytes that move in and out
+of them (host tier, file store, KV transfer) are its KV connector's, ``kv``
+(transfer/worker_connector.py). The engine core never touches a tensor; it talks to
+workers through an executor (executor/).
 
     EngineCore ──SchedulerOutput──> Executor ──> Worker ──> ModelRunner ──> model
-               <─ModelRunnerOutput──          <── KV I/O completions, leases
+               <─ModelRunnerOutput──              └─ kv: KV plan, I/O completions, leases
+    KVConnector ── call_kv_connector(method, ...) ──> Worker.kv.<method>
 
 Lifecycle, as the core drives it: load the model (``__init__``) -> report the layers' KV
 specs and the memory the cache may take -> allocate the cache for the core's block count
-(``initialize_kv_cache``) -> optionally attach the tiers and KV transfer -> execute steps.
+(``initialize_kv_cache``) -> optionally attach the tiers and KV transfer (through ``kv``)
+-> execute steps.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -43,9 +46,7 @@ from openinfer.kernels.cpu_attention import (
     load_cpu_attention,
 )
 from openinfer.kernels.custom_op import Platform
-from openinfer.kv.block_hash import BlockHash
-from openinfer.kv.plan import BlockLoad
-from openinfer.kv.spec import BlockLayout, KVSpec, LayerGroup, MLALatentSpec
+from openinfer.kv.spec import KVSpec, LayerGroup, MLALatentSpec
 from openinfer.layers.attention import Attention
 from openinfer.layers.moe import FusedExperts
 from openinfer.models.gemm_plans import describe_gemms
@@ -54,10 +55,7 @@ from openinfer.models.platform import bind_platform
 from openinfer.spec.draft_model import DraftModelDrafter, check_draft_model
 from openinfer.spec.drafters import make_token_proposer
 from openinfer.spec.mtp import MTPDrafter, mtp_layers
-from openinfer.transfer.block_mover import BlockMover
-from openinfer.transfer.connector import make_connector
-from openinfer.transfer.file_store import FileStore, RankStore, rank_fingerprint
-from openinfer.transfer.kv_server import KVServer
+from openinfer.transfer.worker_connector import WorkerKVConnector
 from openinfer.worker.decode_graphs import DecodeGraphs
 from openinfer.worker.kv_cache import allocate_caches
 from openinfer.worker.runner import ModelRunner
@@ -117,9 +115,8 @@ class Worker:
         the largest decode batch that replays a CUDA graph, empty where none does)."""
         self.draft_model = self._load_draft_model(progress)
         self.runner: ModelRunner | None = None
-        self.mover: BlockMover | None = None
-        """Host tier, file store and pulls (when tiers or KV transfer are on)."""
-        self.kv_server: KVServer | None = None
+        self.kv: WorkerKVConnector | None = None
+        """The worker half of the KV connector: tiers and KV transfer (set up with the cache)."""
 
     # ---- set-up -----------------------------------------------------------------------
 
@@ -246,6 +243,7 @@ class Worker:
         runner over them."""
         self.groups = groups
         self.kv_caches = allocate_caches(groups, num_blocks, self.config.device)
+        self.kv = WorkerKVConnector(self.config, self.kv_caches)
         spec = self.config.speculative
         specs = self.kv_cache_specs()
         drafter = None
@@ -301,69 +299,12 @@ class Worker:
         """Seconds of one model step at each number of rows (confidence scheduling's SPS)."""
         return self.runner.profile_step_seconds(rows, query_len)
 
-    def attach_tiers(self, layout: BlockLayout, num_host_slots: int) -> RankStore | None:
-        """The host pool (L2) and, when configured, the file store (L3); returns the
-        directory this worker's block files go to and the probe it wrote there (None without
-        a store). A tensor-parallel rank keeps its share of each block (its KV heads) in its
-        own host pool and files."""
-        cache = self.config.cache
-        store = None
-        if cache.kv_store_dir is not None:
-            store = FileStore(cache.kv_store_dir, self._share_of(layout), cache.kv_store_bytes)
-        self.mover = BlockMover(layout, self._layout_caches(layout), num_host_slots, store)
-        return RankStore(store.dir, store.write_probe()) if store is not None else None
-
-    @staticmethod
-    def _share_of(layout: BlockLayout) -> BlockLayout:
-        """``layout`` as this tensor-parallel rank holds it: its KV heads' share of every
-        block, under a fingerprint of the split and rank (the model's own with one rank),
-        so that files and transfers never mix shares."""
-        tp = get_tp()
-        return replace(layout, model_fingerprint=rank_fingerprint(layout.model_fingerprint,
-                                                                  tp.rank, tp.size))
-
-    def attach_kv_transfer(self, layout: BlockLayout, pulls: bool, serves: bool) -> None:
-        """Disaggregation: a connector that pulls prefill instances' blocks into the host
-        tier (decode side), a KV server that lends finished prompts' blocks (prefill side).
-        Both move whole cached blocks by hash, in ``layout``; a tensor-parallel rank moves
-        its share, to and from the same rank of the other instance."""
-        kt = self.config.kv_transfer
-        layout = self._share_of(layout)
-        if pulls:
-            self.mover.attach_connector(make_connector(
-                kt.connector, layout.describe(), layout.block_bytes, kt.timeout_s,
-                self.mover.store, kt.secret))
-        if serves:
-            # (--kv-transfer-port P: tensor-parallel rank r listens on P + r)
-            port = kt.port + get_tp().rank if kt.port else 0
-            self.kv_server = KVServer(layout, self._layout_caches(layout), kt.host, port,
-                                      kt.lease_s, kt.secret)
-            logger.info("KV server on %s:%d (leases of %.0f s)", self.kv_server.host,
-                        self.kv_server.port, kt.lease_s)
-
-    def _layout_caches(self, layout: BlockLayout) -> list[torch.Tensor]:
-        return [self.kv_caches[g] for g in layout.group_ids]
-
     # ---- steps ------------------------------------------------------------------------
 
     def execute_model(self, sched: SchedulerOutput) -> None:
         """The step's KV plan (stores, then loads, before the forward pass may overwrite a
         block; reads and releases queued on I/O threads), then the forward pass."""
-        plan = sched.kv
-        if self.mover is not None:
-            self.mover.copy_to_host(plan.stores)
-            # The bytes are taken now: the slot is free again. Context-parallel ranks hold
-            # the same whole blocks: the first one writes them.
-            if self.mover.store is not None and get_cp().rank == 0:
-                for copy in plan.stores:
-                    self.mover.submit_write(copy.block_hash, copy.slot)
-            self.mover.copy_to_device(plan.loads)
-            tp = get_tp()
-            for load in plan.reads:  # (a pull: this rank's share, from the same rank)
-                self.mover.submit_load(load if load.source is None or tp.size == 1 else
-                                       replace(load, source=load.source.for_rank(tp.rank)))
-            for source in plan.releases:
-                self.mover.submit_release(source if tp.size == 1 else source.for_rank(tp.rank))
+        self.kv.execute(sched.kv)
         self.runner.execute(sched)
         if self.lockstep and sched.is_empty:
             self._run_experts_for_others()
@@ -389,58 +330,13 @@ class Worker:
         """The tokens of the step ``execute_model`` ran, under its grammar masks."""
         return self.runner.sample(grammar)
 
-    def finished_kv_reads(self, wait_s: float = 0.0) -> list[tuple[BlockLoad, int]]:
-        """Reads (file store, pulls) that finished: (load, blocks that arrived)."""
-        if self.mover is None or not self.mover.num_in_flight:
-            return []
-        loads = []
-        for done in self.mover.poll(wait_s):
-            if done[0] == "write":
-                self.mover.finish_write(done[1])
-            else:
-                loads.append((done[1], done[2]))
-        return loads
+    def call_kv_connector(self, method: str, *args: Any) -> Any:
+        """The one RPC of the engine core's KV connector (engine/kv_connector.py): ``method``
+        of this worker's half, ``kv``."""
+        return getattr(self.kv, method)(*args)
 
-    def num_kv_io_in_flight(self) -> int:
-        return self.mover.num_in_flight if self.mover is not None else 0
-
-    # ---- leases (prefill side of disaggregation) ----------------------------------------
-
-    def kv_server_address(self) -> tuple[str, int] | None:
-        return None if self.kv_server is None else (self.kv_server.host, self.kv_server.port)
-
-    def add_lease(self, lease_id: str, blocks: dict[BlockHash, tuple[int, ...]]) -> None:
-        self.kv_server.add_lease(lease_id, blocks)
-
-    def collect_leases(self) -> list[str]:
-        """Leases released or expired: the core frees their blocks."""
-        return self.kv_server.collect() if self.kv_server is not None else []
-
-    # ---- reporting and shutdown -------------------------------------------------------
-
-    def kv_io_stats(self) -> dict:
-        stats: dict = {}
-        if self.mover is not None:
-            t = self.mover.stats
-            stats.update(kv_transfer_bytes=dict(t.bytes), kv_transfer_seconds=dict(t.seconds),
-                         kv_store_read_failures=t.store_read_failures,
-                         kv_store_writes_skipped=t.store_writes_skipped,
-                         kv_store_write_failures=t.store_write_failures)
-            if self.mover.store is not None:
-                stats["kv_store_bytes"] = self.mover.store.bytes_used
-            if self.mover.connector is not None:
-                stats["kv_remote_pull_failures"] = t.remote_pull_failures
-        if self.kv_server is not None:
-            stats["kv_leases"] = self.kv_server.num_leases
-            stats["kv_bytes_served"] = self.kv_server.bytes_sent
-            stats["kv_transfer_rejected"] = self.kv_server.num_rejected
-            stats["kv_leases_expired"] = self.kv_server.num_expired
-        return stats
-
-    def close_kv_server(self) -> None:
-        if self.kv_server is not None:
-            self.kv_server.close()
+    # ---- shutdown ---------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        if self.mover is not None:
-            self.mover.shutdown()
+        if self.kv is not None:
+            self.kv.shutdown()

@@ -68,8 +68,8 @@ def _wait_leases_freed(prefill: LLM, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while core.kv.num_held and time.monotonic() < deadline:
         time.sleep(0.02)
-        core.collect_leases()
-    assert core.kv.num_held == 0 and core.executor.worker.kv_server.num_leases == 0
+        core.connector.collect_leases()
+    assert core.kv.num_held == 0 and core.executor.worker.kv.server.num_leases == 0
 
 
 @pytest.mark.parametrize("connector", ["tcp", "shm", "file"])
@@ -85,7 +85,7 @@ def test_disaggregated_greedy_tokens_equal_colocated(engine, plain, tmp_path, co
     from_store = core.kv.hit_tokens_by_tier["L3"] // 16  # a shared store: some already there
     assert core.scheduler.num_remote_blocks_pulled + from_store == 4 * 6
     assert core.scheduler.num_prompt_tokens_computed == 4 * 4  # only the tails
-    mover = core.executor.worker.mover
+    mover = core.executor.worker.kv.mover
     assert mover.stats.remote_pull_failures == 0
     if connector != "file":
         assert mover.stats.bytes["remote_to_host"] == 24 * mover.block_bytes
@@ -127,13 +127,13 @@ def test_a_request_aborted_before_its_pull_releases_the_lease(engine):
     decode = engine(kv_role="decode")
     (prompt,) = _prompts(1, seed=5)
     params = _prefill(prefill, [prompt])
-    assert prefill.engine.core.executor.worker.kv_server.num_leases == 1
+    assert prefill.engine.core.executor.worker.kv.server.num_leases == 1
     decode.engine.add_request("gone", prompt, SamplingParams(**DECODE,
                                                              kv_transfer_params=params[0]))
     decode.engine.abort_request("gone")
     assert not decode.engine.has_unfinished_requests()
     _wait_leases_freed(prefill)  # (its lease timeout is 30 s)
-    assert prefill.engine.core.executor.worker.kv_server.num_expired == 0
+    assert prefill.engine.core.executor.worker.kv.server.num_expired == 0
     assert decode.engine.core.scheduler.num_remote_blocks_pulled == 0
 
 
@@ -145,7 +145,7 @@ def test_32_simultaneous_transfers(engine, plain):
     params = _prefill(prefill, prompts)
     assert _decode(decode, prompts, params) == expected
     assert decode.engine.core.scheduler.num_remote_blocks_pulled == 32 * 6
-    assert prefill.engine.core.executor.worker.kv_server.num_pulls == 32
+    assert prefill.engine.core.executor.worker.kv.server.num_pulls == 32
     _wait_leases_freed(prefill)
 
 
@@ -187,13 +187,14 @@ def test_failed_transfers_recompute_and_free_blocks_on_both_sides(engine, plain,
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, SamplingParams(**DECODE))]
     params = _prefill(prefill, prompts)
     if failure == "dead_prefill":
-        prefill.engine.core.executor.worker.kv_server.close()
+        prefill.engine.core.executor.worker.kv.server.close()
     else:
-        bad = _BadPrefill(failure.removesuffix("_shm"), decode.engine.core.executor.worker.mover.block_bytes)
+        bad = _BadPrefill(failure.removesuffix("_shm"),
+                          decode.engine.core.executor.worker.kv.mover.block_bytes)
         params = [{**p, "remote_port": bad.port} for p in params]
     assert _decode(decode, prompts, params) == expected  # recomputed locally
     core = decode.engine.core
-    assert core.executor.worker.mover.stats.remote_pull_failures == 2
+    assert core.executor.worker.kv.mover.stats.remote_pull_failures == 2
     assert core.scheduler.num_prompt_tokens_computed == 2 * PROMPT_LEN
     _wait_leases_freed(prefill)  # nobody pulled: the prefill side's leases expire (0.5 s)
 
@@ -204,7 +205,7 @@ def test_fail_policy_fails_the_request_and_keeps_serving(engine, plain):
                  kv_transfer_timeout=0.5)
     prompts = _prompts(2, seed=5)
     params = _prefill(prefill, prompts)
-    prefill.engine.core.executor.worker.kv_server.close()
+    prefill.engine.core.executor.worker.kv.server.close()
     outs = decode.generate(prompts, [SamplingParams(**DECODE, kv_transfer_params=p) for p in params])
     assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
     expected = plain.generate(prompts[:1], SamplingParams(**DECODE))[0].outputs[0].token_ids
@@ -239,7 +240,7 @@ def test_a_lease_is_readable_only_by_who_holds_its_random_id_and_the_secret(engi
     params = out.kv_transfer_params
     lease, port = params["remote_lease_id"], params["remote_port"]
     assert len(bytes.fromhex(lease)) == 16 and lease != out.request_id
-    server = prefill.engine.core.executor.worker.kv_server
+    server = prefill.engine.core.executor.worker.kv.server
     layout = server.layout
     pull = dict(op="pull", hashes=params["remote_block_hashes"], layout=layout, mode="tcp",
                 shm=None, release=False)

@@ -91,7 +91,7 @@ def test_two_ranks_keep_the_kv_tiers_of_one(parallel_checkpoints, tmp_path):
     core = two.engine.core
     try:
         assert [o.outputs[0].token_ids for o in two.generate(prompts, greedy)] == expected
-        core.drain_file_io()
+        core.connector.drain_file_io()
         assert len(list(store.rglob("*.kvblock"))) == 2 * 4  # once, not once per rank
         core.reset_prefix_cache()
         again = two.generate(prompts, greedy)

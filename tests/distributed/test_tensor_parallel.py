@@ -161,7 +161,7 @@ def test_two_ranks_keep_their_kv_shares_in_host_memory_and_files(parallel_checkp
     core = two.engine.core
     try:
         assert [o.outputs[0].token_ids for o in two.generate(prompts, greedy)] == expected
-        core.drain_file_io()
+        core.connector.drain_file_io()
         shards = sorted(d for d in store.iterdir() if d.is_dir())
         # One directory per rank, each with every block; neither is the one a single-rank
         # engine reads (a share is not a whole block).
@@ -262,7 +262,7 @@ def _wait_leases_ended(prefill: LLM, timeout_s: float = 10.0) -> None:
     while core.kv.num_held or core.stats()["kv_leases"]:
         assert time.monotonic() < deadline, (core.kv.num_held, core.stats()["kv_leases"])
         time.sleep(0.05)
-        core.collect_leases()
+        core.connector.collect_leases()
 
 
 def test_two_ranks_run_a_draft_model_split_like_the_target(parallel_checkpoints):

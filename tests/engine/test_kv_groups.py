@@ -61,11 +61,11 @@ def test_two_groups_serve_hits_and_tiers_with_single_group_tokens(qwen3_checkpoi
     again = llm.generate(prompts, GREEDY)                      # L1 hits in both groups
     assert _tokens(again) == tokens and all(o.num_cached_tokens == 64 for o in again)
     core.reset_prefix_cache()                                  # L1 and L2 forgotten
-    core.drain_file_io()
+    core.connector.drain_file_io()
     from_store = llm.generate(prompts, GREEDY)                 # L3 -> L2 -> L1
     assert _tokens(from_store) == tokens and all(o.num_cached_tokens == 64 for o in from_store)
     assert core.kv.hit_tokens_by_tier["L3"] == 3 * 64
-    layout = core.executor.worker.mover.layout
+    layout = core.executor.worker.kv.mover.layout
     n = core.config.model.num_layers
     assert [g.layers for g in layout.groups] == [tuple(range(0, n, 2)), tuple(range(1, n, 2))]
     assert layout.block_bytes == sum(g.bytes_per_block for g in core.kv.groups)
@@ -85,7 +85,7 @@ def test_a_store_written_under_another_layout_is_never_read(qwen3_checkpoint, ex
               kv_store_dir=str(store))
     outs = two.generate(prompts, GREEDY)
     assert _tokens(outs) == tokens
-    mover = two.engine.core.executor.worker.mover
+    mover = two.engine.core.executor.worker.kv.mover
     assert mover.store.num_deleted_bad > 0 and mover.stats.store_read_failures > 0
     assert two.engine.core.kv.hit_tokens_by_tier["L3"] == 0
     two.engine.core.shutdown()

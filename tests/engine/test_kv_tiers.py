@@ -46,7 +46,7 @@ def test_device_evictions_are_served_from_host_memory(qwen3_checkpoint, plain):
     assert _tokens(again) == expected
     assert all(o.num_cached_tokens == 64 for o in again)
     assert core.kv.hit_tokens_by_tier["L2"] > 0
-    assert core.executor.worker.mover.stats.bytes["host_to_device"] > 0
+    assert core.executor.worker.kv.mover.stats.bytes["host_to_device"] > 0
     core.check_integrity()
     # Each reloaded block lands in its place in the table: a prompt evicted from the device
     # (15 blocks of other prompts through the 12) comes back from host memory whole.
@@ -117,8 +117,8 @@ def test_bad_store_files_are_deleted_never_loaded(qwen3_checkpoint, plain, tmp_p
     outs = fresh.generate(prompts, GREEDY)
     assert _tokens(outs) == expected
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0]  # their chains break at block 0
-    file_store = fresh.engine.core.executor.worker.mover.store
-    assert fresh.engine.core.executor.worker.mover.stats.store_read_failures == 3
+    file_store = fresh.engine.core.executor.worker.kv.mover.store
+    assert fresh.engine.core.executor.worker.kv.mover.stats.store_read_failures == 3
     assert file_store.num_deleted_bad == 3
     fresh.engine.core.shutdown()
     # Deleted, then written again from the recomputed blocks: valid files now.
@@ -128,7 +128,7 @@ def test_bad_store_files_are_deleted_never_loaded(qwen3_checkpoint, plain, tmp_p
 def test_file_store_stays_within_its_budget(qwen3_checkpoint, tmp_path):
     store = tmp_path / "store"
     llm = LLM(str(qwen3_checkpoint), kv_store_dir=str(store), progress=False)
-    file_store = llm.engine.core.executor.worker.mover.store
+    file_store = llm.engine.core.executor.worker.kv.mover.store
     budget = 20 * (file_store.layout.block_bytes + 1024)  # room for ~20 block files
     file_store.capacity_bytes = budget
     llm.generate(_prompts(10, 70, seed=4), GREEDY)  # 40 blocks

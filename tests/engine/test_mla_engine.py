@@ -66,7 +66,7 @@ def test_disaggregated_prefill_and_decode(checkpoint, plain):
     assert tokens == expected
     core = decode.engine.core
     assert core.scheduler.num_remote_blocks_pulled == 3 * 6
-    assert core.executor.worker.mover.stats.bytes["remote_to_host"] == 18 * BLOCK_BYTES
+    assert core.executor.worker.kv.mover.stats.bytes["remote_to_host"] == 18 * BLOCK_BYTES
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from openinfer.config import SchedulerConfig
 from openinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
+from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.kv_manager import KVCacheManager
 from openinfer.kv.spec import FullAttentionSpec, group_layers
@@ -115,7 +116,7 @@ def test_preemption_frees_newest_and_everyone_finishes():
     runner = FakeRunner()
     while s.has_unfinished_requests():
         out = s.schedule()
-        for core_out in s.update_from_output(out, runner.execute(out)):
+        for core_out in s.update_from_output(out, runner.execute(out)).outputs:
             if core_out.finish_reason:
                 finished_order.append(core_out.request_id)
         s.check_integrity()
@@ -229,6 +230,41 @@ def test_a_request_loading_from_the_file_store_steps_aside_then_starts_after_its
     s.check_integrity()
 
 
+def test_a_finished_prefill_only_request_hands_its_held_blocks_back_to_the_caller():
+    """Disaggregation's prefill side: the blocks come back in the step's update (the engine
+    core's KV connector leases them), not in a list left on the scheduler."""
+    s = _scheduler(caching=True)
+    s.add_request(Request("lend", list(range(1, 11)), SamplingParams(
+        max_tokens=1, kv_transfer_params={"do_remote_decode": True}), 1))
+    out = s.schedule()
+    update = s.update_from_output(out, FakeRunner().execute(out))
+    (done,) = update.outputs
+    assert done.finish_reason == "length" and done.kv_transfer_params is None
+    hashes = list(update.holds["lend"])
+    assert len(hashes) == 2 and s.kv.num_held == 1   # two full blocks of 10 tokens, held
+    s.kv.release("lend")
+    assert s.kv.num_held == 0
+    s.check_integrity()
+
+
+def test_a_failed_pull_under_the_fail_policy_returns_the_requests_last_output():
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(
+        group_layers([FullAttentionSpec(BLOCK, 1, 8, "float32")]), 64, enable_caching=True),
+        kv_load_failure_policy="fail")
+    s.kv.attach_tiers(HostCacheIndex(8), None, can_pull=True)
+    prompt, hashes = list(range(1, 11)), []
+    extend_block_hashes(hashes, prompt, BLOCK)
+    s.add_request(Request("pull", prompt, SamplingParams(max_tokens=2, kv_transfer_params={
+        "remote_host": "10.0.0.1", "remote_port": 7000, "remote_block_hashes": hashes}), 2))
+    (load,) = s.schedule().kv.reads
+    assert load.source is not None and s.requests["pull"].status is RequestStatus.WAITING_FOR_KV
+    failed = s.finish_load(load, num_loaded=1)          # one of the two blocks arrived
+    assert (failed.request_id, failed.finish_reason, failed.stop_reason) == (
+        "pull", "error", "kv_transfer_failed")
+    assert "pull" not in s.requests and not s.has_unfinished_requests()
+    s.check_integrity()
+
+
 def test_a_step_with_several_tokens_stops_anywhere_in_it():
     """A multi-token step (verified drafts): a stop token or max_tokens inside the run ends
     the request there; the tokens after it are dropped, logprobs trimmed to match."""
@@ -239,7 +275,7 @@ def test_a_step_with_several_tokens_stops_anywhere_in_it():
     out = s.schedule()
     result = ModelRunnerOutput(sampled_token_ids={"stop": [5, 9, 6], "length": [5, 6, 8]},
                                logprobs={"stop": [{5: None}, {9: None}, {6: None}]})
-    outputs = {o.request_id: o for o in s.update_from_output(out, result)}
+    outputs = {o.request_id: o for o in s.update_from_output(out, result).outputs}
     assert outputs["stop"].new_token_ids == [5, 9] and outputs["stop"].finish_reason == "stop"
     assert outputs["stop"].stop_reason == 9 and len(outputs["stop"].new_logprobs) == 2
     assert outputs["length"].new_token_ids == [5, 6]
