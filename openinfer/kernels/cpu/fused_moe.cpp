@@ -46,8 +46,8 @@ using namespace oi_vec;
 
 constexpr int NT = 2;              // vectors of columns per tile (W13: one gate, one up)
 constexpr int TN = NT * W;         // columns per tile
-constexpr int MT = 4;              // rows per micro-kernel pass: 8 accumulators on AVX2
-constexpr int64_t ROW_CHUNK = 32;  // rows per task, so that a prefill's busy experts split
+constexpr int MT = 6;              // rows per micro-kernel pass: 12 of AVX2's 16 registers
+constexpr int64_t ROW_CHUNK = 48;  // rows per task, so that a prefill's busy experts split
 constexpr int64_t TILE_COST = 16;  // streaming a tile costs about as much as this many rows
 
 #if defined(__AVX512BF16__) && OI_VEC_WIDTH == 16
@@ -172,6 +172,8 @@ inline void rows(int64_t p, int64_t m, int64_t K, const typename Types<P>::Wt* w
     case 1: pass(std::integral_constant<int, 1>{}); break;
     case 2: pass(std::integral_constant<int, 2>{}); break;
     case 3: pass(std::integral_constant<int, 3>{}); break;
+    case 4: pass(std::integral_constant<int, 4>{}); break;
+    case 5: pass(std::integral_constant<int, 5>{}); break;
     default: pass(std::integral_constant<int, MT>{}); break;
   }
 }
