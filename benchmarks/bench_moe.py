@@ -1,8 +1,11 @@
 """Mixture-of-experts and MLA figures (issue: DeepSeek-V2/V3 family).
 
-1. An MoE layer's step time vs a dense gated MLP with the same active parameters, at 1, 32
-   and 512 tokens, interleaved in one process: openinfer.layers.moe.MoE (64 routed experts of
-   256, top-6, one shared expert, DeepSeek-V3's routing) vs GatedMLP(hidden, 7 x 256).
+1. An MoE layer's step time at 1, 32 and 512 tokens, float32 and bfloat16, interleaved in one
+   process: openinfer.layers.moe.MoE (64 routed experts of 256, top-6, one shared expert,
+   DeepSeek-V3's routing) with its experts in the fused C++ kernel (the cpu backend's path),
+   the same layer with the experts' Python loop (the torch path, few-row experts through the
+   C++ GEMM: the cpu backend's path before the fused kernel), and a dense GatedMLP(hidden,
+   7 x 256) with the same active parameters.
 2. KV bytes per token and the tokens one --kv-cache-memory holds: DeepSeek-V3's MLA latent
    spec vs GQA and MHA specs of the same model width (from the specs, no timing).
 3. End to end: offline greedy generation of a small random DeepSeek-V3 (built here with
@@ -14,6 +17,8 @@
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import statistics
 import time
 from pathlib import Path
@@ -22,10 +27,10 @@ import torch
 from doc_sections import write_section
 
 from openinfer.kernels.cpu_attention import load_cpu_attention
-from openinfer.kernels.custom_op import Platform
+from openinfer.kernels.custom_op import CustomOp, Platform
 from openinfer.kv.spec import FullAttentionSpec, MLALatentSpec
 from openinfer.layers.mlp import GatedMLP
-from openinfer.layers.moe import MoE, RoutingConfig
+from openinfer.layers.moe import FusedExperts, MoE, RoutingConfig
 from openinfer.models.gemm_plans import plan_gemms
 from openinfer.models.platform import bind_platform
 
@@ -43,38 +48,53 @@ def seconds(fn, min_seconds: float = 0.3) -> float:
             return (time.perf_counter() - start) / calls
 
 
-def layer_figures(rounds: int) -> list[str]:
+def layer_figures(rounds: int, dtype: torch.dtype) -> list[str]:
     torch.manual_seed(0)
     routing = RoutingConfig(num_experts=EXPERTS, top_k=TOP_K, scoring="sigmoid", method="noaux_tc",
                             num_groups=8, topk_groups=4, renormalize=True, scaling=2.5,
                             fp32_logits=True)
-    moe = MoE(HIDDEN, EXPERT_INTER, routing, GatedMLP(HIDDEN, EXPERT_INTER * SHARED))
+    fused = MoE(HIDDEN, EXPERT_INTER, routing, GatedMLP(HIDDEN, EXPERT_INTER * SHARED))
     dense = GatedMLP(HIDDEN, EXPERT_INTER * (TOP_K + SHARED))
     with torch.no_grad():
-        for p in [*moe.parameters(), *dense.parameters()]:
+        for p in [*fused.parameters(), *dense.parameters()]:
             p.normal_(std=0.02)
-    # As an engine on the cpu backend runs them: GEMM plans for the linear layers, few-row
-    # experts through the C++ GEMM.
-    plan_gemms(moe)
-    plan_gemms(dense)
+    fused, dense = fused.to(dtype), dense.to(dtype)
+    fused.gate.float()  # DeepSeek's router stays float32 (fp32_logits)
+    loop = copy.deepcopy(fused)
+    # As an engine on the cpu backend runs them: GEMM plans for the linear layers, the
+    # extension's kernels; `loop` keeps its experts' Python loop (its few-row expert GEMMs
+    # still through the C++ GEMM, as before the fused kernel).
     kernels = load_cpu_attention()
-    if kernels is not None:
-        bind_platform(moe, Platform("cpu", kernels))
-    rows = ["| tokens | MoE ms | dense ms (same active params) | MoE / dense | experts hit |",
-            "|---|---|---|---|---|"]
+    platform = Platform("cpu", kernels)
+    for model in (fused, loop, dense):
+        plan_gemms(model)
+    bind_platform(fused, platform)
+    bind_platform(dense, platform)
+    for op in loop.modules():
+        if isinstance(op, CustomOp) and not isinstance(op, FusedExperts):
+            op.bind(platform)
+    name = str(dtype).removeprefix("torch.")
+    rows = []
     with torch.inference_mode():
         for tokens in (1, 32, 512):
-            x = torch.randn(tokens, HIDDEN)
-            m, d = [], []
+            x = torch.randn(tokens, HIDDEN).to(dtype)
+            times = {"fused": [], "loop": [], "dense": []}
             for _ in range(rounds):
-                m.append(seconds(lambda x=x: moe(x)))
-                d.append(seconds(lambda x=x: dense(x)))
-            hit = int(torch.unique(moe.gate(x)[1]).numel())
-            ratio = statistics.median(a / b for a, b in zip(m, d))
-            rows.append(f"| {tokens} | {statistics.median(m) * 1e3:.3f} | {statistics.median(d) * 1e3:.3f} | "
-                        f"{ratio:.2f}x | {hit} of {EXPERTS} |")
+                for label, model in (("fused", fused), ("loop", loop), ("dense", dense)):
+                    times[label].append(seconds(lambda m=model, x=x: m(x)))
+            hit = int(torch.unique(fused.gate(x)[1]).numel())
+            f, lp, d = (statistics.median(times[k]) for k in ("fused", "loop", "dense"))
+            rows.append(f"| {name} | {tokens} | {f * 1e3:.3f} | {lp * 1e3:.3f} | {d * 1e3:.3f} | "
+                        f"{_ratio(times['loop'], times['fused']):.2f}x | "
+                        f"{_ratio(times['fused'], times['dense']):.2f}x | "
+                        f"{hit} of {EXPERTS} |")
             print(rows[-1], flush=True)
     return rows
+
+
+def _ratio(a: list[float], b: list[float]) -> float:
+    """The median of the rounds' ratios (each round timed both side by side)."""
+    return statistics.median(p / q for p, q in zip(a, b))
 
 
 def kv_figures(memory_gib: float = 4.0) -> list[str]:
@@ -150,19 +170,30 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    layer = layer_figures(args.rounds)
+    load_before = os.getloadavg()[0]
+    layer = [*layer_figures(args.rounds, torch.float32), *layer_figures(args.rounds, torch.bfloat16)]
+    load_after = os.getloadavg()[0]
+    isa = load_cpu_attention().isa()
     kv = kv_figures()
     e2e = e2e_figures()
     body = "\n".join([
         "## Mixture of experts and MLA (benchmarks/bench_moe.py)",
         "",
-        f"MoE layer vs a dense gated MLP with the same active parameters: hidden {HIDDEN}, "
-        f"{EXPERTS} routed experts of {EXPERT_INTER} (top-{TOP_K}, noaux_tc routing) + {SHARED} "
-        f"shared, against GatedMLP({HIDDEN}, {EXPERT_INTER * (TOP_K + SHARED)}), both as the cpu "
-        "backend runs them (GEMM plans; experts with at most 16 rows through the C++ few-row GEMM); "
-        f"float32, "
-        f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds.",
+        f"MoE layer (hidden {HIDDEN}, {EXPERTS} routed experts of {EXPERT_INTER}, top-{TOP_K} "
+        f"noaux_tc routing, + {SHARED} shared expert) with its routed experts in the fused C++ "
+        "kernel (the cpu backend's path) and in the Python loop over experts (the torch path; "
+        "experts with at most 16 float32 rows through the C++ few-row GEMM: the cpu backend's "
+        f"path before the fused kernel), against GatedMLP({HIDDEN}, "
+        f"{EXPERT_INTER * (TOP_K + SHARED)}) with the same active parameters; all with GEMM plans "
+        f"and the extension's kernels. {torch.get_num_threads()} threads, median of {args.rounds} "
+        f"interleaved rounds; extension ISA {isa}; load average {load_before:.1f} before, "
+        f"{load_after:.1f} after (the machine is shared: the ratios, measured side by side, are "
+        "the figures to read). bfloat16 on a CPU without AVX512_BF16 widens every weight to "
+        "float32 (dense included).",
         "",
+        "| dtype | tokens | fused ms | loop ms | dense ms (same active params) | loop / fused | "
+        "fused / dense | experts hit |",
+        "|---|---|---|---|---|---|---|---|",
         *layer,
         "",
         "KV cache per token, DeepSeek-V3's geometry (from the specs):",

@@ -51,14 +51,15 @@ logger = logging.getLogger("openinfer.kernels.cpu_attention")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp", "activation.cpp",
-                        "rotary.cpp", "rope_attention.cpp", "small_gemm.cpp", "amx_gemm.cpp", "mkl_gemm.cpp",
-                        "token_mask.cpp", "write_kv.cpp", "decoder_layers.cpp", "cache_control.cpp",
-                         "caching_allocator.cpp")]
+                        "rotary.cpp", "rope_attention.cpp", "small_gemm.cpp", "fused_moe.cpp", "amx_gemm.cpp",
+                        "mkl_gemm.cpp", "token_mask.cpp", "write_kv.cpp", "decoder_layers.cpp",
+                        "cache_control.cpp", "caching_allocator.cpp")]
 """The extension: paged attention and the write of a step's K/V into the cache, the RMSNorm,
 rotary embedding and the gated MLP's SiLU-and-multiply the layers use with it, the three
 chained in one call per layer (``RopeAttention``), a Llama-family model's decoder layers in one
 call per step (``DecoderLayers``), the GEMMs the
-GEMM planner may choose (few-row float32, AMX bf16, MKL-packed float32), structured
+GEMM planner may choose (few-row float32, AMX bf16, MKL-packed float32), a MoE layer's
+routed experts in one call (``fused_moe``, openinfer/kernels/fused_moe.py), structured
 outputs' token masking, and a caching allocator for torch's large CPU tensors."""
 HEADERS = [Path(__file__).parent / "cpu" / name
            for name in ("vec.h", "amx.h", "attention_tiles.h", "attention_bf16.h", "attention_two_pass.h",

@@ -7,9 +7,12 @@ DeepSeekMoE, always-on shared experts).
 
 Routing follows the reference models operation by operation (fp32 logits, the same top-k
 calls), so ties resolve the same way. Expert weights are stacked at load into one
-``[E, 2I, H]`` gate/up and one ``[E, H, I]`` down tensor; execution groups the step's
-(token, expert) pairs by expert with one sort and runs one GEMM pair per expert that has
-tokens: no Python loop over tokens, no per-expert modules.
+``[E, 2I, H]`` gate/up and one ``[E, H, I]`` down tensor. The torch path (``forward_native``,
+the oracle) groups the step's (token, expert) pairs by expert with one sort and runs one GEMM
+pair per expert that has tokens: no Python loop over tokens, no per-expert modules. On the cpu
+backend, ``forward_cpu`` runs all of a step's experts in one call of the extension's fused
+kernel (openinfer/kernels/fused_moe.py), on weights packed once when the model is bound to the
+platform; expert parallelism keeps the torch path (its weights move between ranks).
 
 Tensor parallel: every rank holds every expert's share of the intermediate features (rows
 of gate/up, columns of down), routes all tokens the same way (the router is replicated),
@@ -36,7 +39,9 @@ from torch import nn
 
 from openinfer.distributed.eplb import Placement, initial_placement
 from openinfer.distributed.parallel_state import get_ep, get_tp
-from openinfer.kernels.custom_op import CustomOp
+from openinfer.kernels.cpu_attention import bf16_dot
+from openinfer.kernels.custom_op import CustomOp, Platform
+from openinfer.kernels.fused_moe import PackedExperts, fused_moe, pack_experts
 from openinfer.layers.linear import narrow, reads_slices
 
 SCORING_FUNCS = ("softmax", "sigmoid", "topk_softmax")
@@ -196,9 +201,22 @@ class ExpertGemm(CustomOp):
         return out
 
 
-class FusedExperts(nn.Module):
+def _kernel_activation(activation: Callable) -> tuple[str, float, float] | None:
+    """The fused CPU kernel's name and (alpha, limit) for ``activation``; None: not one it has."""
+    if activation is silu_and_mul:
+        return "silu", 0.0, 0.0
+    if isinstance(activation, ClampedSiluAndMul):
+        return "clamped_silu", 0.0, activation.limit
+    if isinstance(activation, ClampedSwiGLU):
+        return "clamped_swiglu", activation.alpha, activation.limit
+    return None
+
+
+class FusedExperts(CustomOp):
     """``num_experts`` gated MLPs stored as two stacked tensors (and, with ``bias``, two
-    stacked biases)."""
+    stacked biases). ``forward`` routes, counts and (expert parallel) exchanges tokens; the
+    bound path computes this rank's (token, slot) pairs: ``forward_native`` a loop over
+    experts, ``forward_cpu`` the fused kernel."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  bias: bool = False,
@@ -237,6 +255,29 @@ class FusedExperts(nn.Module):
         self.token_counts: torch.Tensor | None = None
         """Tokens routed to each expert so far (int64 [E], a running total); None while
         counting is off (``count_tokens``)."""
+        self.packed: PackedExperts | None = None
+        """``forward_cpu``'s weights (the plain ones are freed once packed)."""
+
+    def bind(self, platform: Platform) -> None:
+        """On the cpu backend, the fused kernel where it computes these experts (not under
+        expert parallelism; float32 or bfloat16 with an even hidden size; an activation it
+        has): their weights are packed here, once."""
+        super().bind(platform)
+        if self.forward_path != "forward_cpu" or self.packed is not None:
+            return
+        kernel_activation = _kernel_activation(self.activation)
+        dtype, hidden = self.w13.dtype, self.w13.shape[2]
+        if (self.ep.enabled or kernel_activation is None or dtype not in (torch.float32, torch.bfloat16)
+                or (dtype == torch.bfloat16 and hidden % 2)):
+            self._forward_path = self.forward_native
+            return
+        with torch.no_grad():
+            self.packed = pack_experts(self.w13, self.w2, self.b13, self.b2,
+                                       self.cpu_kernels.fused_moe_tile(), *kernel_activation)
+        for name in ("w13", "w2", "b13", "b2"):  # nothing reads them now
+            if getattr(self, name) is not None:
+                setattr(self, name, nn.Parameter(torch.empty_like(getattr(self, name), device="meta"),
+                                                 requires_grad=False))
 
     def set_placement(self, placement: Placement) -> None:
         """Expert parallel: which expert each slot holds from now on (the caller moves the
@@ -293,6 +334,12 @@ class FusedExperts(nn.Module):
     def _run_slots(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """``_run_experts`` for pairs already mapped to this rank's slots (``num_slots``:
         not here)."""
+        return self._forward_path(x, weights, slots)
+
+    def forward_cpu(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return fused_moe(self.cpu_kernels, self.packed, x, weights, slots, bf16_dot())
+
+    def forward_native(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         top_k = slots.shape[1]
         flat = slots.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert slot

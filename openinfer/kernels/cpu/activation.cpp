@@ -5,8 +5,7 @@
 // sizes mostly dispatch. Each value depends only on its own gate and up, so any batch gives
 // the same bits.
 //
-// silu(g) = g * sigmoid(g), sigmoid from e^-|g| (vec.h's vexp takes arguments <= 0):
-// 1 / (1 + z) for g >= 0, z / (1 + z) below. bfloat16 rounds where torch's two ops do: silu
+// silu(g) = g * sigmoid(g) (vec.h's vsigmoid). bfloat16 rounds where torch's two ops do: silu
 // rounded to bf16, then the product rounded again.
 // Built into the CPU attention extension (openinfer/kernels/cpu_attention.py).
 
@@ -21,11 +20,7 @@ namespace {
 
 using namespace oi_vec;
 
-inline vf silu(vf g) {
-  const vf z = vexp(g < 0.f ? g : -g);
-  const vf one = splat(1.f);
-  return g * ((g >= 0.f ? one : z) / (one + z));
-}
+inline vf silu(vf g) { return g * vsigmoid(g); }
 
 // W results of gate g and up u, rounded as torch rounds its two ops for T.
 template <typename T>

@@ -95,6 +95,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("small_gemm", &small_gemm, "out = x @ weight^T (+ bias), float32, few rows", py::arg("out"),
         py::arg("x"), py::arg("weight"), py::arg("bias"), nogil);
+  m.def("fused_moe_tile", &fused_moe_tile, "output columns per packed weight tile of fused_moe");
+  m.def("fused_moe", &fused_moe, "a MoE layer's routed experts (see openinfer/kernels/fused_moe.py)", py::arg("x"),
+        py::arg("w13"), py::arg("w2"), py::arg("weights"), py::arg("slots"), py::arg("b13"), py::arg("b2"),
+        py::arg("activation"), py::arg("alpha"), py::arg("limit"), py::arg("bf16_dot") = "", nogil);
   m.def("amx_gemm_available", &amx_gemm_available, "whether this build and process can run amx_gemm");
 #ifdef OI_AMX
   m.def("amx_pack_weight", &amx_pack_weight, "a bf16 [N, K] weight in amx_gemm's blocked layout",

@@ -48,6 +48,13 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 // small_gemm.cpp
 void small_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                 const std::optional<at::Tensor>& bias);
+// fused_moe.cpp: a MoE layer's routed experts in one call (weights packed by
+// openinfer/kernels/fused_moe.py for fused_moe_tile() columns per tile)
+int64_t fused_moe_tile();
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& weights,
+                     const at::Tensor& slots, const std::optional<at::Tensor>& b13,
+                     const std::optional<at::Tensor>& b2, int64_t activation, double alpha, double limit,
+                     const std::string& bf16_dot);
 // amx_gemm.cpp
 bool amx_gemm_available();
 #ifdef OI_AMX

@@ -136,4 +136,12 @@ inline vf vexp(vf x) {
   return underflow ? splat(0.f) : y;
 }
 
+// 1 / (1 + e^-x) from e^-|x| (vexp takes arguments <= 0): 1 / (1 + z) for x >= 0, z / (1 + z)
+// below, so neither branch overflows.
+inline vf vsigmoid(vf x) {
+  const vf z = vexp(x < 0.f ? x : -x);
+  const vf one = splat(1.f);
+  return (x >= 0.f ? one : z) / (one + z);
+}
+
 }  // namespace oi_vec

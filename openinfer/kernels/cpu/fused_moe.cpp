@@ -1,0 +1,338 @@
+// A mixture-of-experts layer's routed experts in one call: the router's (weight, slot) pairs in,
+// sum_j weight[t, j] * down(act(gate(x_t), up(x_t))) of expert slot[t, j] out, for every token,
+// float32 or bfloat16. The Python path it replaces (FusedExperts.forward_native in
+// openinfer/layers/moe.py, kept as the oracle) sorts the pairs and runs two GEMM calls per
+// expert with a token, each a torch dispatch on a few rows: at decode sizes the layer cost ~5x
+// a dense MLP of the same active parameters.
+//
+//   pairs ─ counting sort by slot ─ 1: h[p] = act(x[token p] . W13[slot])   (expert x tile of I)
+//                                   2: y[p] = weight[p] * (h[p] . W2[slot]) (expert x tile of H)
+//                                   3: out[t] = sum_j y[pair (t, j)]         (tokens)
+//
+// Work: each phase is split into tasks (an expert, a tile of TN output columns, up to ROW_CHUNK
+// of its rows) cut into one contiguous run of about equal cost per thread; a task streams its
+// weight tile once and keeps it in L2 while its rows pass over it, MT rows at a time (MT x NT
+// vector accumulators). Phase 1 fuses gate/up with the activation: a W13 tile holds W gate
+// columns and the W up columns of the same features, so both are in registers together.
+// Phase 3 sums each token's pairs in top-k order, so a row's result never depends on the rest of
+// the batch or the thread count.
+//
+// Weights are packed once at load (openinfer/kernels/fused_moe.py) so that a tile is one run of
+// memory: float32 as [E][tiles][K][TN], bfloat16 as [E][tiles][K/2][TN][2] (pairs of inputs, the
+// operand layout of VDPBF16PS). Products of bfloat16 weights: VDPBF16PS where compiled
+// (AVX512_BF16, path "avx512_bf16"), else each 32-bit pair widened to two float32 vectors by a
+// shift and a mask for FMAs (path "fp32"). Accumulation is float32; bfloat16 rounds h (the down
+// GEMM's input) and the output, once each.
+// Built into the CPU attention extension (openinfer/kernels/cpu_attention.py).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace {
+
+using namespace oi_vec;
+
+constexpr int NT = 2;              // vectors of columns per tile (W13: one gate, one up)
+constexpr int TN = NT * W;         // columns per tile
+constexpr int MT = 6;              // rows per micro-kernel pass: 12 of AVX2's 16 registers
+constexpr int64_t ROW_CHUNK = 48;  // rows per task, so that a prefill's busy experts split
+constexpr int64_t TILE_COST = 16;  // streaming a tile costs about as much as this many rows
+
+#if defined(__AVX512BF16__) && OI_VEC_WIDTH == 16
+#define OI_MOE_DPBF16 1
+#endif
+
+enum Path { F32, BF16_FMA, BF16_DP };
+// What the micro-kernel reads: activations (float, or bf16 pairs as 32-bit words) and weights.
+template <Path P> struct Types { using A = float; using Wt = float; };
+template <> struct Types<BF16_FMA> { using A = float; using Wt = uint32_t; };
+template <> struct Types<BF16_DP> { using A = uint32_t; using Wt = uint32_t; };
+
+enum ActivationKind : int64_t { SILU = 0, CLAMPED_SILU = 1, CLAMPED_SWIGLU = 2 };
+struct Activation {
+  int64_t kind;
+  float alpha, limit;
+};
+
+// The activations of FusedExperts (openinfer/layers/moe.py): silu_and_mul, ClampedSiluAndMul
+// and ClampedSwiGLU.
+inline vf activate(vf g, vf u, const Activation& a) {
+  if (a.kind == SILU) return g * vsigmoid(g) * u;
+  const vf hi = splat(a.limit), lo = splat(-a.limit);
+  g = g > hi ? hi : g;
+  u = u > hi ? hi : (u < lo ? lo : u);
+  if (a.kind == CLAMPED_SILU) return g * vsigmoid(g) * u;
+  return (u + 1.f) * g * vsigmoid(g * a.alpha);
+}
+
+// acc[m][n] = x row m . tile column block n over K inputs (M rows, xr their starts).
+template <Path P, int M>
+inline void tile(const typename Types<P>::A* const* xr, int64_t K, const typename Types<P>::Wt* w,
+                 vf (&acc)[M][NT]) {
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < NT; ++n) acc[m][n] = vf{};
+  if constexpr (P == F32) {
+    for (int64_t k = 0; k < K; ++k, w += TN) {
+      vf wv[NT];
+      for (int n = 0; n < NT; ++n) wv[n] = loadu(w + n * W);
+      for (int m = 0; m < M; ++m) {
+        const vf xv = splat(xr[m][k]);
+        for (int n = 0; n < NT; ++n) acc[m][n] += xv * wv[n];
+      }
+    }
+  } else if constexpr (P == BF16_FMA) {
+    for (int64_t k = 0; k < K; k += 2, w += TN) {
+      vf even[NT], odd[NT];  // a pair's first input in the low half of its word
+      for (int n = 0; n < NT; ++n) {
+        vu bits;
+        std::memcpy(&bits, w + n * W, sizeof bits);
+        even[n] = (vf)(bits << 16);
+        odd[n] = (vf)(bits & 0xFFFF0000u);
+      }
+      for (int m = 0; m < M; ++m) {
+        const vf x0 = splat(xr[m][k]), x1 = splat(xr[m][k + 1]);
+        for (int n = 0; n < NT; ++n) acc[m][n] += x0 * even[n] + x1 * odd[n];
+      }
+    }
+  } else {
+#ifdef OI_MOE_DPBF16
+    for (int64_t k2 = 0; k2 < K / 2; ++k2, w += TN) {
+      __m512i wv[NT];
+      for (int n = 0; n < NT; ++n) wv[n] = _mm512_loadu_si512(w + n * W);
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xp = (__m512bh)_mm512_set1_epi32(int(xr[m][k2]));
+        for (int n = 0; n < NT; ++n) acc[m][n] = (vf)_mm512_dpbf16_ps((__m512)acc[m][n], xp, (__m512bh)wv[n]);
+      }
+    }
+#endif
+  }
+}
+
+// An expert, a tile of its output columns, and a run of its pairs (sorted order).
+struct Task {
+  int64_t slot, tile, p0, p1;
+};
+
+std::vector<Task> make_tasks(const std::vector<int64_t>& start, int64_t tiles) {
+  std::vector<Task> tasks;
+  for (size_t e = 0; e + 1 < start.size(); ++e)
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t p = start[e]; p < start[e + 1]; p += ROW_CHUNK)
+        tasks.push_back({int64_t(e), t, p, std::min(p + ROW_CHUNK, start[e + 1])});
+  return tasks;
+}
+
+// fn(task) for every task: one contiguous run of tasks per thread, of about equal cost.
+template <typename F>
+void run_tasks(const std::vector<Task>& tasks, const F& fn) {
+  const int64_t n = int64_t(tasks.size());
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  auto cost = [](const Task& t) { return TILE_COST + t.p1 - t.p0; };
+  int64_t total = 0;
+  for (const Task& t : tasks) total += cost(t);
+  std::vector<int64_t> bounds{0};
+  int64_t i = 0, done = 0;
+  for (int64_t part = 1; part < parts; ++part) {
+    while (i < n && done < total * part / parts) done += cost(tasks[i++]);
+    bounds.push_back(i);
+  }
+  bounds.push_back(n);
+  at::parallel_for(0, parts, 1, [&](int64_t a, int64_t b) {
+    for (int64_t part = a; part < b; ++part)
+      for (int64_t t = bounds[part]; t < bounds[part + 1]; ++t) fn(tasks[t]);
+  });
+}
+
+// Rows p .. p + m of a task through the micro-kernel, m <= MT: epilogue(i, acc[i]) per row.
+template <Path P, typename Row, typename Epilogue>
+inline void rows(int64_t p, int64_t m, int64_t K, const typename Types<P>::Wt* w, const Row& row,
+                 const Epilogue& epilogue) {
+  using A = typename Types<P>::A;
+  auto pass = [&](auto rows_c) {
+    constexpr int R = decltype(rows_c)::value;
+    const A* xr[R];
+    for (int i = 0; i < R; ++i) xr[i] = row(p + i);
+    vf acc[R][NT];
+    tile<P, R>(xr, K, w, acc);
+    for (int i = 0; i < R; ++i) epilogue(p + i, acc[i]);
+  };
+  switch (m) {
+    case 1: pass(std::integral_constant<int, 1>{}); break;
+    case 2: pass(std::integral_constant<int, 2>{}); break;
+    case 3: pass(std::integral_constant<int, 3>{}); break;
+    case 4: pass(std::integral_constant<int, 4>{}); break;
+    case 5: pass(std::integral_constant<int, 5>{}); break;
+    default: pass(std::integral_constant<int, MT>{}); break;
+  }
+}
+
+struct Step {
+  int64_t H, Ip, Hp, E, T, k;
+  std::vector<int64_t> start;  // [E + 1]: slot e's pairs are p in start[e] .. start[e + 1]
+  std::vector<int64_t> token;  // [pairs]: the token of pair p
+  std::vector<float> weight;   // [pairs]
+  std::vector<int64_t> pos;    // [T * k]: the sorted position of pair (t, j), -1 if not here
+};
+
+// Pairs grouped by slot, in (token, j) order within a slot; slots outside 0 .. E are another
+// rank's (expert parallel) and are left out.
+Step sort_pairs(const at::Tensor& slots, const at::Tensor& weights, int64_t E) {
+  Step s;
+  s.T = slots.size(0), s.k = slots.size(1), s.E = E;
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const float* wt = weights.data_ptr<float>();
+  const int64_t n = s.T * s.k;
+  s.start.assign(E + 1, 0);
+  for (int64_t i = 0; i < n; ++i)
+    if (sl[i] >= 0 && sl[i] < E) ++s.start[sl[i] + 1];
+  for (int64_t e = 0; e < E; ++e) s.start[e + 1] += s.start[e];
+  std::vector<int64_t> next(s.start.begin(), s.start.end() - 1);
+  s.token.resize(s.start[E]);
+  s.weight.resize(s.start[E]);
+  s.pos.assign(n, -1);
+  for (int64_t i = 0; i < n; ++i) {
+    if (sl[i] < 0 || sl[i] >= E) continue;
+    const int64_t p = next[sl[i]]++;
+    s.token[p] = i / s.k, s.weight[p] = wt[i], s.pos[i] = p;
+  }
+  return s;
+}
+
+template <Path P, typename Out>
+void run(Out* out, const typename Types<P>::A* x, const typename Types<P>::Wt* w13,
+         const typename Types<P>::Wt* w2, const float* b13, const float* b2, const Step& s,
+         const Activation& act) {
+  using A = typename Types<P>::A;
+  constexpr int64_t per_word = P == F32 ? 1 : 2;  // inputs per weight element
+  const int64_t H = s.H, Ip = s.Ip, Hp = s.Hp, pairs = s.start[s.E];
+  const int64_t tiles13 = Ip / W, tiles2 = Hp / TN;
+  const int64_t tile13 = H / per_word * TN, tile2 = Ip / per_word * TN;  // weight elements per tile
+  constexpr int64_t per_a = P == BF16_DP ? 2 : 1;                         // inputs per A element
+  // h: float32, or bf16 for VDPBF16PS (the bf16-rounded value either way).
+  const at::Tensor hbuf = at::empty({pairs, Ip}, at::TensorOptions().dtype(P == BF16_DP ? at::kBFloat16 : at::kFloat));
+  const at::Tensor ybuf = at::empty({pairs, Hp}, at::TensorOptions().dtype(at::kFloat));
+  float* y = ybuf.data_ptr<float>();
+  char* h = static_cast<char*>(hbuf.data_ptr());
+
+  run_tasks(make_tasks(s.start, tiles13), [&](const Task& t) {
+    const auto* w = w13 + (t.slot * tiles13 + t.tile) * tile13;
+    const float* bg = b13 ? b13 + t.slot * 2 * Ip + t.tile * W : nullptr;
+    auto row = [&](int64_t p) { return x + s.token[p] * (H / per_a); };
+    auto store = [&](int64_t p, const vf* acc) {
+      vf g = acc[0], u = acc[1];
+      if (bg) g += loadu(bg), u += loadu(bg + Ip);
+      const vf v = activate(g, u, act);
+      if constexpr (P == F32)
+        storeu(reinterpret_cast<float*>(h) + p * Ip + t.tile * W, v);
+      else if constexpr (P == BF16_FMA)
+        storeu(reinterpret_cast<float*>(h) + p * Ip + t.tile * W, round_bf16(v));
+      else
+        store_as(reinterpret_cast<c10::BFloat16*>(h) + p * Ip + t.tile * W, round_bf16(v));
+    };
+    for (int64_t p = t.p0; p < t.p1; p += MT) rows<P>(p, std::min<int64_t>(MT, t.p1 - p), H, w, row, store);
+  });
+
+  run_tasks(make_tasks(s.start, tiles2), [&](const Task& t) {
+    const auto* w = w2 + (t.slot * tiles2 + t.tile) * tile2;
+    const float* bias = b2 ? b2 + t.slot * Hp + t.tile * TN : nullptr;
+    auto row = [&](int64_t p) { return reinterpret_cast<const A*>(h) + p * (Ip / per_a); };
+    auto store = [&](int64_t p, const vf* acc) {
+      const vf scale = splat(s.weight[p]);
+      for (int n = 0; n < NT; ++n) {
+        const vf v = bias ? acc[n] + loadu(bias + n * W) : acc[n];
+        storeu(y + p * Hp + t.tile * TN + n * W, v * scale);
+      }
+    };
+    for (int64_t p = t.p0; p < t.p1; p += MT) rows<P>(p, std::min<int64_t>(MT, t.p1 - p), Ip, w, row, store);
+  });
+
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(H * s.k, 1));
+  at::parallel_for(0, s.T, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t* pos = s.pos.data() + t * s.k;
+      for (int64_t c = 0; c < H; c += W) {  // rows of y are Hp >= c + W wide
+        vf sum = vf{};
+        for (int64_t j = 0; j < s.k; ++j)
+          if (pos[j] >= 0) sum += loadu(y + pos[j] * Hp + c);
+        Out res[W];
+        store_as(res, round_to(sum, res));
+        std::memcpy(out + t * H + c, res, sizeof(Out) * std::min<int64_t>(W, H - c));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+int64_t fused_moe_tile() { return TN; }
+
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& weights,
+                     const at::Tensor& slots, const std::optional<at::Tensor>& b13,
+                     const std::optional<at::Tensor>& b2, int64_t activation, double alpha, double limit,
+                     const std::string& bf16_dot) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "fused_moe: float32 or bfloat16 x");
+  TORCH_CHECK(w13.scalar_type() == dtype && w2.scalar_type() == dtype, "fused_moe: weights in x's dtype");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w13.is_contiguous() && w2.is_contiguous(),
+              "fused_moe: contiguous x [T, H] and packed weights");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && slots.is_contiguous() &&
+                  weights.is_contiguous() && slots.sizes() == weights.sizes() && slots.dim() == 2 &&
+                  slots.size(0) == x.size(0),
+              "fused_moe: int64 slots and float32 weights, both [T, k]");
+  TORCH_CHECK(activation >= SILU && activation <= CLAMPED_SWIGLU, "fused_moe: unknown activation ", activation);
+  const int64_t per_word = dtype == at::kFloat ? 1 : 2;
+  Step s = sort_pairs(slots, weights, w13.size(0));
+  s.H = x.size(1), s.Ip = w13.size(1) * W, s.Hp = w2.size(1) * TN;
+  TORCH_CHECK(w13.dim() == 4 && w13.size(2) * per_word == s.H && w13.size(3) == TN * per_word,
+              "fused_moe: w13 is not packed for this hidden size and build (fused_moe_tile())");
+  TORCH_CHECK(w2.dim() == 4 && w2.size(0) == s.E && w2.size(2) * per_word == s.Ip && w2.size(3) == TN * per_word &&
+                  s.Hp >= s.H && s.Hp < s.H + TN,
+              "fused_moe: w2 is not packed to match w13 and x");
+  const float* pb13 = nullptr;
+  const float* pb2 = nullptr;
+  if (b13.has_value() || b2.has_value()) {
+    TORCH_CHECK(b13.has_value() && b2.has_value() && b13->scalar_type() == at::kFloat &&
+                    b2->scalar_type() == at::kFloat && b13->is_contiguous() && b2->is_contiguous() &&
+                    b13->numel() == s.E * 2 * s.Ip && b2->numel() == s.E * s.Hp,
+                "fused_moe: biases are float32 [E, 2, I] and [E, H], padded as the weights");
+    pb13 = b13->data_ptr<float>(), pb2 = b2->data_ptr<float>();
+  }
+  const Activation act{activation, float(alpha), float(limit)};
+  at::Tensor out = at::empty({s.T, s.H}, x.options());
+  if (s.T == 0) return out;
+  if (dtype == at::kFloat) {
+    run<F32>(out.data_ptr<float>(), x.data_ptr<float>(), w13.data_ptr<float>(), w2.data_ptr<float>(), pb13, pb2,
+             s, act);
+    return out;
+  }
+  TORCH_CHECK(s.H % 2 == 0, "fused_moe: bfloat16 needs an even hidden size");
+  auto* o = out.data_ptr<c10::BFloat16>();
+  const auto* pw13 = static_cast<const uint32_t*>(w13.data_ptr());
+  const auto* pw2 = static_cast<const uint32_t*>(w2.data_ptr());
+  bool dp = bf16_dot.empty() || bf16_dot == "avx512_bf16" || bf16_dot == "amx_bf16";  // (no AMX tiles here)
+#ifndef OI_MOE_DPBF16
+  TORCH_CHECK(bf16_dot.empty() || bf16_dot == "fp32", "fused_moe: bf16_dot '", bf16_dot,
+              "' is not a path of this build");
+  dp = false;
+#endif
+  TORCH_CHECK(dp || bf16_dot.empty() || bf16_dot == "fp32", "fused_moe: unknown bf16_dot '", bf16_dot, "'");
+  if (dp) {
+    run<BF16_DP>(o, static_cast<const uint32_t*>(x.data_ptr()), pw13, pw2, pb13, pb2, s, act);
+  } else {
+    const at::Tensor xf = x.to(at::kFloat);
+    run<BF16_FMA>(o, xf.data_ptr<float>(), pw13, pw2, pb13, pb2, s, act);
+  }
+  return out;
+}

@@ -1,0 +1,159 @@
+"""The CPU extension's fused MoE kernel against FusedExperts' torch path (its oracle): float32
+within rounding, bfloat16 closer to the float32 result than the torch path itself; token counts
+from a decode to a prefill, experts nobody chose, a slot repeated in a token's top-k, biases and
+every activation; each bf16 product path of the build, and the other vector width's build."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from openinfer.kernels.cpu_attention import bf16_dot_paths, build_extension
+from openinfer.kernels.custom_op import Platform
+from openinfer.kernels.fused_moe import fused_moe
+from openinfer.layers.moe import ClampedSiluAndMul, ClampedSwiGLU, FusedExperts, silu_and_mul
+from openinfer.models.platform import bind_platform
+
+ACTIVATIONS = {"silu": silu_and_mul, "clamped_silu": ClampedSiluAndMul(0.8),
+               "clamped_swiglu": ClampedSwiGLU(1.702, 0.9)}
+"""Limits small enough that the clamps bind on these random values."""
+
+
+def _experts(num: int, hidden: int, inter: int, dtype: torch.dtype, bias: bool = False,
+             activation=silu_and_mul) -> FusedExperts:
+    experts = FusedExperts(num, hidden, inter, bias=bias, activation=activation)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(std=hidden ** -0.5)
+    return experts.to(dtype)
+
+
+def _bound(experts: FusedExperts, kernels) -> FusedExperts:
+    fused = copy.deepcopy(experts)
+    bind_platform(fused, Platform("cpu", kernels))
+    assert fused.forward_path == "forward_cpu" and fused.w13.is_meta  # one copy: the packed one
+    return fused
+
+
+def _routing(tokens: int, num: int, top_k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random top-k choices that never pick expert 1, and give token 0 one slot twice."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(tokens)])
+    ids[ids == 1] = 0
+    ids[0, -1] = ids[0, 0]
+    return torch.rand(tokens, top_k, generator=gen), ids
+
+
+def _check(fused: FusedExperts, oracle: FusedExperts, x, weights, ids) -> None:
+    got = fused(x, weights, ids)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(got, oracle(x, weights, ids), atol=2e-5, rtol=1e-5)
+        return
+    # bf16: the torch path rounds after each GEMM, the activation and every expert's add; the
+    # kernel rounds h and the sum once each. Against float32 on the same (bf16) weights it is
+    # at least as close as the torch path, and within a few bf16 steps of the output's scale.
+    want = copy.deepcopy(oracle).float()(x.float(), weights, ids)
+    err = (got.float() - want).abs().max()
+    torch_err = (oracle(x, weights, ids).float() - want).abs().max()
+    assert err <= torch_err * 1.01 + 1e-6
+    assert err <= 2 ** -6 * want.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 33, 300])
+def test_matches_the_torch_path(kernels, dtype, tokens):
+    torch.manual_seed(tokens)
+    oracle = _experts(8, 64, 48, dtype)
+    fused = _bound(oracle, kernels)
+    weights, ids = _routing(tokens, 8, 3)
+    _check(fused, oracle, torch.randn(tokens, 64).to(dtype), weights, ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_biases_activations_and_padded_shapes(kernels, dtype, activation):
+    """Sizes that are no multiple of a tile (hidden 30, intermediate 20: zero padding in the
+    packed weights), biases, and each activation the kernel has."""
+    torch.manual_seed(1)
+    oracle = _experts(5, 30, 20, dtype, bias=True, activation=ACTIVATIONS[activation])
+    fused = _bound(oracle, kernels)
+    for tokens in (1, 33):
+        weights, ids = _routing(tokens, 5, 2, seed=tokens)
+        _check(fused, oracle, torch.randn(tokens, 30).to(dtype) * 2, weights, ids)
+
+
+def test_slots_of_another_rank_add_nothing(kernels):
+    """Expert parallel hands the kernel ``num_slots`` for pairs another rank computes."""
+    torch.manual_seed(2)
+    oracle = _experts(4, 32, 16, torch.float32)
+    fused = _bound(oracle, kernels)
+    x, weights = torch.randn(6, 32), torch.rand(6, 2)
+    slots = torch.tensor([[0, 4], [4, 4], [1, 2], [3, 4], [2, 1], [4, 0]])
+    got = fused.forward_cpu(x, weights, slots)
+    torch.testing.assert_close(got, oracle.forward_native(x, weights, slots), atol=2e-5, rtol=1e-5)
+    assert torch.equal(got[1], torch.zeros(32))
+
+
+def test_rows_do_not_depend_on_the_batch(kernels):
+    """Each pair's products run over all of K in one order and each token's pairs are summed in
+    top-k order: a token's output is bitwise the same alone or in a prefill."""
+    torch.manual_seed(3)
+    fused = _bound(_experts(8, 64, 48, torch.bfloat16), kernels)
+    weights, ids = _routing(40, 8, 3)
+    x = torch.randn(40, 64).bfloat16()
+    together = fused(x, weights, ids)
+    for t in (0, 17, 39):
+        assert torch.equal(fused(x[t:t + 1], weights[t:t + 1], ids[t:t + 1]), together[t:t + 1])
+
+
+def test_what_the_kernel_does_not_compute_stays_on_torch(kernels):
+    """An activation the kernel does not have, float16, and a bf16 odd hidden size keep the
+    torch path and their plain weights."""
+    custom = _experts(4, 32, 16, torch.float32, activation=lambda g, u: g * u)
+    for experts in (custom, _experts(4, 32, 16, torch.float16), _experts(4, 31, 16, torch.bfloat16)):
+        bind_platform(experts, Platform("cpu", kernels))
+        assert experts.forward_path == "forward_native" and not experts.w13.is_meta
+
+
+@pytest.mark.parametrize("path", ["fp32", "avx512_bf16"])
+def test_each_bf16_product_path(kernels, path):
+    """VDPBF16PS where the build has it, float32 FMAs on widened pairs everywhere; on a CPU
+    without AVX512_BF16 the former is refused by name."""
+    torch.manual_seed(4)
+    oracle = _experts(8, 64, 48, torch.bfloat16, bias=True)
+    fused = _bound(oracle, kernels)
+    weights, ids = _routing(33, 8, 3)
+    x = torch.randn(33, 64).bfloat16()
+    if path not in bf16_dot_paths():
+        with pytest.raises(RuntimeError, match="not a path of this build"):
+            fused_moe(kernels, fused.packed, x, weights, ids, bf16_dot=path)
+        return
+    got = fused_moe(kernels, fused.packed, x, weights, ids, bf16_dot=path)
+    want = copy.deepcopy(oracle).float()(x.float(), weights, ids)
+    assert (got.float() - want).abs().max() <= 2 ** -6 * want.abs().max()
+
+
+def test_rejects_weights_packed_for_another_shape(kernels):
+    fused = _bound(_experts(4, 32, 16, torch.float32), kernels)
+    with pytest.raises(RuntimeError, match="not packed"):
+        fused_moe(kernels, fused.packed, torch.randn(2, 64), torch.rand(2, 2),
+                  torch.zeros(2, 2, dtype=torch.long))
+
+
+@pytest.mark.slow
+def test_other_lane_width_build(kernels):
+    """The vector width this CPU's build does not use (16 floats on AVX2, 8 on AVX-512): its
+    tiles are another width, packed for it, and compute the same experts."""
+    native16 = kernels.isa().startswith("vec16")
+    other = build_extension((f"-DOI_VEC_WIDTH={8 if native16 else 16}",), "w8" if native16 else "w16")
+    assert other.fused_moe_tile() != kernels.fused_moe_tile()
+    torch.manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        oracle = _experts(6, 30, 20, dtype, bias=True, activation=ACTIVATIONS["clamped_swiglu"])
+        fused = _bound(oracle, other)
+        for tokens in (1, 33):
+            weights, ids = _routing(tokens, 6, 2, seed=tokens)
+            _check(fused, oracle, torch.randn(tokens, 30).to(dtype), weights, ids)
