@@ -162,6 +162,32 @@ class AttentionMetadata:
                 query_lens_list=self.query_lens_list[:nd], seq_lens_list=self.seq_lens_list[:nd])
         return sub
 
+    def gathered_prefills(self) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The prefills over a copy of their own context, made once per step: the ids of the
+        blocks they read, in order (int64 [n]), and the prefills' metadata with block tables
+        into that copy (``cache.index_select(0, ids)``: sequence i's blocks are consecutive
+        rows of it). For layers that compute their keys from the cache and attend to those
+        (MLA's expanded form: one GEMM over every prefill's context, one backend call)."""
+        cached = self.derived.get("gathered_prefills")
+        if cached is None:
+            nd, bs = self.num_decodes, self.block_size
+            counts = np.asarray([-(-n // bs) for n in self.seq_lens_list[nd:]], dtype=np.int64)
+            firsts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+            columns = np.arange(max(counts, default=1))
+            tables = np.where(columns[None, :] < counts[:, None], firsts[:, None] + columns[None, :], 0)
+            device = self.block_tables.device
+            ids = torch.cat([self.block_tables[nd + i, :c] for i, c in enumerate(counts.tolist())])
+            query_lens, seq_lens = self.query_lens_list[nd:], self.seq_lens_list[nd:]
+            prefills = AttentionMetadata(
+                backend=self.backend, slot_mapping=self.slot_mapping[nd:],
+                query_start_loc=self.query_start_loc[nd:] - nd, seq_lens=self.seq_lens[nd:],
+                block_tables=torch.from_numpy(tables).to(device=device, dtype=torch.int32),
+                num_decodes=0, max_query_len=max(query_lens, default=0),
+                max_seq_len=max(seq_lens, default=0), block_size=bs,
+                query_lens_list=query_lens, seq_lens_list=seq_lens)
+            cached = self.derived["gathered_prefills"] = (ids.long(), prefills)
+        return cached
+
 
 def build_attention_metadata(
     backend: AttentionBackend,

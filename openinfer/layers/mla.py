@@ -34,7 +34,6 @@ from torch import nn
 
 from openinfer.attention.base import AttentionMetadata
 from openinfer.distributed.parallel_state import get_tp
-from openinfer.kernels.paged_attention import prefill_attention
 from openinfer.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding
@@ -134,7 +133,7 @@ class MLAAttention(nn.Module):
         if nd:
             out[:nd] = self._absorbed(q_nope[:nd], q_pe[:nd], cache, meta.decodes())
         if nd < meta.num_seqs:
-            self._expanded(q_nope, q_pe, latent, k_pe, cache, meta, out)
+            out[nd:] = self._expanded(q_nope, q_pe, cache, meta)
         return self.o_proj(out.flatten(1))
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
@@ -148,22 +147,27 @@ class MLAAttention(nn.Module):
         o_latent = meta.backend.attend(query, kv, meta, self.scale)[..., :self.latent_dim]
         return torch.bmm(o_latent.transpose(0, 1).to(w_uv_t.dtype), w_uv_t).transpose(0, 1)
 
-    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
-                  k_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                  out: torch.Tensor) -> None:
-        """Prefills, one sequence at a time: per-head keys and values of its whole context."""
-        H, block_size = self.num_heads, cache.shape[1]
-        starts = meta.derived.setdefault("query_starts", meta.query_start_loc.tolist())
-        for i in range(meta.num_decodes, meta.num_seqs):
-            s, n, length = starts[i], meta.query_lens_list[i], meta.seq_lens_list[i]
-            if length == n:  # nothing cached before this chunk
-                ctx_latent, ctx_pe = latent[s:s + n], k_pe[s:s + n]
-            else:
-                blocks = meta.block_tables[i, :-(-length // block_size)].long()
-                ctx = cache.index_select(0, blocks).flatten(0, 1)[:length]
-                ctx_latent, ctx_pe = ctx[:, :self.latent_dim], ctx[:, self.latent_dim:]
-            kv = self.kv_b_proj(ctx_latent.to(latent.dtype).contiguous()).view(length, H, -1)
-            k_nope, v = kv.split([self.nope_dim, self.v_dim], -1)
-            k = torch.cat([k_nope, ctx_pe.to(k_nope.dtype)[:, None, :].expand(length, H, self.rope_dim)], -1)
-            query = torch.cat([q_nope[s:s + n], q_pe[s:s + n]], -1)
-            out[s:s + n] = prefill_attention(query, k, v, self.scale)
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """Prefills, all in one backend call: per-head keys and values of every prefill's
+        context (its cached latents, this step's included) from one GEMM over the blocks they
+        read. K and V share one head width (a multiple of 16, zero-padded: a padded dim adds
+        nothing to a score, and V's padding is sliced off the result)."""
+        nd, H = meta.num_decodes, self.num_heads
+        nope, qk, v_dim = self.nope_dim, self.nope_dim + self.rope_dim, self.v_dim
+        block_ids, prefills = meta.gathered_prefills()
+        ctx = cache.index_select(0, block_ids)  # [n, block_size, latent + rope]
+        n, block_size = ctx.shape[:2]
+        kv = self.kv_b_proj(ctx[..., :self.latent_dim].flatten(0, 1).to(q_nope.dtype))
+        kv = kv.view(n, block_size, H, nope + v_dim)
+        width = -(-max(qk, v_dim) // 16) * 16
+        keys_values = kv.new_empty(2, n, block_size, H, width)
+        keys_values[0, ..., :nope] = kv[..., :nope]
+        keys_values[0, ..., nope:qk] = ctx[:, :, None, self.latent_dim:]
+        keys_values[0, ..., qk:] = 0
+        keys_values[1, ..., :v_dim] = kv[..., nope:]
+        keys_values[1, ..., v_dim:] = 0
+        query = q_nope.new_zeros(q_nope.shape[0] - nd, H, width)
+        query[..., :nope] = q_nope[nd:]
+        query[..., nope:qk] = q_pe[nd:]
+        return meta.backend.attend(query, keys_values, prefills, self.scale)[..., :v_dim]
