@@ -46,21 +46,6 @@ def has_native_bf16(flags: Collection[str]) -> bool:
     return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
-def has_native_gemm(dtype: torch.dtype, flags: Collection[str]) -> bool:
-    """Whether a CPU with ``flags`` multiplies ``dtype`` matrices with its own instructions
-    (float32 always; bfloat16 with NATIVE_BF16_FLAGS; float16 with AVX512_FP16 or AMX_FP16)
-    rather than by converting to float32 element by element, slower than float32 itself."""
-    import torch
-
-    if dtype == torch.float32:
-        return True
-    if dtype == torch.bfloat16:
-        return has_native_bf16(flags)
-    if dtype == torch.float16:
-        return "avx512_fp16" in flags or "amx_fp16" in flags
-    return False
-
-
 def cpu_capability() -> str:
     """The vector ISA ATen's CPU kernels dispatch to: DEFAULT, AVX2, AVX512, ..."""
     import torch

@@ -10,8 +10,13 @@ y = x @ W^T + b from the weight in one of four formats.
                                     oneDNN's kernels read (for bf16: what VDPBF16PS/AMX read).
                                     vLLM's CPU linears do this.
     small_gemm     plain            openinfer's C++ few-row kernel (kernels/cpu/small_gemm.cpp):
-                                    streams W once at close to the read bandwidth; float32,
-                                    timed for up to 16 rows
+                                    streams W once at close to the read bandwidth; float32, and
+                                    bfloat16 widened in registers; timed for up to 128 rows
+    widened        plain            F.linear in float32 on a bfloat16/float16 weight widened for
+                                    the call (MKL's sgemm): prefill on CPUs with no 16-bit GEMM
+                                    instructions, where ATen converts element by element (3x
+                                    slower than float32 at 512 rows, 2 Zen 3 cores); the
+                                    weight stays 16-bit in memory. Timed from 17 rows
     amx            amx              openinfer's AMX kernel (kernels/cpu/amx_gemm.cpp) on W packed
                                     once into 1 KiB tile blocks in the order they are read; bf16
                                     on CPUs with AMX. 1.4-1.7x oneDNN's packed linear at 1-4
@@ -81,11 +86,17 @@ def _small_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tor
     kernels = load_cpu_attention()
     if kernels is None:
         raise RuntimeError("the CPU kernel extension cannot be built here")
-    if x.dtype != torch.float32 or w.dtype != torch.float32:
-        raise RuntimeError("small_gemm runs float32 only")
+    if x.dtype != w.dtype or w.dtype not in (torch.float32, torch.bfloat16):
+        raise RuntimeError("small_gemm runs float32 and bfloat16 only")
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
     kernels.small_gemm(out, x.contiguous(), w, b)
     return out
+
+
+def _widened(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    if w.dtype not in (torch.bfloat16, torch.float16):
+        raise RuntimeError("widened is for bfloat16 and float16 weights")
+    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
 
 def _amx(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -167,7 +178,8 @@ PATHS: dict[str, GemmPath] = {p.name: p for p in (
     GemmPath("torch_t", PLAIN, _torch_t, rows=(2, 256)),
     GemmPath("onednn", PLAIN, _onednn, builds_per_rows=_ONEDNN_DTYPES),
     GemmPath("onednn_packed", PACKED, _onednn, builds_per_rows=_ONEDNN_DTYPES),
-    GemmPath("small_gemm", PLAIN, _small_gemm, rows=(1, 16)),
+    GemmPath("small_gemm", PLAIN, _small_gemm, rows=(1, 128)),
+    GemmPath("widened", PLAIN, _widened, rows=(17, None)),
     GemmPath("amx", AMX, _amx),
     GemmPath("mkl_packed", MKL, _mkl),
 )}

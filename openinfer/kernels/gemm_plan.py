@@ -56,8 +56,10 @@ cached for the process, so a model's 30 identical layers are timed once:
 
 ``OPENINFER_CPU_GEMM``: ``auto`` (the default: the above), ``default`` (no plans; ``linear()``
 as before), or a path name (that path for every M; an error if it cannot run here). No plans
-either for models on other devices, nor, in ``auto``, for a dtype this CPU has no GEMM
-instructions for (bf16 without AVX512_BF16/AMX; see ``why_no_plans``).
+either for models on other devices (``why_no_plans``). A bf16 model on a CPU with no bf16 GEMM
+instructions (AVX2, or AVX-512 without AVX512_BF16) is planned like any other: ATen and oneDNN
+convert it element by element there, slower than float32, and the paths that widen it to
+float32 in registers (``small_gemm``) or for the call (``widened``) win their buckets.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from openinfer.cpu_features import cpu_capability, cpu_flags, has_native_gemm
+from openinfer.cpu_features import cpu_capability
 from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.kernels.gemm_paths import (
     FORMATS,
@@ -243,10 +245,6 @@ def why_no_plans(weight: torch.Tensor | None, mode: str) -> str | None:
         return "no linear layers"
     if weight.device.type != "cpu":
         return f"on {weight.device.type}"
-    if mode == "auto" and not has_native_gemm(weight.dtype, cpu_flags()):
-        # ATen's converting paths are all that runs it (oneDNN refuses bf16 without AVX-512 or
-        # AVX-NE-CONVERT), slower than fp32 already, and timing them at 512 rows takes seconds.
-        return f"{str(weight.dtype).removeprefix('torch.')} has no native GEMM on this CPU"
     return None
 
 

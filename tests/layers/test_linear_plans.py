@@ -26,7 +26,7 @@ from openinfer.models import gemm_plans
 from openinfer.models.gemm_plans import describe_gemms, plan_gemms
 
 ROWS = (1, 7, 33, 600)  # one row per bucket
-ONLY = {"amx": torch.bfloat16, "mkl_packed": torch.float32, "small_gemm": torch.float32}
+ONLY = {"amx": torch.bfloat16, "mkl_packed": torch.float32, "widened": torch.bfloat16}
 """Paths with a kernel for one dtype only, on every CPU (the others run both): the other
 dtype is not parametrized, so a skip means "not on this CPU"."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -109,7 +109,6 @@ def test_a_single_dtype_path_refuses_the_other(path, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_auto_plan_equals_f_linear_in_every_bucket(dtype, monkeypatch):
-    monkeypatch.setattr(gemm_plan, "cpu_flags", lambda: frozenset({"avx512_bf16"}))  # bf16 is planned
     layer, w, b = _linear(96, 160, True, dtype)
     plan_gemms(layer, "auto")
     assert len(layer.plan.routes) == len(BUCKETS)
@@ -304,14 +303,34 @@ def test_small_weights_run_f_linear_untimed(monkeypatch):
     assert layer.plan.paths == ["torch"] * len(BUCKETS)
 
 
-def test_no_plans_for_a_dtype_without_native_gemms(monkeypatch):
-    monkeypatch.setattr(gemm_plan, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    layer, _, _ = _linear(16, 8, False, torch.bfloat16)
+def test_bf16_widened_in_registers_is_fp32_small_gemm_rounded_once():
+    """small_gemm on a bf16 weight widens it in registers and accumulates as on float32: its
+    result is the float32 kernel's on the widened numbers, rounded to bf16 once, bit for bit
+    (both lane widths' tails: K = 1000 is no multiple of 8 or 16)."""
+    kernels = load_cpu_attention()
+    if kernels is None:
+        pytest.skip("no CPU extension")
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 3, 5, 16):
+        x = torch.randn(rows, 1000, generator=g).bfloat16()
+        w = (torch.randn(77, 1000, generator=g) / 30).bfloat16()
+        b = torch.randn(77, generator=g).bfloat16()
+        out, out32 = torch.empty(rows, 77, dtype=torch.bfloat16), torch.empty(rows, 77)
+        kernels.small_gemm(out, x, w, b)
+        kernels.small_gemm(out32, x.float(), w.float(), b.float())
+        assert torch.equal(out, out32.bfloat16())
+        _check(out, x, w, b)
+
+
+def test_bf16_is_planned_on_every_cpu():
+    """Where the CPU has no bf16 GEMM instructions, ATen converts bf16 element by element;
+    the widening paths are timed there like the rest (no CPU is left without plans)."""
+    layer, w, _ = _linear(256, 512, False, torch.bfloat16)
     plan_gemms(layer, "auto")
-    assert layer.plan is None
-    assert describe_gemms(layer, "auto").text == "linear() (bfloat16 has no native GEMM on this CPU)"
-    plan_gemms(layer, "torch")  # asked for by name: planned all the same
-    assert layer.plan.paths == ["torch"] * len(BUCKETS)
+    assert layer.plan is not None and len(layer.plan.routes) == len(BUCKETS)
+    for rows in ROWS:
+        x = torch.randn(rows, 256, dtype=torch.bfloat16)
+        _check(layer(x), x, w, None)
 
 
 def test_models_off_the_cpu_get_no_plans():

@@ -1,5 +1,5 @@
 """Every registered architecture, fp32 and bf16, through the CPU GEMM plans: the plan this CPU
-picks (``auto``, with bf16 planned even where the CPU has no native bf16 GEMM) and each path
+picks (``auto``) and each path
 forced, greedy tokens equal to the plain path's (no plans: F.linear). A plan may pack a
 weight and free the plain copy, so a module that reads a planned layer's weight directly
 (MLA's absorbed decode did) fails here."""
@@ -73,8 +73,6 @@ def test_gemm_plans_keep_greedy_tokens(arch, dtype, make_checkpoint, monkeypatch
     path = make_checkpoint(arch, **ARCH_CHECKPOINTS[arch])
     if arch == "DeepseekV4ForCausalLM":
         randomize_v4(path)
-    # Plan bf16 too on a CPU without a native bf16 GEMM (auto leaves it unplanned there).
-    monkeypatch.setattr(gemm_plan, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     plain = _greedy(path, dtype, "default", monkeypatch)
     ran = []
     for mode in ["auto", *PATHS]:

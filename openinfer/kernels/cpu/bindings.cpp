@@ -68,7 +68,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("GEMM_PATHS") = py::dict(py::arg("amx") = int64_t(GEMM_AMX), py::arg("mkl_packed") = int64_t(GEMM_MKL),
                                   py::arg("small_gemm") = int64_t(GEMM_SMALL), py::arg("torch") = int64_t(GEMM_TORCH),
                                   py::arg("torch_t") = int64_t(GEMM_TORCH_T), py::arg("onednn") = int64_t(GEMM_ONEDNN),
-                                  py::arg("onednn_packed") = int64_t(GEMM_ONEDNN));
+                                  py::arg("onednn_packed") = int64_t(GEMM_ONEDNN),
+                                  py::arg("widened") = int64_t(GEMM_WIDENED));
   py::class_<DecoderLayer>(m, "DecoderLayer", "One Llama-family decoder layer's weights and kernels",
                            py::module_local())
       .def(py::init([](at::Tensor input_norm, double input_eps, at::Tensor post_norm, double post_eps, Gemm qkv,
@@ -93,7 +94,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "out = silu(x[..., :I]) * x[..., I:]", py::arg("out"), py::arg("x"),
         nogil);
 
-  m.def("small_gemm", &small_gemm, "out = x @ weight^T (+ bias), float32, few rows", py::arg("out"),
+  m.def("small_gemm", &small_gemm, "out = x @ weight^T (+ bias), float32 or bfloat16, few rows", py::arg("out"),
         py::arg("x"), py::arg("weight"), py::arg("bias"), nogil);
   m.def("fused_moe_tile", &fused_moe_tile, "output columns per packed weight tile of fused_moe");
   m.def("fused_moe", &fused_moe, "a MoE layer's routed experts (see openinfer/kernels/fused_moe.py)", py::arg("x"),

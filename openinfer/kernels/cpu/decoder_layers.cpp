@@ -71,6 +71,12 @@ at::Tensor Gemm::run(const GemmRoute& r, const at::Tensor& x) const {
     }
     case GEMM_TORCH:
       return at::linear(x, r.weight, bias);
+    case GEMM_WIDENED: {  // as kernels/gemm_paths.py's _widened: float32 math on a 16-bit weight
+      at::Tensor out = at::linear(x.to(at::kFloat), r.weight.to(at::kFloat),
+                                  bias.has_value() ? c10::optional<at::Tensor>(bias->to(at::kFloat))
+                                                   : c10::nullopt);
+      return out.to(x.scalar_type());
+    }
     case GEMM_TORCH_T: {  // as kernels/gemm_paths.py's _torch_t: (W @ x^T)^T, then the bias
       at::Tensor out = at::mm(r.weight, x.t()).t().contiguous();
       return bias.has_value() ? out.add_(*bias) : out;

@@ -93,7 +93,8 @@ struct RopeAttention {
 // A GEMM as its plan (openinfer/kernels/gemm_plan.py) routes it: per bucket of rows, a path and the
 // weight in that path's format. A path the C++ does not know is GEMM_OTHER.
 enum GemmPathId : int64_t {
-  GEMM_OTHER = -1, GEMM_AMX = 0, GEMM_MKL = 1, GEMM_SMALL = 2, GEMM_TORCH = 3, GEMM_TORCH_T = 4, GEMM_ONEDNN = 5
+  GEMM_OTHER = -1, GEMM_AMX = 0, GEMM_MKL = 1, GEMM_SMALL = 2, GEMM_TORCH = 3, GEMM_TORCH_T = 4, GEMM_ONEDNN = 5,
+  GEMM_WIDENED = 6
 };
 struct GemmRoute {
   int64_t max_rows;
