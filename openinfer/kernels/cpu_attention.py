@@ -98,11 +98,17 @@ def cpu_isa_tag() -> str:
     return f"{capability.lower()}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
-def build_extension(extra_cflags: tuple[str, ...] = (), variant: str = "") -> ModuleType:
+LANE_TWIN_SOURCES = [p for p in SOURCES if p.name in ("bindings.cpp", "paged_attention.cpp",
+                                                    "rms_norm.cpp", "fused_moe.cpp")]
+"""The sources whose code depends on the vector width (``OI_VEC_WIDTH``): all a lane twin
+builds (its bindings stop at ``OI_LANE_TWIN``), a third of the compile of a whole build."""
+
+
+def build_extension(extra_cflags: tuple[str, ...] = (), variant: str = "",
+                    sources: list[Path] = SOURCES) -> ModuleType:
     """Compile (or load from torch's extension cache) the kernel; raises on failure.
 
-    ``extra_cflags``/``variant`` build a differently named twin, e.g. the 16-lane code on an
-    AVX2 machine (``("-DOI_VEC_WIDTH=16",), "w16"``) so that tests cover it.
+    ``extra_cflags``/``variant``/``sources`` build a differently named twin (``build_lane_twin``).
     """
     from torch.utils import cpp_extension
 
@@ -111,11 +117,20 @@ def build_extension(extra_cflags: tuple[str, ...] = (), variant: str = "") -> Mo
     with _one_builder(name):
         return cpp_extension.load(
             name=name,
-            sources=[str(p) for p in SOURCES],
+            sources=[str(p) for p in sources],
             extra_cflags=[*CFLAGS, *extra_cflags],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
+
+
+def build_lane_twin(native: ModuleType) -> ModuleType:
+    """The vector-width code at the width this CPU's build does not use (8 floats where the
+    native build has 16 and AVX-512 intrinsics; 16 elsewhere, vectors split in two), so that
+    tests cover both on any CPU: paged attention, the norms and the fused MoE kernel only."""
+    width = 8 if native.isa().startswith("vec16") else 16
+    return build_extension((f"-DOI_VEC_WIDTH={width}", "-DOI_LANE_TWIN"), f"w{width}",
+                           LANE_TWIN_SOURCES)
 
 
 @contextlib.contextmanager

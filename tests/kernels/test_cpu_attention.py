@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from openinfer.kernels.cpu_attention import (
-    build_extension,
+    build_lane_twin,
     load_cpu_attention,
     paged_attention,
     paged_attention_reference,
@@ -341,8 +341,7 @@ def test_other_lane_width_build(ext):
     native build has 16 and its intrinsics; 16 elsewhere, vectors split in two): the same
     source must compute the same attention and norms at either width."""
     native16 = ext.isa().startswith("vec16")
-    other = build_extension((f"-DOI_VEC_WIDTH={8 if native16 else 16}",),
-                            "w8" if native16 else "w16")
+    other = build_lane_twin(ext)
     assert other.isa().startswith("vec8" if native16 else "vec16")
     for dtype in DTYPES:
         run = other.paged_attention

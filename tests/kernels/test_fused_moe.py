@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from openinfer.kernels.cpu_attention import bf16_dot_paths, build_extension
+from openinfer.kernels.cpu_attention import bf16_dot_paths, build_lane_twin
 from openinfer.kernels.custom_op import Platform
 from openinfer.kernels.fused_moe import fused_moe
 from openinfer.layers.moe import ClampedSiluAndMul, ClampedSwiGLU, FusedExperts, silu_and_mul
@@ -147,8 +147,7 @@ def test_rejects_weights_packed_for_another_shape(kernels):
 def test_other_lane_width_build(kernels):
     """The vector width this CPU's build does not use (16 floats on AVX2, 8 on AVX-512): its
     tiles are another width, packed for it, and compute the same experts."""
-    native16 = kernels.isa().startswith("vec16")
-    other = build_extension((f"-DOI_VEC_WIDTH={8 if native16 else 16}",), "w8" if native16 else "w16")
+    other = build_lane_twin(kernels)
     assert other.fused_moe_tile() != kernels.fused_moe_tile()
     torch.manual_seed(5)
     for dtype in (torch.float32, torch.bfloat16):

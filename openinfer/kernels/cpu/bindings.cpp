@@ -21,6 +21,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("group"), py::arg("block_size"), py::arg("threads"), py::arg("kv_splits") = 0,
         py::arg("invariant") = false);
   m.def("isa", &isa, "The vector width and ISA macros this build was compiled with");
+  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight, float32 or bfloat16 rows", py::arg("out"),
+        py::arg("x"), py::arg("weight"), py::arg("eps"), nogil);
+  m.def("add_rms_norm", &add_rms_norm, "sum = x + residual; out = rms_norm(sum) * weight", py::arg("out"),
+        py::arg("sum"), py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), nogil);
+  m.def("fused_moe_tile", &fused_moe_tile, "output columns per packed weight tile of fused_moe");
+  m.def("fused_moe", &fused_moe, "a MoE layer's routed experts (see openinfer/kernels/fused_moe.py)", py::arg("x"),
+        py::arg("w13"), py::arg("w2"), py::arg("weights"), py::arg("slots"), py::arg("b13"), py::arg("b2"),
+        py::arg("activation"), py::arg("alpha"), py::arg("limit"), py::arg("bf16_dot") = "", nogil);
+#ifndef OI_LANE_TWIN  // the twin (LANE_TWIN_SOURCES in cpu_attention.py) stops here
   m.def("evict_from_cache", &evict_from_cache,
         "Flush nbytes from address out of every cache level (the GEMM planner's cold timing); false where "
         "unsupported",
@@ -84,10 +93,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("covers", &DecoderLayers::covers, py::arg("rows"))
       .def("__call__", &DecoderLayers::forward, py::arg("hidden"), py::arg("caches"), py::arg("steps"), nogil);
 
-  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight, float32 or bfloat16 rows", py::arg("out"),
-        py::arg("x"), py::arg("weight"), py::arg("eps"), nogil);
-  m.def("add_rms_norm", &add_rms_norm, "sum = x + residual; out = rms_norm(sum) * weight", py::arg("out"),
-        py::arg("sum"), py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), nogil);
   m.def("rotary_neox", &rotary_neox, "q_out, k_out = RoPE(q, k) (NeoX pairs)", py::arg("q_out"),
         py::arg("k_out"), py::arg("q"), py::arg("k"), py::arg("positions"), py::arg("cos"), py::arg("sin"),
         py::arg("q_weight") = py::none(), py::arg("k_weight") = py::none(), py::arg("eps") = 0.0, nogil);
@@ -96,10 +101,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("small_gemm", &small_gemm, "out = x @ weight^T (+ bias), float32 or bfloat16, few rows", py::arg("out"),
         py::arg("x"), py::arg("weight"), py::arg("bias"), nogil);
-  m.def("fused_moe_tile", &fused_moe_tile, "output columns per packed weight tile of fused_moe");
-  m.def("fused_moe", &fused_moe, "a MoE layer's routed experts (see openinfer/kernels/fused_moe.py)", py::arg("x"),
-        py::arg("w13"), py::arg("w2"), py::arg("weights"), py::arg("slots"), py::arg("b13"), py::arg("b2"),
-        py::arg("activation"), py::arg("alpha"), py::arg("limit"), py::arg("bf16_dot") = "", nogil);
   m.def("amx_gemm_available", &amx_gemm_available, "whether this build and process can run amx_gemm");
 #ifdef OI_AMX
   m.def("amx_pack_weight", &amx_pack_weight, "a bf16 [N, K] weight in amx_gemm's blocked layout",
@@ -118,4 +119,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "logits[rows[r], t] = -inf where bit t of bitmask[r] is clear, in place", py::arg("logits"),
         py::arg("bitmask"), py::arg("rows"));
+#endif
 }
