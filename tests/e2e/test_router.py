@@ -268,8 +268,9 @@ def test_a_drained_replica_finishes_its_streams_and_gets_no_new_traffic(replicas
     runs to its end, and the call returns once nothing is in flight there (the moment to
     restart it); undrain puts it back in rotation."""
     router, victim = routers["round_robin"], replicas[2]
-    # 128 x 480 tokens: about 4 s on a Zen 3 (one sequence alone would end before the checks)
-    body = {"model": MODEL, "prompt": "a long story", "n": 128, "max_tokens": 480,
+    # 64 x 240 tokens: seconds on 2 cores (one sequence alone would end before the checks; a
+    # machine that ends them first still passes: see the read order below)
+    body = {"model": MODEL, "prompt": "a long story", "n": 64, "max_tokens": 240,
             "temperature": 1, "seed": 0, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=120) as client, _stream_on(client, router, victim, body) as resp:
         with ThreadPoolExecutor(1) as pool:
@@ -284,7 +285,7 @@ def test_a_drained_replica_finishes_its_streams_and_gets_no_new_traffic(replicas
             assert victim not in served and len(served) == 2
             # The drain has not returned while the stream is in flight there. Read in this
             # order (a drain that has returned sees no request come back), it cannot fail on a
-            # machine fast enough to end 128 x 480 tokens first, as `not done()` alone could.
+            # machine fast enough to end 64 x 240 tokens first, as `not done()` alone could.
             returned = drained.done()
             in_flight = {w["url"]: w for w in admin_workers(router)}[victim]["in_flight"]
             assert not returned or in_flight == 0, in_flight
@@ -293,7 +294,7 @@ def test_a_drained_replica_finishes_its_streams_and_gets_no_new_traffic(replicas
             assert not any("error" in event for event in events)
             finished = [c["finish_reason"] for e in events for c in e["choices"]
                         if c["finish_reason"]]
-            assert finished == ["length"] * 128  # all of it
+            assert finished == ["length"] * 64  # all of it
             answer = drained.result()
         assert answer.status_code == 200 and answer.json()["drained"] is True
     undrained = httpx.post(f"{router}/admin/workers/undrain", headers=ADMIN, timeout=30,
