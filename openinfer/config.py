@@ -412,7 +412,7 @@ def _resolve_dtype(dtype: str | torch.dtype, hf: dict, device: str) -> torch.dty
              "float16": torch.float16, "half": torch.float16}
     if dtype == "auto":
         if device == "cpu":
-            # bf16 only where the CPU has bf16 dot products: elsewhere it is slower than fp32.
+            # bf16 only where the CPU has bf16 dot products: elsewhere it computes as fp32 does.
             choice, reason = auto_cpu_dtype(hf.get("torch_dtype") or hf.get("dtype"), cpu_flags())
             logger.info("dtype auto: %s on this CPU (%s)", str(choice).removeprefix("torch."),
                         reason)

@@ -19,8 +19,10 @@ if TYPE_CHECKING:
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """Extensions with bf16 dot-product instructions (VDPBF16PS, AMX tiles): with one of them,
-bf16 GEMMs run several times faster than fp32; without, bf16 is converted element by element
-and runs slower than fp32 (3.7x at 32 rows, 5.5x at 512 on an AVX2 Zen 3)."""
+bf16 GEMMs run several times faster than fp32; without, ATen converts bf16 element by element
+(3.7x slower than fp32 at 32 rows, 5.5x at 512 on an AVX2 Zen 3), and the GEMM plans widen it to
+fp32 instead (kernels/gemm_paths.py): a bf16 model then decodes faster than in fp32 (half the
+bytes) but prefills slower (0.83-0.88x fp32 on the dense peers model, Zen 3)."""
 
 
 @functools.cache
@@ -100,4 +102,5 @@ def auto_cpu_dtype(checkpoint_dtype: str | None, flags: Collection[str]) -> tupl
     if present:
         return torch.bfloat16, f"bfloat16 checkpoint and the CPU has {'+'.join(present)}"
     return torch.float32, ("bfloat16 checkpoint, but the CPU has no AVX512_BF16 or AMX_BF16: "
-                           "bf16 GEMMs would be slower than fp32")
+                           "bf16 would be widened to fp32 for every product (--dtype bfloat16 "
+                           "halves the weights' memory and prefills slower)")
