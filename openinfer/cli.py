@@ -17,6 +17,7 @@ from openinfer.engine_flags import (
     resolve_model_arg,
 )
 from openinfer.logger import configure_logging
+from openinfer.model_source import resolve_model
 from openinfer.server.chat_content import CONTENT_FORMATS
 from openinfer.server.listener import KEEP_ALIVE_S
 from openinfer.server.reasoning import REASONING_PARSERS as REASONING_PARSER_NAMES
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 HelpFormatter = argparse.ArgumentDefaultsHelpFormatter
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    resolve_model(args.model)  # a bad --model fails here, before seconds of imports
     from openinfer import LLM, SamplingParams
 
     warn_if_demo_model(args.model)

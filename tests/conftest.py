@@ -22,8 +22,9 @@ from openinfer.engine.core import EngineCore
 # in the servers it starts. The CPU default (2 GiB) is zeroed at start: 1.5-2 s per engine on
 # a VM that hands freed memory back to its host (fresh pages fault in at about 1 GB/s there),
 # which made three engine test files take 131 s instead of 22; and six servers at once beside
-# the suite's own engines ran a 24 GiB machine out of memory.
-os.environ.setdefault(CPU_KV_CACHE_MEMORY_ENV, "256MiB")
+# the suite's own engines ran a 24 GiB machine out of memory. 64 MiB (8192 blocks of the tiny
+# Qwen3): a fresh process zeroes it in ~0.1 s where 256 MiB took 0.5 s.
+os.environ.setdefault(CPU_KV_CACHE_MEMORY_ENV, "64MiB")
 
 # Property tests draw the same examples on every run, so a failure in a CI log reproduces;
 # OPENINFER_HYPOTHESIS=explore draws new ones (a failure then prints its @reproduce_failure).
