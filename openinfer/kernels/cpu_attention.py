@@ -99,9 +99,11 @@ def cpu_isa_tag() -> str:
 
 
 LANE_TWIN_SOURCES = [p for p in SOURCES if p.name in ("bindings.cpp", "paged_attention.cpp",
-                                                    "rms_norm.cpp", "fused_moe.cpp")]
+                                                    "rms_norm.cpp", "fused_moe.cpp",
+                                                    "small_gemm.cpp")]
 """The sources whose code depends on the vector width (``OI_VEC_WIDTH``): all a lane twin
-builds (its bindings stop at ``OI_LANE_TWIN``), a third of the compile of a whole build."""
+builds (its bindings stop at ``OI_LANE_TWIN``), a third of the compile of a whole build.
+small_gemm.cpp's fp8 kernels also read e4m3 there without F16C, as CPUs without it do."""
 
 
 def build_extension(extra_cflags: tuple[str, ...] = (), variant: str = "",
@@ -127,7 +129,8 @@ def build_extension(extra_cflags: tuple[str, ...] = (), variant: str = "",
 def build_lane_twin(native: ModuleType) -> ModuleType:
     """The vector-width code at the width this CPU's build does not use (8 floats where the
     native build has 16 and AVX-512 intrinsics; 16 elsewhere, vectors split in two), so that
-    tests cover both on any CPU: paged attention, the norms and the fused MoE kernel only."""
+    tests cover both on any CPU: paged attention, the norms, the fused MoE kernel and the fp8
+    GEMM only."""
     width = 8 if native.isa().startswith("vec16") else 16
     return build_extension((f"-DOI_VEC_WIDTH={width}", "-DOI_LANE_TWIN"), f"w{width}",
                            LANE_TWIN_SOURCES)

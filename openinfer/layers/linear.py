@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openinfer.distributed.parallel_state import get_tp
+from openinfer.kernels.fp8_gemm import dequantize, fp8_linear
 
 # On this project's x86 CPUs (MKL sgemm, AVX2), x @ W^T for 2..256 rows (decode batches) runs
 # 1.5-2.5x faster computed as (W @ x^T)^T; from ~512 rows on, the plain form wins (measured:
@@ -80,11 +81,53 @@ class GemmLayer(nn.Module):
         super().__init__()
         self.plan: Callable[[torch.Tensor], torch.Tensor] | None = None
         """Set once after loading, on CPU (openinfer.models.gemm_plans.plan_gemms)."""
+        self.fp8_block: tuple[int, int] | None = None
+        """Set by ``keep_fp8``: ``weight`` is the checkpoint's float8_e4m3fn and
+        ``weight_scale_inv`` its scale per tile of this many rows x columns."""
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.plan is not None:
             return self.plan(x)
+        if self.fp8_block is not None:
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias)
         return linear(x, self.weight, self.bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight's values in the model's dtype, however the layer holds them: what any
+        reader other than the layer's own GEMM uses (MLA's absorbed maps)."""
+        if self.fp8_block is None:
+            return self.weight
+        return dequantize(self.weight, self.weight_scale_inv, self.fp8_block, self.dense_dtype)
+
+    def fp8_part_starts(self) -> list[int]:
+        """The first rows of the checkpoint tensors loaded into this weight (merged layers
+        have several); a tile of scales covers one tensor's rows only."""
+        return [0]
+
+    def keep_fp8(self, block: tuple[int, int]) -> bool:
+        """Before loading: hold the weight as the checkpoint's block-scaled fp8 (one byte per
+        weight; openinfer.kernels.fp8_gemm) instead of dequantized. False, and nothing changed,
+        where a loaded tensor's rows do not start on a tile (a merged part that cannot share a
+        grid of scales) or under tensor parallelism (a rank's slice need not either)."""
+        rows, cols = block
+        if get_tp().size > 1 or any(start % rows for start in self.fp8_part_starts()):
+            return False
+        n, k = self.weight.shape
+        loader = self.weight.weight_loader
+        self.dense_dtype = self.weight.dtype
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn,
+                                               device=self.weight.device), requires_grad=False)
+        self.weight.weight_loader = loader
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty(-(-n // rows), -(-k // cols), dtype=torch.float32,
+                        device=self.weight.device), requires_grad=False)
+        self.weight_scale_inv.weight_loader = self._load_scale
+        self.fp8_block = block
+        return True
+
+    def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
+        start = self.fp8_part_starts()[shard or 0] // self.fp8_block[0]
+        default_weight_loader(param.data[start:start + loaded.shape[0]], loaded)
 
 
 class Linear(GemmLayer):
@@ -129,6 +172,9 @@ class MergedLinear(Linear):
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(self.out_sizes, dim=-1)
+
+    def fp8_part_starts(self) -> list[int]:
+        return [sum(self.out_sizes[:i]) for i in range(len(self.out_sizes))]
 
 
 class ColumnParallelLinear(Linear):

@@ -107,7 +107,7 @@ class MLAAttention(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Splits kv_b_proj into the absorbed decode's two maps, once, after the weights load
         and before a GEMM plan may pack kv_b_proj and free its plain weight."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
+        w = self.kv_b_proj.dense_weight().view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
         # On a CPU they are kept in float32: ATen's bf16 bmm converts element by element on CPUs
         # without bf16 instructions, and the two maps are small beside a layer's weights
         # (DeepSeek-V2-Lite: ~2% of the bytes its decode reads per layer in bf16).

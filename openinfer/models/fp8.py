@@ -1,21 +1,29 @@
-"""Block-quantized FP8 checkpoints (DeepSeek-V3/R1's format), dequantized at load.
+"""Block-quantized FP8 checkpoints (DeepSeek-V3/R1's and Qwen3-FP8's format).
 
 Such a checkpoint stores most linear weights as ``float8_e4m3fn`` and, beside each, a
 ``<name>_scale_inv`` float32 tensor with one scale per ``weight_block_size`` (128 x 128) tile:
 ``W[i, j] = fp8[i, j] * scale_inv[i // 128, j // 128]``. config.json says so:
 ``"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], ...}``.
-openinfer computes in bf16/fp32, so each weight is multiplied out once while loading (the
-FP8 bytes are never used as values). Any other ``quant_method`` is refused by name: loading
-its packed integers as if they were weights would serve garbage.
+
+A linear layer's weight is kept as loaded, one byte per weight (``GemmLayer.keep_fp8``;
+its GEMMs read it through openinfer.kernels.fp8_gemm); every other fp8 tensor (stacked
+experts, a layer that cannot keep it) is multiplied out once while loading.
+``OPENINFER_FP8_WEIGHTS=dequantize`` multiplies out every one (the model then holds bf16/fp32
+weights, as before fp8 layers existed). Any other ``quant_method`` is refused by name:
+loading its packed integers as if they were weights would serve garbage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 
 import torch
 
+from openinfer.kernels.fp8_gemm import dequantize
+
 SCALE_SUFFIX = "_scale_inv"
+FP8_WEIGHTS_ENV = "OPENINFER_FP8_WEIGHTS"
 
 
 def block_size_of(hf: dict) -> tuple[int, int] | None:
@@ -36,22 +44,26 @@ def block_size_of(hf: dict) -> tuple[int, int] | None:
     return int(rows), int(cols)
 
 
-def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """fp8 [N, K] and its per-tile scales [ceil(N / bn), ceil(K / bk)] -> float32 [N, K]."""
-    rows, cols = block
-    n, k = weight.shape
-    scales = scale_inv.float().repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
-    return weight.float() * scales
+def keeps_fp8() -> bool:
+    """Whether linear layers hold fp8 weights as loaded (``OPENINFER_FP8_WEIGHTS``)."""
+    mode = os.environ.get(FP8_WEIGHTS_ENV, "keep")
+    if mode not in ("keep", "dequantize"):
+        raise ValueError(f"{FP8_WEIGHTS_ENV}={mode!r}: keep or dequantize")
+    return mode == "keep"
 
 
-def dequantizing(tensors: Iterator[tuple[str, torch.Tensor]],
-                 block: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantizing(tensors: Iterator[tuple[str, torch.Tensor]], block: tuple[int, int],
+                 kept: Callable[[str], bool] = lambda name: False,
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each fp8 weight multiplied out by its scales (which may
-    come before or after it, from any shard); the scale tensors themselves are consumed."""
+    come before or after it, from any shard) and the scale tensors consumed, except the
+    weights ``kept`` names: those and their scales pass as they are."""
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
-        if name.endswith(SCALE_SUFFIX):
+        if kept(name.removesuffix(SCALE_SUFFIX)):
+            yield name, tensor
+        elif name.endswith(SCALE_SUFFIX):
             target = name.removesuffix(SCALE_SUFFIX)
             if target in weights:
                 yield target, dequantize(weights.pop(target), tensor, block)

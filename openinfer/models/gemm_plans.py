@@ -26,7 +26,8 @@ def plan_gemms(model: nn.Module, mode: str | None = None) -> None:
     """Give every GemmLayer of a loaded CPU ``model`` a GEMM plan (``mode``: see
     ``gemm_mode``). Does nothing where ``why_no_plans`` gives a reason."""
     mode = gemm_mode(mode)
-    layers = [m for m in model.modules() if isinstance(m, GemmLayer)]
+    # (a layer holding fp8 weights runs its own GEMMs: openinfer.kernels.fp8_gemm)
+    layers = [m for m in model.modules() if isinstance(m, GemmLayer) and m.fp8_block is None]
     if why_no_plans(layers[0].weight if layers else None, mode) is not None:
         return
     owners = weight_owners(model)
@@ -80,10 +81,13 @@ def describe_gemms(model: nn.Module, mode: str | None = None) -> GemmSummary:
     """The summary of ``model``'s plans (``mode``: as given to ``plan_gemms``, for the reason
     when there are none)."""
     layers = [m for m in model.modules() if isinstance(m, GemmLayer)]
+    fp8 = sum(m.fp8_block is not None for m in layers)
+    held = f"; {fp8} layers hold fp8 weights" if fp8 else ""
+    layers = [m for m in layers if m.fp8_block is None]
     plans = [m.plan for m in layers if m.plan is not None]
     if not plans:
         reason = why_no_plans(layers[0].weight if layers else None, gemm_mode(mode)) or "not planned"
-        return GemmSummary("default", f"linear() ({reason})", 0, 0.0)
+        return GemmSummary("default", f"linear() ({reason}){held}", 0, 0.0)
     used = sorted({name for plan in plans for name in plan.paths})
     extra = sum(plan.extra_bytes for plan in plans)
     seconds = sum(plan.seconds for plan in plans)
@@ -105,6 +109,6 @@ def describe_gemms(model: nn.Module, mode: str | None = None) -> GemmSummary:
                    if timed else "")
         parts.append(f"{bucket} {names}{speedup}")
     text = (f"{', '.join(parts)} (vs F.linear); extra weight copies {extra / 2**20:.0f} MiB; "
-            f"planned in {seconds:.2f} s")
+            f"planned in {seconds:.2f} s{held}")
     return GemmSummary("+".join(used), text, extra, seconds)
 

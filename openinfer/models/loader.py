@@ -20,11 +20,11 @@ from tqdm import tqdm
 from openinfer import gguf_file
 from openinfer.config import ModelConfig
 from openinfer.distributed.parallel_state import get_tp
-from openinfer.layers.linear import default_weight_loader
+from openinfer.layers.linear import GemmLayer, default_weight_loader
 from openinfer.models import fp8
 from openinfer.models.arch import ArchConfig
 from openinfer.models.base import CausalLM
-from openinfer.models.gemm_plans import plan_gemms
+from openinfer.models.gemm_plans import plan_gemms, weight_owners
 from openinfer.models.platform import make_batch_invariant
 from openinfer.models.registry import get_model_class
 
@@ -42,7 +42,9 @@ def load_model(config: ModelConfig, device: str | torch.device = "cpu",
     cls = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(config.dtype):
         model = cls(ArchConfig.from_hf(config.hf_config))
-    load_weights(model, Path(config.path), progress=progress, hf_config=config.hf_config)
+    # (batch-invariant plans are made for plain weights: fp8 ones are multiplied out for them)
+    load_weights(model, Path(config.path), progress=progress, hf_config=config.hf_config,
+                 keep_fp8=not config.batch_invariant and fp8.keeps_fp8())
     process_weights_after_loading(model)
     if config.batch_invariant:
         make_batch_invariant(model)
@@ -62,9 +64,10 @@ def process_weights_after_loading(model: nn.Module) -> None:
 
 
 def load_weights(model: CausalLM, path: Path, progress: bool = True,
-                 hf_config: dict | None = None) -> None:
+                 hf_config: dict | None = None, keep_fp8: bool = False) -> None:
     """Loads every parameter of ``model`` from the checkpoint at ``path``; ``hf_config`` (its
-    config.json) says whether the weights are quantized (openinfer.models.fp8)."""
+    config.json) says whether the weights are quantized (openinfer.models.fp8), and
+    ``keep_fp8`` whether linear layers then hold them as loaded."""
     params = dict(model.named_parameters())  # shared (tied) weights appear once
     packed = model.packed_modules
     names = CheckpointNames(packed, model.checkpoint_renames, model.expert_weights,
@@ -83,7 +86,9 @@ def load_weights(model: CausalLM, path: Path, progress: bool = True,
         # Tensor parallel: sharded parameters read only their slice of each tensor.
         tensors = _iter_checkpoint(path, progress, slices=get_tp().size > 1 and fp8_block is None)
         if fp8_block is not None:
-            tensors = fp8.dequantizing(tensors, fp8_block)
+            kept = _keep_fp8_layers(model, path, names, fp8_block) if keep_fp8 else set()
+            params = dict(model.named_parameters())  # with the layers' fp8 parameters
+            tensors = fp8.dequantizing(tensors, fp8_block, lambda name: names.map(name)[0] in kept)
     for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
@@ -116,6 +121,22 @@ def load_weights(model: CausalLM, path: Path, progress: bool = True,
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s",
                        len(unexpected), unexpected[:4])
+
+
+def _keep_fp8_layers(model: nn.Module, path: Path, names: CheckpointNames,
+                     block: tuple[int, int]) -> set[str]:
+    """Makes each linear layer whose checkpoint tensors are all fp8 hold them as loaded
+    (``GemmLayer.keep_fp8``); returns their weights' parameter names. A weight another module
+    shares (a tied LM head) stays dense."""
+    scaled: dict[str, int] = {}  # parameter -> how many of its checkpoint tensors have scales
+    for name in _checkpoint_tensor_names(path):
+        if name.endswith(fp8.SCALE_SUFFIX):
+            target = names.map(name.removesuffix(fp8.SCALE_SUFFIX))[0]
+            scaled[target] = scaled.get(target, 0) + 1
+    owners = weight_owners(model)
+    return {f"{name}.weight" for name, m in model.named_modules()
+            if isinstance(m, GemmLayer) and owners[id(m.weight)] == 1
+            and scaled.get(f"{name}.weight") == len(m.fp8_part_starts()) and m.keep_fp8(block)}
 
 
 @dataclass(frozen=True)
@@ -173,9 +194,7 @@ def _checkpoint_names(model: nn.Module, packed: dict[str, tuple[str, int]]) -> l
     return names
 
 
-def _iter_checkpoint(path: Path, progress: bool, slices: bool = False) -> Iterator[tuple[str, Any]]:
-    """(name, tensor) of every tensor in the checkpoint; with ``slices``, safetensors slices
-    instead, read when indexed (valid until the next item)."""
+def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -184,6 +203,22 @@ def _iter_checkpoint(path: Path, progress: bool, slices: bool = False) -> Iterat
         files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: no *.safetensors files in {str(path)!r}")
+    return files
+
+
+def _checkpoint_tensor_names(path: Path) -> list[str]:
+    """Every tensor's name, from the files' headers (no tensor is read)."""
+    names = []
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names.extend(f.keys())
+    return names
+
+
+def _iter_checkpoint(path: Path, progress: bool, slices: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) of every tensor in the checkpoint; with ``slices``, safetensors slices
+    instead, read when indexed (valid until the next item)."""
+    files = _safetensors_files(path)
     for file in tqdm(files, desc="Loading safetensors shards", disable=not progress,
                      unit="shard"):
         with safe_open(str(file), framework="pt", device="cpu") as f:

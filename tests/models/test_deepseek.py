@@ -11,6 +11,7 @@ from test_hf_parity import BLOCK, PagedModel, _hf_logits, _prompts
 
 from openinfer import LLM, SamplingParams
 from openinfer.kv.spec import MLALatentSpec
+from openinfer.layers.linear import GemmLayer
 
 MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24,
            moe_intermediate_size=32, num_experts_per_tok=2)
@@ -124,17 +125,23 @@ def _quantize_blocks(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
     return (t / full).to(torch.float8_e4m3fn), scale
 
 
-def test_fp8_block_quantized_checkpoint_with_an_mtp_layer(make_checkpoint, hf_model_loader, tmp_path):
+@pytest.mark.parametrize("fp8_weights", ["keep", "dequantize"])
+def test_fp8_block_quantized_checkpoint_with_an_mtp_layer(fp8_weights, make_checkpoint,
+                                                          hf_model_loader, tmp_path, monkeypatch):
     """DeepSeek-V3's release format: fp8 linear weights with a weight_scale_inv per 16x16 tile
     here (128x128 there, partial edge tiles included), and the MTP module as layer
-    num_hidden_layers. Logits match transformers on the dequantized weights; the MTP weights
-    land in the kept module."""
+    num_hidden_layers. Linear layers hold the fp8 bytes and scales as loaded (or, with
+    OPENINFER_FP8_WEIGHTS=dequantize, their products); the experts are multiplied out. Prefill
+    logits match transformers on the dequantized weights, and so does every greedy token of
+    decodes through the engine (the fp8 kernel's rows); the MTP weights land in the kept
+    module."""
+    monkeypatch.setenv("OPENINFER_FP8_WEIGHTS", fp8_weights)
     import json
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    from openinfer.models.fp8 import dequantize
+    from openinfer.kernels.fp8_gemm import dequantize
 
     path = _checkpoint(make_checkpoint, "v3")
     (file,) = path.glob("*.safetensors")
@@ -168,14 +175,32 @@ def test_fp8_block_quantized_checkpoint_with_an_mtp_layer(make_checkpoint, hf_mo
     (fp8_path / "config.json").write_text(json.dumps(config))
 
     ours, hf = PagedModel(fp8_path), hf_model_loader(path)
+    attn = ours.model.model.layers[1].self_attn
+    held = {name: m.weight.dtype for name, m in ours.model.named_modules() if isinstance(m, GemmLayer)}
+    if fp8_weights == "keep":
+        assert attn.o_proj.fp8_block == (16, 16) and attn.o_proj.weight.dtype == torch.float8_e4m3fn
+        assert sum(d == torch.float8_e4m3fn for d in held.values()) >= 4 * n, held
+        assert held["lm_head"] == torch.float32  # not quantized in the checkpoint
+        assert torch.equal(attn.o_proj.weight.view(torch.uint8),
+                           quantized["model.layers.1.self_attn.o_proj.weight"].view(torch.uint8))
+    else:
+        assert set(held.values()) == {torch.float32}
+    assert ours.model.model.layers[1].mlp.experts.w13.dtype == torch.float32
     (prompt,) = _prompts(ours.config.vocab_size, [21])
     torch.testing.assert_close(ours.step([(0, prompt, 0)]), _hf_logits(hf, prompt), atol=5e-5, rtol=1e-4)
     (layer,) = ours.model.model.mtp
-    torch.testing.assert_close(layer.eh_proj.weight, dequantized[f"model.layers.{n}.eh_proj.weight"])
-    torch.testing.assert_close(layer.block.self_attn.kv_b_proj.weight,
+    torch.testing.assert_close(layer.eh_proj.dense_weight(), dequantized[f"model.layers.{n}.eh_proj.weight"])
+    torch.testing.assert_close(layer.block.self_attn.kv_b_proj.dense_weight(),
                                dequantized[f"model.layers.{n}.self_attn.kv_b_proj.weight"])
     torch.testing.assert_close(layer.shared_head.head.weight,
                                mtp[f"model.layers.{n}.shared_head.head.weight"])
+    llm = LLM(str(fp8_path), block_size=BLOCK, progress=False)
+    prompts = _prompts(llm.engine.inputs.vocab_size, [3, 17, 9], seed=11)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        logits = _hf_logits(hf, prompt + tokens)[len(prompt) - 1:-1]
+        assert tokens == logits.argmax(-1).tolist()
 
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (fp8_path / "config.json").write_text(json.dumps(config))

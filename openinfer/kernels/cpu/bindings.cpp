@@ -29,6 +29,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe", &fused_moe, "a MoE layer's routed experts (see openinfer/kernels/fused_moe.py)", py::arg("x"),
         py::arg("w13"), py::arg("w2"), py::arg("weights"), py::arg("slots"), py::arg("b13"), py::arg("b2"),
         py::arg("activation"), py::arg("alpha"), py::arg("limit"), py::arg("bf16_dot") = "", nogil);
+  m.def("fp8_gemm", &fp8_gemm,
+        "out = x @ (weight * scale)^T (+ bias): a float8_e4m3fn weight with a float32 scale per "
+        "block_n x block_k tile, few rows", py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("scale"),
+        py::arg("block_n"), py::arg("block_k"), py::arg("bias"), nogil);
+  m.def("fp8_dequantize", &fp8_dequantize, "out = weight * scale (float32), a float8_e4m3fn weight with a "
+        "float32 scale per block_n x block_k tile", py::arg("out"), py::arg("weight"), py::arg("scale"),
+        py::arg("block_n"), py::arg("block_k"), nogil);
 #ifndef OI_LANE_TWIN  // the twin (LANE_TWIN_SOURCES in cpu_attention.py) stops here
   m.def("evict_from_cache", &evict_from_cache,
         "Flush nbytes from address out of every cache level (the GEMM planner's cold timing); false where "

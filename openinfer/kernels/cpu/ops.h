@@ -48,6 +48,10 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 // small_gemm.cpp
 void small_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                 const std::optional<at::Tensor>& bias);
+void fp8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+              int64_t block_n, int64_t block_k, const std::optional<at::Tensor>& bias);
+void fp8_dequantize(at::Tensor& out, const at::Tensor& weight, const at::Tensor& scale, int64_t block_n,
+                    int64_t block_k);
 // fused_moe.cpp: a MoE layer's routed experts in one call (weights packed by
 // openinfer/kernels/fused_moe.py for fused_moe_tile() columns per tile)
 int64_t fused_moe_tile();
