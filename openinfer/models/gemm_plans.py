@@ -87,7 +87,7 @@ def describe_gemms(model: nn.Module, mode: str | None = None) -> GemmSummary:
     plans = [m.plan for m in layers if m.plan is not None]
     if not plans:
         reason = why_no_plans(layers[0].weight if layers else None, gemm_mode(mode)) or "not planned"
-        return GemmSummary("default", f"linear() ({reason}){held}", 0, 0.0)
+        return GemmSummary("default" + ("+fp8" if fp8 else ""), f"linear() ({reason}){held}", 0, 0.0)
     used = sorted({name for plan in plans for name in plan.paths})
     extra = sum(plan.extra_bytes for plan in plans)
     seconds = sum(plan.seconds for plan in plans)
@@ -110,5 +110,5 @@ def describe_gemms(model: nn.Module, mode: str | None = None) -> GemmSummary:
         parts.append(f"{bucket} {names}{speedup}")
     text = (f"{', '.join(parts)} (vs F.linear); extra weight copies {extra / 2**20:.0f} MiB; "
             f"planned in {seconds:.2f} s{held}")
-    return GemmSummary("+".join(used), text, extra, seconds)
+    return GemmSummary("+".join(used + (["fp8"] if fp8 else [])), text, extra, seconds)
 

@@ -195,6 +195,7 @@ def test_fp8_block_quantized_checkpoint_with_an_mtp_layer(fp8_weights, make_chec
     torch.testing.assert_close(layer.shared_head.head.weight,
                                mtp[f"model.layers.{n}.shared_head.head.weight"])
     llm = LLM(str(fp8_path), block_size=BLOCK, progress=False)
+    assert llm.engine.core.compute_info["gemm"].endswith("+fp8") == (fp8_weights == "keep")
     prompts = _prompts(llm.engine.inputs.vocab_size, [3, 17, 9], seed=11)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
