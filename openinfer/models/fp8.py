@@ -2,7 +2,9 @@
 
 Such a checkpoint stores most linear weights as ``float8_e4m3fn`` and, beside each, a
 ``<name>_scale_inv`` float32 tensor with one scale per ``weight_block_size`` (128 x 128) tile:
-``W[i, j] = fp8[i, j] * scale_inv[i // 128, j // 128]``. config.json says so:
+``W[i, j] = fp8[i, j] * scale_inv[i // 128, j // 128]`` (the scales may be float8_e8m0fnu
+powers of two, ``"scale_fmt": "ue8m0"``, as DeepSeek-V3.1 and V4 store them: read as float32).
+config.json says so:
 ``"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], ...}``.
 
 A linear layer's weight is kept as loaded, one byte per weight (``GemmLayer.keep_fp8``;

@@ -112,8 +112,9 @@ def test_greedy_generation_matches_transformers(name, make_checkpoint, hf_model_
     llm.engine.check_integrity()
 
 
-def _quantize_blocks(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 e4m3 values and per-tile scales (what DeepSeek's checkpoints store)."""
+def _quantize_blocks(t: torch.Tensor, block: int, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 e4m3 values and per-tile scales (what DeepSeek's checkpoints store); ``ue8m0``: each
+    scale a power of two, stored as float8_e8m0fnu (DeepSeek-V3.1's and V4's scale format)."""
     n, k = t.shape
     rows, cols = -(-n // block), -(-k // block)
     scale = torch.empty(rows, cols)
@@ -121,16 +122,21 @@ def _quantize_blocks(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
         for j in range(cols):
             tile = t[i * block:(i + 1) * block, j * block:(j + 1) * block]
             scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
+    if ue8m0:
+        scale = torch.exp2(torch.log2(scale).ceil())
     full = scale.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-    return (t / full).to(torch.float8_e4m3fn), scale
+    q = (t / full).to(torch.float8_e4m3fn)
+    return q, scale.to(torch.float8_e8m0fnu) if ue8m0 else scale
 
 
-@pytest.mark.parametrize("fp8_weights", ["keep", "dequantize"])
-def test_fp8_block_quantized_checkpoint_with_an_mtp_layer(fp8_weights, make_checkpoint,
+@pytest.mark.parametrize("fp8_weights,scale_fmt", [("keep", None), ("dequantize", None),
+                                                   ("keep", "ue8m0")])
+def test_fp8_block_quantized_checkpoint_with_an_mtp_layer(fp8_weights, scale_fmt, make_checkpoint,
                                                           hf_model_loader, tmp_path, monkeypatch):
     """DeepSeek-V3's release format: fp8 linear weights with a weight_scale_inv per 16x16 tile
     here (128x128 there, partial edge tiles included), and the MTP module as layer
-    num_hidden_layers. Linear layers hold the fp8 bytes and scales as loaded (or, with
+    num_hidden_layers; scales in float32, or powers of two in ue8m0 (float8_e8m0fnu, as
+    V3.1 and V4 store them). Linear layers hold the fp8 bytes and scales as loaded (or, with
     OPENINFER_FP8_WEIGHTS=dequantize, their products); the experts are multiplied out. Prefill
     logits match transformers on the dequantized weights, and so does every greedy token of
     decodes through the engine (the fp8 kernel's rows); the MTP weights land in the kept
@@ -159,7 +165,7 @@ def test_fp8_block_quantized_checkpoint_with_an_mtp_layer(fp8_weights, make_chec
     quantized, dequantized = {}, {}
     for name, t in {**tensors, **mtp}.items():
         if t.dim() == 2 and name.endswith("proj.weight"):
-            q, scale = _quantize_blocks(t, 16)
+            q, scale = _quantize_blocks(t, 16, ue8m0=scale_fmt == "ue8m0")
             quantized[name], quantized[name + "_scale_inv"] = q, scale
             dequantized[name] = dequantize(q, scale, (16, 16))
         else:
@@ -170,7 +176,8 @@ def test_fp8_block_quantized_checkpoint_with_an_mtp_layer(fp8_weights, make_chec
     save_file(quantized, fp8_path / file.name, metadata={"format": "pt"})
     config = json.loads((fp8_path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [16, 16]}
+                                     "weight_block_size": [16, 16],
+                                     **({"scale_fmt": scale_fmt} if scale_fmt else {})}
     config["num_nextn_predict_layers"] = 1
     (fp8_path / "config.json").write_text(json.dumps(config))
 
