@@ -285,3 +285,43 @@ def parallel_checkpoints(tmp_path_factory, tokenizer):
              for name, options in CHECKPOINTS.items()}
     randomize_v4(paths["deepseek_v4"])
     return paths
+
+
+def quantize_blocks(t: torch.Tensor, block: int, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 e4m3 values and per-tile scales (what DeepSeek's checkpoints store); ``ue8m0``: each
+    scale a power of two, stored as float8_e8m0fnu (DeepSeek-V3.1's and V4's scale format)."""
+    n, k = t.shape
+    rows, cols = -(-n // block), -(-k // block)
+    scale = torch.empty(rows, cols)
+    for i in range(rows):
+        for j in range(cols):
+            tile = t[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
+    if ue8m0:
+        scale = torch.exp2(torch.log2(scale).ceil())
+    full = scale.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    q = (t / full).to(torch.float8_e4m3fn)
+    return q, scale.to(torch.float8_e8m0fnu) if ue8m0 else scale
+
+
+def fp8_checkpoint(src: Path, dst: Path, block: int) -> Path:
+    """A copy of the checkpoint at ``src`` in DeepSeek-V3's FP8 release format: every
+    projection (experts' included) as e4m3 with a weight_scale_inv per ``block`` tile."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    for file in dst.glob("*.safetensors"):
+        tensors = {}
+        for name, t in load_file(file).items():
+            if t.dim() == 2 and name.endswith("proj.weight"):
+                tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t, block)
+            else:
+                tensors[name] = t
+        save_file(tensors, file, metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst

@@ -99,18 +99,23 @@ class GemmLayer(nn.Module):
             return self.weight
         return dequantize(self.weight, self.weight_scale_inv, self.fp8_block, self.dense_dtype)
 
-    def fp8_part_starts(self) -> list[int]:
-        """The first rows of the checkpoint tensors loaded into this weight (merged layers
-        have several); a tile of scales covers one tensor's rows only."""
-        return [0]
+    def checkpoint_parts(self) -> list[tuple[int, int, int]]:
+        """For each checkpoint tensor loaded into this weight (merged layers have several):
+        (the first row it fills here, the first row read from the tensor, how many rows)."""
+        return [(0, 0, self.weight.shape[0])]
+
+    def checkpoint_first_column(self) -> int:
+        """The first column read from the checkpoint's tensors (a row-parallel rank's)."""
+        return 0
 
     def keep_fp8(self, block: tuple[int, int]) -> bool:
         """Before loading: hold the weight as the checkpoint's block-scaled fp8 (one byte per
         weight; openinfer.kernels.fp8_gemm) instead of dequantized. False, and nothing changed,
-        where a loaded tensor's rows do not start on a tile (a merged part that cannot share a
-        grid of scales) or under tensor parallelism (a rank's slice need not either)."""
+        where a part's rows (here or in the checkpoint: a merged part, a tensor-parallel
+        rank's slice) or a rank's columns do not start on a tile, so no grid of scales fits."""
         rows, cols = block
-        if get_tp().size > 1 or any(start % rows for start in self.fp8_part_starts()):
+        if (any(here % rows or there % rows for here, there, _ in self.checkpoint_parts())
+                or self.checkpoint_first_column() % cols):
             return False
         n, k = self.weight.shape
         loader = self.weight.weight_loader
@@ -126,8 +131,13 @@ class GemmLayer(nn.Module):
         return True
 
     def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
-        start = self.fp8_part_starts()[shard or 0] // self.fp8_block[0]
-        default_weight_loader(param.data[start:start + loaded.shape[0]], loaded)
+        """A checkpoint tensor's scales: the tiles of the rows and columns this layer reads."""
+        rows, cols = self.fp8_block
+        here, there, count = self.checkpoint_parts()[shard or 0]
+        tiles = -(-count // rows)
+        loaded = loaded.narrow(0, there // rows, tiles)
+        loaded = loaded.narrow(1, self.checkpoint_first_column() // cols, param.shape[1])
+        default_weight_loader(param.data[here // rows:here // rows + tiles], loaded)
 
 
 class Linear(GemmLayer):
@@ -173,8 +183,9 @@ class MergedLinear(Linear):
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(self.out_sizes, dim=-1)
 
-    def fp8_part_starts(self) -> list[int]:
-        return [sum(self.out_sizes[:i]) for i in range(len(self.out_sizes))]
+    def checkpoint_parts(self) -> list[tuple[int, int, int]]:
+        return [(sum(self.out_sizes[:i]), self.shard_offsets[i] if self.shard_offsets else 0, size)
+                for i, size in enumerate(self.out_sizes)]
 
 
 class ColumnParallelLinear(Linear):
@@ -196,6 +207,9 @@ class ColumnParallelLinear(Linear):
         default_weight_loader(param, narrow(loaded, 0, self.tp.rank * self.out_per_rank,
                                             self.out_per_rank))
 
+    def checkpoint_parts(self) -> list[tuple[int, int, int]]:
+        return [(0, self.tp.rank * self.out_per_rank, self.out_per_rank)]
+
 
 class RowParallelLinear(Linear):
     """x @ W^T over the tensor-parallel ranks: each holds the columns of W for its slice of
@@ -216,6 +230,9 @@ class RowParallelLinear(Linear):
     def _load_columns(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, narrow(loaded, 1, self.tp.rank * self.in_per_rank,
                                             self.in_per_rank))
+
+    def checkpoint_first_column(self) -> int:
+        return self.tp.rank * self.in_per_rank
 
     @reads_slices
     def _load_bias(self, param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -136,7 +136,7 @@ def _keep_fp8_layers(model: nn.Module, path: Path, names: CheckpointNames,
     owners = weight_owners(model)
     return {f"{name}.weight" for name, m in model.named_modules()
             if isinstance(m, GemmLayer) and owners[id(m.weight)] == 1
-            and scaled.get(f"{name}.weight") == len(m.fp8_part_starts()) and m.keep_fp8(block)}
+            and scaled.get(f"{name}.weight") == len(m.checkpoint_parts()) and m.keep_fp8(block)}
 
 
 @dataclass(frozen=True)

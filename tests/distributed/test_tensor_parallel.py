@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import CHECKPOINTS
+from conftest import CHECKPOINTS, fp8_checkpoint
 
 from openinfer import LLM, SamplingParams
 from openinfer.engine.core import EngineCore
@@ -82,6 +82,27 @@ def test_two_ranks_give_the_tokens_and_logprobs_of_one(parallel_checkpoints, nam
     finally:
         two.engine.core.shutdown()
     assert not two.engine.core.executor.alive
+
+
+def test_two_ranks_hold_their_slices_of_fp8_weights_and_answer_as_one(parallel_checkpoints,
+                                                                       tmp_path):
+    """DeepSeek-V3 in its FP8 release format over two ranks: each rank's linear layers keep
+    their rows (or columns) of the fp8 bytes and the scales of those tiles, and the greedy
+    tokens are one rank's."""
+    path = str(fp8_checkpoint(parallel_checkpoints["deepseek_v3"], tmp_path / "fp8", 16))
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * 4
+    one = LLM(path, progress=False, max_num_batched_tokens=24)
+    two = LLM(path, progress=False, max_num_batched_tokens=24, tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in _run(two, params)] == [o.token_ids for o in _run(one, params)]
+        assert one.engine.core.compute_info["gemm"].endswith("+fp8")
+        assert two.engine.core.compute_info["gemm"].endswith("+fp8")
+        # fp8 rows and columns split over the ranks: under 0.6 of one rank's bytes each
+        whole = one.engine.core.executor.worker.weight_bytes()
+        per_rank = two.engine.core.executor.collective_rpc("weight_bytes")
+        assert all(0.45 * whole < b < 0.6 * whole for b in per_rank), (whole, per_rank)
+    finally:
+        two.engine.core.shutdown()
 
 
 def test_a_store_the_engine_core_does_not_see_is_refused(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_support import ATTENTION_BACKENDS
+from conftest import quantize_blocks
 from test_hf_parity import BLOCK, PagedModel, _hf_logits, _prompts
 
 from openinfer import LLM, SamplingParams
@@ -112,23 +113,6 @@ def test_greedy_generation_matches_transformers(name, make_checkpoint, hf_model_
     llm.engine.check_integrity()
 
 
-def _quantize_blocks(t: torch.Tensor, block: int, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 e4m3 values and per-tile scales (what DeepSeek's checkpoints store); ``ue8m0``: each
-    scale a power of two, stored as float8_e8m0fnu (DeepSeek-V3.1's and V4's scale format)."""
-    n, k = t.shape
-    rows, cols = -(-n // block), -(-k // block)
-    scale = torch.empty(rows, cols)
-    for i in range(rows):
-        for j in range(cols):
-            tile = t[i * block:(i + 1) * block, j * block:(j + 1) * block]
-            scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
-    if ue8m0:
-        scale = torch.exp2(torch.log2(scale).ceil())
-    full = scale.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-    q = (t / full).to(torch.float8_e4m3fn)
-    return q, scale.to(torch.float8_e8m0fnu) if ue8m0 else scale
-
-
 @pytest.mark.parametrize("fp8_weights,scale_fmt", [("keep", None), ("dequantize", None),
                                                    ("keep", "ue8m0")])
 def test_fp8_block_quantized_checkpoint_with_an_mtp_layer(fp8_weights, scale_fmt, make_checkpoint,
@@ -165,7 +149,7 @@ def test_fp8_block_quantized_checkpoint_with_an_mtp_layer(fp8_weights, scale_fmt
     quantized, dequantized = {}, {}
     for name, t in {**tensors, **mtp}.items():
         if t.dim() == 2 and name.endswith("proj.weight"):
-            q, scale = _quantize_blocks(t, 16, ue8m0=scale_fmt == "ue8m0")
+            q, scale = quantize_blocks(t, 16, ue8m0=scale_fmt == "ue8m0")
             quantized[name], quantized[name + "_scale_inv"] = q, scale
             dequantized[name] = dequantize(q, scale, (16, 16))
         else:
