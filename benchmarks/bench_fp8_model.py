@@ -3,13 +3,15 @@ FP8 checkpoint multiplied out at load (OPENINFER_FP8_WEIGHTS=dequantize) and the
 
 The FP8 checkpoint is made here from a bf16 one (the peers' qwen3-0.4b-random by default):
 every linear layer's weight quantized per 128x128 tile to e4m3 with a ``weight_scale_inv``, as
-DeepSeek-V3 and Qwen3-FP8 ship (embeddings, norms and the LM head stay bf16). Each variant runs
+DeepSeek-V3 and Qwen3-FP8 ship (embeddings, norms and the LM head stay bf16; a MoE model's
+experts are quantized per expert, and kept in fp8 by the fused MoE kernel). Each variant runs
 in its own process, rounds interleaved: batch-1 decode tokens/s (129 generated tokens less 1,
-after a 16-token prompt), the resident bytes of the model's parameters, and how many greedy
-tokens agree with the dequantized weights run in float32 (a random model's logits hold near
-ties: any change of rounding, bf16 activations included, parts the text sooner or later).
+after a 16-token prompt), the resident bytes of the model's weights as held (experts packed
+for the kernel included), and how many greedy tokens agree with the dequantized weights run
+in float32 (a random model's logits hold near ties: any change of rounding, bf16 activations
+included, parts the text sooner or later).
 
-    .venv/bin/python benchmarks/bench_fp8_model.py [--model DIR] [--rounds 3]
+    .venv/bin/python benchmarks/bench_fp8_model.py [--model DIR] [--rounds 3] [--output PAGE]
 """
 
 from __future__ import annotations
@@ -33,8 +35,7 @@ import json, sys, time
 import torch
 from openinfer import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype=sys.argv[3], progress=False, max_model_len=512)
-model = llm.engine.core.executor.worker.runner.model
-weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
+weight_bytes = llm.engine.core.executor.worker.weight_bytes()  # (packed experts as held)
 prompt = {"prompt_token_ids": list(range(100, 116))}
 def run(n):
     start = time.perf_counter()
@@ -119,7 +120,8 @@ def main() -> None:
     if args.output:
         from doc_sections import write_section
 
-        write_section(args.output, "bench_fp8_model", "\n".join(body))
+        suffix = "" if args.model == DEFAULT_MODEL else "_" + args.model.name.replace("-", "_")
+        write_section(args.output, "bench_fp8_model" + suffix, "\n".join(body))
 
 if __name__ == "__main__":
     main()

@@ -63,7 +63,7 @@ routed experts in one call (``fused_moe``, openinfer/kernels/fused_moe.py), stru
 outputs' token masking, and a caching allocator for torch's large CPU tensors."""
 HEADERS = [Path(__file__).parent / "cpu" / name
            for name in ("vec.h", "amx.h", "attention_tiles.h", "attention_bf16.h", "attention_two_pass.h",
-                        "paged_attention.h", "norm_rows.h", "ops.h")]
+                        "paged_attention.h", "norm_rows.h", "fp8.h", "ops.h")]
 """Included by the sources (so they count in the build's cache key)."""
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-Wno-psabi")
 

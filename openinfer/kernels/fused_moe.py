@@ -14,6 +14,13 @@ so one tile of w13 gives the gate and up values of the same features, and the ke
 the activation in registers. I is padded to a multiple of ``tile / 2`` and H (w2's rows) to a
 multiple of ``tile`` with zero weights (whose products are zero and never stored). Biases
 become float32 ``[E, 2, I]`` and ``[E, H]``, padded alike.
+
+FP8 experts (a block-scaled ``float8_e4m3fn`` checkpoint kept as loaded, openinfer.models.fp8)
+pack their bytes as float32's, ``[E, N / tile, K, tile]``, and their scales beside them: for each
+tile, one scale per ``block_k`` inputs for each half of its columns (a gate and an up half in
+w13; two runs of H in w2), ``[E, N / tile, ceil(K / block_k), 2]`` float32. A half lies within
+one block of ``block_n`` rows (``block_n`` a multiple of ``tile / 2``). The kernel multiplies each
+weight by its scale in registers: the values of ``fp8_gemm.dequantize``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,17 @@ ACTIVATIONS = {"silu": 0, "clamped_silu": 1, "clamped_swiglu": 2}
 
 
 @dataclass(frozen=True)
+class Fp8Experts:
+    """Stacked experts' block scales as the checkpoint gives them, per expert."""
+
+    w13_scale: torch.Tensor
+    """[E, 2, ceil(I / block_n), ceil(H / block_k)]: the gate's, then the up projection's."""
+    w2_scale: torch.Tensor
+    """[E, ceil(H / block_n), ceil(I / block_k)]"""
+    block: tuple[int, int]
+
+
+@dataclass(frozen=True)
 class PackedExperts:
     w13: torch.Tensor
     w2: torch.Tensor
@@ -36,6 +54,9 @@ class PackedExperts:
     activation: int
     alpha: float = 0.0
     limit: float = 0.0
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    block_k: int = 0
 
 
 def _pad_rows(t: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
@@ -48,24 +69,27 @@ def _tiles(w: torch.Tensor, tile: int) -> torch.Tensor:
     """One expert's [N, K] (N a multiple of ``tile``) in the kernel's tile layout."""
     n, k = w.shape
     tiles = w.view(n // tile, tile, k)
-    if w.dtype == torch.float32:
+    if w.dtype in (torch.float32, torch.uint8):  # (fp8 is moved as bytes)
         return tiles.transpose(1, 2).contiguous()  # [N / tile, K, tile]
     return tiles.view(n // tile, tile, k // 2, 2).permute(0, 2, 1, 3).reshape(n // tile, k // 2, 2 * tile)
 
 
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None,
-                 tile: int, activation: str, alpha: float = 0.0, limit: float = 0.0) -> PackedExperts:
-    """The packed copy of stacked experts (w13 [E, 2I, H], w2 [E, H, I]), one expert at a time
-    so that the extra memory while packing is one expert's."""
+                 tile: int, activation: str, alpha: float = 0.0, limit: float = 0.0,
+                 fp8: Fp8Experts | None = None) -> PackedExperts:
+    """The packed copy of stacked experts (w13 [E, 2I, H], w2 [E, H, I]; float8_e4m3fn with
+    ``fp8``'s scales), one expert at a time so that the extra memory while packing is one
+    expert's."""
     num, two_i, hidden = w13.shape
     inter, half = two_i // 2, tile // 2
     ip, hp = -(-inter // half) * half, -(-hidden // tile) * tile
+    bytes13, bytes2 = (w13.view(torch.uint8), w2.view(torch.uint8)) if fp8 else (w13, w2)
     packed13 = packed2 = None
     for e in range(num):
-        gate = _pad_rows(w13[e, :inter], ip, 0).view(ip // half, half, hidden)
-        up = _pad_rows(w13[e, inter:], ip, 0).view(ip // half, half, hidden)
+        gate = _pad_rows(bytes13[e, :inter], ip, 0).view(ip // half, half, hidden)
+        up = _pad_rows(bytes13[e, inter:], ip, 0).view(ip // half, half, hidden)
         t13 = _tiles(torch.cat([gate, up], dim=1).view(2 * ip, hidden), tile)
-        t2 = _tiles(_pad_rows(_pad_rows(w2[e], ip, 1), hp, 0), tile)
+        t2 = _tiles(_pad_rows(_pad_rows(bytes2[e], ip, 1), hp, 0), tile)
         if packed13 is None:
             packed13 = t13.new_empty(num, *t13.shape)
             packed2 = t2.new_empty(num, *t2.shape)
@@ -74,7 +98,30 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None, 
     if b13 is not None:
         halves = _pad_rows(b13.float().view(num, 2, inter), ip, 2).contiguous()
         biases = halves, _pad_rows(b2.float(), hp, 1).contiguous()
-    return PackedExperts(packed13, packed2, *biases, ACTIVATIONS[activation], alpha, limit)
+    scales = (None, None, 0)
+    if fp8:
+        packed13, packed2 = packed13.view(w13.dtype), packed2.view(w2.dtype)
+        scales = _pack_scales(fp8, half, ip, hp)
+    return PackedExperts(packed13, packed2, *biases, ACTIVATIONS[activation], alpha, limit, *scales)
+
+
+def _pack_scales(fp8: Fp8Experts, half: int, ip: int, hp: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``fp8``'s scales as the kernel reads them: for each tile and run of block_k inputs,
+    the scale of each half of its columns (packing's layout, in the module docstring)."""
+    bn, bk = fp8.block
+    if bn % half:
+        raise ValueError(f"fp8 experts: block_n {bn} is not a multiple of the kernel's "
+                         f"{half} columns per half tile")
+    s13, s2 = fp8.w13_scale.float(), fp8.w2_scale.float()
+    # w13 tile j: features j*half .. of the gate (half 0) and of up (half 1).
+    rows13 = (torch.arange(ip // half) * half // bn).clamp(max=s13.shape[2] - 1)
+    packed13 = s13[:, :, rows13].permute(0, 2, 3, 1).contiguous()
+    # w2 tile j, half n: output features j*2*half + n*half ..; inputs padded to ip.
+    rows2 = ((torch.arange(hp // half) * half) // bn).clamp(max=s2.shape[1] - 1)
+    per_tile = s2[:, rows2].view(s2.shape[0], hp // (2 * half), 2, s2.shape[2])
+    packed2 = _pad_rows(per_tile, -(-ip // bk), 3).permute(0, 1, 3, 2).contiguous()
+    return packed13, packed2, bk
 
 
 def fused_moe(kernels, packed: PackedExperts, x: torch.Tensor, weights: torch.Tensor,
@@ -85,4 +132,5 @@ def fused_moe(kernels, packed: PackedExperts, x: torch.Tensor, weights: torch.Te
     best; "amx_bf16" runs VDPBF16PS, there are no AMX tiles here)."""
     return kernels.fused_moe(x.contiguous(), packed.w13, packed.w2, weights.float().contiguous(),
                              slots.long().contiguous(), packed.b13, packed.b2, packed.activation,
-                             packed.alpha, packed.limit, bf16_dot)
+                             packed.alpha, packed.limit, bf16_dot, packed.w13_scale,
+                             packed.w2_scale, packed.block_k)

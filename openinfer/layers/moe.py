@@ -29,6 +29,7 @@ first and the outputs reduce-scattered back (``_exchange``).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,8 +42,11 @@ from openinfer.distributed.eplb import Placement, initial_placement
 from openinfer.distributed.parallel_state import get_ep, get_tp
 from openinfer.kernels.cpu_attention import bf16_dot
 from openinfer.kernels.custom_op import CustomOp, Platform
-from openinfer.kernels.fused_moe import PackedExperts, fused_moe, pack_experts
+from openinfer.kernels.fp8_gemm import dequantize
+from openinfer.kernels.fused_moe import Fp8Experts, PackedExperts, fused_moe, pack_experts
 from openinfer.layers.linear import narrow, reads_slices
+
+logger = logging.getLogger("openinfer.layers.moe")
 
 SCORING_FUNCS = ("softmax", "sigmoid", "topk_softmax")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -257,27 +261,83 @@ class FusedExperts(CustomOp):
         counting is off (``count_tokens``)."""
         self.packed: PackedExperts | None = None
         """``forward_cpu``'s weights (the plain ones are freed once packed)."""
+        self.fp8_block: tuple[int, int] | None = None
+        """Set by ``keep_fp8``: w13 and w2 are the checkpoint's float8_e4m3fn, with
+        ``w13_scale_inv`` and ``w2_scale_inv`` per tile of this many rows x columns."""
+
+    def keep_fp8(self, block: tuple[int, int]) -> bool:
+        """Before loading: hold the experts as the checkpoint's block-scaled fp8 (one byte per
+        weight), which the fused CPU kernel reads as they are. False, and nothing changed, under
+        expert parallelism (whose weights move between ranks) or where a tensor-parallel rank's
+        share of the intermediate features does not start on a tile."""
+        rows, cols = block
+        first = self.tp.rank * self.intermediate_size
+        if self.ep.enabled or first % rows or first % cols or rows % 16:
+            return False
+        self.dense_dtype = self.w13.dtype
+        slots, two_i, hidden = self.w13.shape
+        inter = two_i // 2
+        for name, loader in (("w13", self._load_w13), ("w2", self._load_w2)):
+            weight = nn.Parameter(torch.empty_like(getattr(self, name), dtype=torch.float8_e4m3fn),
+                                  requires_grad=False)
+            weight.weight_loader = loader
+            setattr(self, name, weight)
+        self.w13_scale_inv = nn.Parameter(
+            torch.empty(slots, 2, -(-inter // rows), -(-hidden // cols)), requires_grad=False)
+        self.w13_scale_inv.weight_loader = self._load_w13_scale
+        self.w2_scale_inv = nn.Parameter(
+            torch.empty(slots, -(-hidden // rows), -(-inter // cols)), requires_grad=False)
+        self.w2_scale_inv.weight_loader = self._load_w2_scale
+        self.fp8_block = block
+        return True
 
     def bind(self, platform: Platform) -> None:
         """On the cpu backend, the fused kernel where it computes these experts (not under
-        expert parallelism; float32 or bfloat16 with an even hidden size; an activation it
-        has): their weights are packed here, once."""
+        expert parallelism; float32 or bfloat16 with an even hidden size, or fp8 weights; an
+        activation it has): their weights are packed here, once. FP8 experts any other path
+        computes are multiplied out here."""
         super().bind(platform)
-        if self.forward_path != "forward_cpu" or self.packed is not None:
+        if self.packed is not None:
             return
         kernel_activation = _kernel_activation(self.activation)
-        dtype, hidden = self.w13.dtype, self.w13.shape[2]
-        if (self.ep.enabled or kernel_activation is None or dtype not in (torch.float32, torch.bfloat16)
-                or (dtype == torch.bfloat16 and hidden % 2)):
+        dtype, hidden = self.dense_dtype if self.fp8_block else self.w13.dtype, self.w13.shape[2]
+        if self.forward_path == "forward_cpu" and (
+                self.ep.enabled or kernel_activation is None or dtype not in (torch.float32, torch.bfloat16)
+                or (dtype == torch.bfloat16 and hidden % 2 and not self.fp8_block)):
             self._forward_path = self.forward_native
+        if self.forward_path != "forward_cpu":
+            if self.fp8_block:
+                logger.info("fp8 experts multiplied out to %s: the %s path reads dense weights",
+                            dtype, self.forward_path)
+                self._dequantize_fp8()
             return
+        fp8 = (Fp8Experts(self.w13_scale_inv, self.w2_scale_inv, self.fp8_block)
+               if self.fp8_block else None)
         with torch.no_grad():
             self.packed = pack_experts(self.w13, self.w2, self.b13, self.b2,
-                                       self.cpu_kernels.fused_moe_tile(), *kernel_activation)
-        for name in ("w13", "w2", "b13", "b2"):  # nothing reads them now
-            if getattr(self, name) is not None:
+                                       self.cpu_kernels.fused_moe_tile(), *kernel_activation, fp8=fp8)
+        for name in ("w13", "w2", "b13", "b2", "w13_scale_inv", "w2_scale_inv"):  # nothing reads them now
+            if getattr(self, name, None) is not None:
                 setattr(self, name, nn.Parameter(torch.empty_like(getattr(self, name), device="meta"),
                                                  requires_grad=False))
+
+    def _dense_expert(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's w13 and w2 in the model's dtype (fp8 ones multiplied out for the call)."""
+        if not self.fp8_block:
+            return self.w13[slot], self.w2[slot]
+        block, dtype, inter = self.fp8_block, self.dense_dtype, self.intermediate_size
+        w13 = torch.cat([dequantize(self.w13[slot, p * inter:(p + 1) * inter], self.w13_scale_inv[slot, p],
+                                    block, dtype) for p in (0, 1)])
+        return w13, dequantize(self.w2[slot], self.w2_scale_inv[slot], block, dtype)
+
+    def _dequantize_fp8(self) -> None:
+        """w13 and w2 as dense ``dense_dtype`` weights, their scales dropped."""
+        with torch.no_grad():
+            w13, w2 = zip(*(self._dense_expert(slot) for slot in range(self.num_slots)))
+        self.w13 = nn.Parameter(torch.stack(w13), requires_grad=False)
+        self.w2 = nn.Parameter(torch.stack(w2), requires_grad=False)
+        del self.w13_scale_inv, self.w2_scale_inv
+        self.fp8_block = None
 
     def set_placement(self, placement: Placement) -> None:
         """Expert parallel: which expert each slot holds from now on (the caller moves the
@@ -311,6 +371,19 @@ class FusedExperts(CustomOp):
         n = self.intermediate_size
         for slot in self.local_slots(shard[0]):
             param[slot].copy_(narrow(tensor, 1, self._first_row, n))
+
+    @reads_slices
+    def _load_w13_scale(self, param: torch.Tensor, tensor: torch.Tensor, shard: tuple[int, int]) -> None:
+        expert, part = shard
+        tiles = param.shape[2]
+        for slot in self.local_slots(expert):
+            param[slot, part].copy_(narrow(tensor, 0, self._first_row // self.fp8_block[0], tiles))
+
+    @reads_slices
+    def _load_w2_scale(self, param: torch.Tensor, tensor: torch.Tensor, shard: tuple[int, int]) -> None:
+        tiles = param.shape[2]
+        for slot in self.local_slots(shard[0]):
+            param[slot].copy_(narrow(tensor, 1, self._first_row // self.fp8_block[1], tiles))
 
     @property
     def _first_row(self) -> int:
@@ -354,8 +427,9 @@ class FusedExperts(CustomOp):
                 continue
             rows = tokens[start:start + n]
             b13, b2 = (None, None) if self.b13 is None else (self.b13[slot], self.b2[slot])
-            gate, up = self.gemm(x[rows], self.w13[slot], b13).chunk(2, dim=-1)
-            y = self.gemm(self.activation(gate, up), self.w2[slot], b2)
+            w13, w2 = self._dense_expert(slot)
+            gate, up = self.gemm(x[rows], w13, b13).chunk(2, dim=-1)
+            y = self.gemm(self.activation(gate, up), w2, b2)
             out.index_add_(0, rows, y * pair_weights[start:start + n, None])
             start += n
         return out

@@ -21,6 +21,7 @@ from openinfer import gguf_file
 from openinfer.config import ModelConfig
 from openinfer.distributed.parallel_state import get_tp
 from openinfer.layers.linear import GemmLayer, default_weight_loader
+from openinfer.layers.moe import FusedExperts
 from openinfer.models import fp8
 from openinfer.models.arch import ArchConfig
 from openinfer.models.base import CausalLM
@@ -125,18 +126,24 @@ def load_weights(model: CausalLM, path: Path, progress: bool = True,
 
 def _keep_fp8_layers(model: nn.Module, path: Path, names: CheckpointNames,
                      block: tuple[int, int]) -> set[str]:
-    """Makes each linear layer whose checkpoint tensors are all fp8 hold them as loaded
-    (``GemmLayer.keep_fp8``); returns their weights' parameter names. A weight another module
-    shares (a tied LM head) stays dense."""
+    """Makes each linear layer and each stack of experts whose checkpoint tensors are all fp8
+    hold them as loaded (``GemmLayer.keep_fp8``, ``FusedExperts.keep_fp8``); returns their
+    weights' parameter names. A weight another module shares (a tied LM head) stays dense."""
     scaled: dict[str, int] = {}  # parameter -> how many of its checkpoint tensors have scales
     for name in _checkpoint_tensor_names(path):
         if name.endswith(fp8.SCALE_SUFFIX):
             target = names.map(name.removesuffix(fp8.SCALE_SUFFIX))[0]
             scaled[target] = scaled.get(target, 0) + 1
     owners = weight_owners(model)
-    return {f"{name}.weight" for name, m in model.named_modules()
-            if isinstance(m, GemmLayer) and owners[id(m.weight)] == 1
-            and scaled.get(f"{name}.weight") == len(m.checkpoint_parts()) and m.keep_fp8(block)}
+    kept = set()
+    for name, m in model.named_modules():
+        if (isinstance(m, GemmLayer) and owners[id(m.weight)] == 1
+                and scaled.get(f"{name}.weight") == len(m.checkpoint_parts()) and m.keep_fp8(block)):
+            kept.add(f"{name}.weight")
+        elif (isinstance(m, FusedExperts) and scaled.get(f"{name}.w13") == 2 * m.num_experts
+                and scaled.get(f"{name}.w2") == m.num_experts and m.keep_fp8(block)):
+            kept |= {f"{name}.w13", f"{name}.w2"}
+    return kept
 
 
 @dataclass(frozen=True)
@@ -165,9 +172,11 @@ class CheckpointNames:
                 name = re.sub(rf"(^|\.){re.escape(old)}(?=\.|$)", rf"\g<1>{new}", name)
         parts = [self.renames.get(p, p) for p in name.split(".")]
         for i in range(len(parts) - 3):
-            if (parts[i] == "experts" and parts[i + 1].isdigit() and parts[i + 3] == "weight"
+            if (parts[i] == "experts" and parts[i + 1].isdigit()
+                    and parts[i + 3] in ("weight", "weight" + fp8.SCALE_SUFFIX)
                     and parts[i + 2] in self.expert_weights):
                 stacked, part = self.expert_weights[parts[i + 2]]
+                stacked += parts[i + 3].removeprefix("weight")  # an fp8 weight's scales: w13_scale_inv
                 return ".".join([*parts[:i + 1], stacked]), (int(parts[i + 1]), part)
         for i, part in enumerate(parts):
             if part in self.packed:

@@ -1,7 +1,8 @@
 """The CPU extension's fused MoE kernel against FusedExperts' torch path (its oracle): float32
 within rounding, bfloat16 closer to the float32 result than the torch path itself; token counts
 from a decode to a prefill, experts nobody chose, a slot repeated in a token's top-k, biases and
-every activation; each bf16 product path of the build, and the other vector width's build."""
+every activation; each bf16 product path of the build, and the other vector width's build;
+block-scaled fp8 experts, read as loaded."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import copy
 
 import pytest
 import torch
+from conftest import quantize_blocks
 
 from openinfer.kernels.cpu_attention import bf16_dot_paths, build_lane_twin
 from openinfer.kernels.custom_op import Platform
+from openinfer.kernels.fp8_gemm import dequantize
 from openinfer.kernels.fused_moe import fused_moe
 from openinfer.layers.moe import ClampedSiluAndMul, ClampedSwiGLU, FusedExperts, silu_and_mul
 from openinfer.models.platform import bind_platform
@@ -156,3 +159,72 @@ def test_other_lane_width_build(kernels):
         for tokens in (1, 33):
             weights, ids = _routing(tokens, 6, 2, seed=tokens)
             _check(fused, oracle, torch.randn(tokens, 30).to(dtype), weights, ids)
+    dense = _experts(6, 40, 20, torch.float32, bias=True)
+    fp8, fused = _bound(_fp8_experts(dense, 16), other), _bound(dense, other)
+    weights, ids = _routing(9, 6, 2)
+    x = torch.randn(9, 40)
+    assert torch.equal(fp8(x, weights, ids), fused(x, weights, ids))
+
+
+def _fp8_experts(dense: FusedExperts, block: int) -> FusedExperts:
+    """``dense`` quantized as a block-scaled fp8 checkpoint holds it, loaded into experts that
+    keep it (gate and up quantized as separate tensors, as a checkpoint stores them); ``dense``
+    gets the dequantized values, so the two compute the same experts."""
+    fp8 = copy.deepcopy(dense)
+    assert fp8.keep_fp8((block, block))
+    inter = dense.intermediate_size
+    with torch.no_grad():
+        for e in range(dense.num_experts):
+            for part in (0, 1):
+                q, scale = quantize_blocks(dense.w13[e, part * inter:(part + 1) * inter].float(), block)
+                fp8._load_w13(fp8.w13, q, (e, part))
+                fp8._load_w13_scale(fp8.w13_scale_inv, scale, (e, part))
+                dense.w13[e, part * inter:(part + 1) * inter] = dequantize(q, scale, (block, block))
+            q, scale = quantize_blocks(dense.w2[e].float(), block)
+            fp8._load_w2(fp8.w2, q, (e, 0))
+            fp8._load_w2_scale(fp8.w2_scale_inv, scale, (e, 0))
+            dense.w2[e] = dequantize(q, scale, (block, block))
+    return fp8
+
+
+@pytest.mark.parametrize("hidden,inter", [(64, 48), (30, 20), (160, 96)])
+def test_fp8_experts_are_the_dequantized_experts(kernels, hidden, inter):
+    """FP8 experts packed as loaded (one byte per weight and a scale per 16x16 tile; shapes
+    with partial tiles and padding included) compute, with float32 activations, bitwise what
+    the float32 kernel computes on the dequantized weights, and the torch path within
+    rounding; with bfloat16 activations, within bf16 rounding of that."""
+    torch.manual_seed(hidden)
+    dense = _experts(6, hidden, inter, torch.float32, bias=True, activation=ACTIVATIONS["clamped_swiglu"])
+    fp8 = _bound(_fp8_experts(dense, 16), kernels)
+    assert fp8.packed.w13.dtype == torch.float8_e4m3fn and fp8.w13_scale_inv.is_meta
+    assert fp8.packed.w13.numel() < 1.3 * dense.w13.numel()  # a byte per weight, plus padding
+    fused = _bound(dense, kernels)
+    for tokens in (1, 7, 40):
+        weights, ids = _routing(tokens, 6, 2, seed=tokens)
+        x = torch.randn(tokens, hidden)
+        got = fp8(x, weights, ids)
+        assert torch.equal(got, fused(x, weights, ids))
+        torch.testing.assert_close(got, dense(x, weights, ids), atol=2e-5, rtol=1e-5)
+        got16 = fp8(x.bfloat16(), weights, ids)
+        want = dense(x.bfloat16().float(), weights, ids)
+        assert got16.dtype == torch.bfloat16
+        assert (got16.float() - want).abs().max() <= 2 ** -6 * want.abs().max()
+
+
+def test_fp8_experts_another_path_reads_are_multiplied_out(kernels):
+    """Where the fused kernel does not compute the experts (the torch path here), fp8 experts
+    are multiplied out once at binding, to the model's dtype."""
+    torch.manual_seed(6)
+    dense = _experts(4, 32, 16, torch.bfloat16, activation=lambda g, u: g * u)
+    fp8 = _fp8_experts(dense, 16)
+    bind_platform(fp8, Platform("cpu", kernels))
+    assert fp8.forward_path == "forward_native" and fp8.w13.dtype == torch.bfloat16
+    assert not hasattr(fp8, "w13_scale_inv") and fp8.fp8_block is None
+    assert torch.equal(fp8.w13, dense.w13) and torch.equal(fp8.w2, dense.w2)
+
+
+def test_fp8_experts_keep_only_what_a_tile_grid_fits():
+    """A tile that is no multiple of the kernel's half tile keeps dense weights (nothing
+    changed; the tensor-parallel case: tests/distributed/test_tensor_parallel.py)."""
+    experts = _experts(4, 32, 16, torch.float32)
+    assert not experts.keep_fp8((12, 12)) and experts.w13.dtype == torch.float32

@@ -121,10 +121,10 @@ def test_fp8_block_quantized_checkpoint_with_an_mtp_layer(fp8_weights, scale_fmt
     here (128x128 there, partial edge tiles included), and the MTP module as layer
     num_hidden_layers; scales in float32, or powers of two in ue8m0 (float8_e8m0fnu, as
     V3.1 and V4 store them). Linear layers hold the fp8 bytes and scales as loaded (or, with
-    OPENINFER_FP8_WEIGHTS=dequantize, their products); the experts are multiplied out. Prefill
-    logits match transformers on the dequantized weights, and so does every greedy token of
-    decodes through the engine (the fp8 kernel's rows); the MTP weights land in the kept
-    module."""
+    OPENINFER_FP8_WEIGHTS=dequantize, their products), and so do the routed experts (packed
+    for the fused kernel as bytes). Prefill logits match transformers on the dequantized
+    weights, and so does every greedy token of decodes through the engine (the fp8 kernels'
+    rows); the MTP weights land in the kept module."""
     monkeypatch.setenv("OPENINFER_FP8_WEIGHTS", fp8_weights)
     import json
     import shutil
@@ -176,7 +176,8 @@ def test_fp8_block_quantized_checkpoint_with_an_mtp_layer(fp8_weights, scale_fmt
                            quantized["model.layers.1.self_attn.o_proj.weight"].view(torch.uint8))
     else:
         assert set(held.values()) == {torch.float32}
-    assert ours.model.model.layers[1].mlp.experts.w13.dtype == torch.float32
+    experts = ours.model.model.layers[1].mlp.experts  # (unbound: the torch path)
+    assert experts.w13.dtype == (torch.float8_e4m3fn if fp8_weights == "keep" else torch.float32)
     (prompt,) = _prompts(ours.config.vocab_size, [21])
     torch.testing.assert_close(ours.step([(0, prompt, 0)]), _hf_logits(hf, prompt), atol=5e-5, rtol=1e-4)
     (layer,) = ours.model.model.mtp
@@ -187,6 +188,8 @@ def test_fp8_block_quantized_checkpoint_with_an_mtp_layer(fp8_weights, scale_fmt
                                mtp[f"model.layers.{n}.shared_head.head.weight"])
     llm = LLM(str(fp8_path), block_size=BLOCK, progress=False)
     assert llm.engine.core.compute_info["gemm"].endswith("+fp8") == (fp8_weights == "keep")
+    bound = llm.engine.core.executor.worker.model.model.layers[1].mlp.experts
+    assert bound.packed.w13.dtype == (torch.float8_e4m3fn if fp8_weights == "keep" else torch.float32)
     prompts = _prompts(llm.engine.inputs.vocab_size, [3, 17, 9], seed=11)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outs):

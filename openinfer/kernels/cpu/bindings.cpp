@@ -28,7 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe_tile", &fused_moe_tile, "output columns per packed weight tile of fused_moe");
   m.def("fused_moe", &fused_moe, "a MoE layer's routed experts (see openinfer/kernels/fused_moe.py)", py::arg("x"),
         py::arg("w13"), py::arg("w2"), py::arg("weights"), py::arg("slots"), py::arg("b13"), py::arg("b2"),
-        py::arg("activation"), py::arg("alpha"), py::arg("limit"), py::arg("bf16_dot") = "", nogil);
+        py::arg("activation"), py::arg("alpha"), py::arg("limit"), py::arg("bf16_dot") = "",
+        py::arg("w13_scale") = py::none(), py::arg("w2_scale") = py::none(), py::arg("block_k") = 0, nogil);
   m.def("fp8_gemm", &fp8_gemm,
         "out = x @ (weight * scale)^T (+ bias): a float8_e4m3fn weight with a float32 scale per "
         "block_n x block_k tile, few rows", py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("scale"),

@@ -23,6 +23,12 @@
 // (AVX512_BF16, path "avx512_bf16"), else each 32-bit pair widened to two float32 vectors by a
 // shift and a mask for FMAs (path "fp32"). Accumulation is float32; bfloat16 rounds h (the down
 // GEMM's input) and the output, once each.
+// FP8 experts (a block-scaled e4m3 checkpoint kept as loaded: one byte per weight): tiles of
+// bytes packed as float32's, [E][tiles][K][TN], and beside them each tile's scales per run of
+// block_k inputs, [E][tiles][K / block_k][NT] (a vector's columns lie in one scale block). Each
+// weight vector is read (fp8.h), multiplied by its scale and used as float32's are: every
+// weight is the reference's dequantized value (openinfer/kernels/fp8_gemm.py), so with float32
+// activations the result is the float32 kernel's on dequantized weights, bit for bit.
 // Built into the CPU attention extension (openinfer/kernels/cpu_attention.py).
 
 #include <ATen/Parallel.h>
@@ -37,6 +43,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fp8.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -54,11 +61,18 @@ constexpr int64_t TILE_COST = 16;  // streaming a tile costs about as much as th
 #define OI_MOE_DPBF16 1
 #endif
 
-enum Path { F32, BF16_FMA, BF16_DP };
+enum Path { F32, BF16_FMA, BF16_DP, FP8 };
 // What the micro-kernel reads: activations (float, or bf16 pairs as 32-bit words) and weights.
 template <Path P> struct Types { using A = float; using Wt = float; };
 template <> struct Types<BF16_FMA> { using A = float; using Wt = uint32_t; };
 template <> struct Types<BF16_DP> { using A = uint32_t; using Wt = uint32_t; };
+template <> struct Types<FP8> { using A = float; using Wt = uint8_t; };
+
+// An fp8 tile's scales: NT per run of bk inputs (unused by the other paths).
+struct Scales {
+  const float* s;
+  int64_t bk;
+};
 
 enum ActivationKind : int64_t { SILU = 0, CLAMPED_SILU = 1, CLAMPED_SWIGLU = 2 };
 struct Activation {
@@ -80,10 +94,23 @@ inline vf activate(vf g, vf u, const Activation& a) {
 // acc[m][n] = x row m . tile column block n over K inputs (M rows, xr their starts).
 template <Path P, int M>
 inline void tile(const typename Types<P>::A* const* xr, int64_t K, const typename Types<P>::Wt* w,
-                 vf (&acc)[M][NT]) {
+                 const Scales& scales, vf (&acc)[M][NT]) {
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < NT; ++n) acc[m][n] = vf{};
-  if constexpr (P == F32) {
+  if constexpr (P == FP8) {
+    for (int64_t k0 = 0, kb = 0; k0 < K; k0 += scales.bk, ++kb) {
+      vf scale[NT];
+      for (int n = 0; n < NT; ++n) scale[n] = splat(scales.s[kb * NT + n] * FP8_UNIT);
+      for (int64_t k = k0, k1 = std::min(K, k0 + scales.bk); k < k1; ++k, w += TN) {
+        vf wv[NT];
+        for (int n = 0; n < NT; ++n) wv[n] = load_fp8(w + n * W) * scale[n];
+        for (int m = 0; m < M; ++m) {
+          const vf xv = splat(xr[m][k]);
+          for (int n = 0; n < NT; ++n) acc[m][n] += xv * wv[n];
+        }
+      }
+    }
+  } else if constexpr (P == F32) {
     for (int64_t k = 0; k < K; ++k, w += TN) {
       vf wv[NT];
       for (int n = 0; n < NT; ++n) wv[n] = loadu(w + n * W);
@@ -157,15 +184,15 @@ void run_tasks(const std::vector<Task>& tasks, const F& fn) {
 
 // Rows p .. p + m of a task through the micro-kernel, m <= MT: epilogue(i, acc[i]) per row.
 template <Path P, typename Row, typename Epilogue>
-inline void rows(int64_t p, int64_t m, int64_t K, const typename Types<P>::Wt* w, const Row& row,
-                 const Epilogue& epilogue) {
+inline void rows(int64_t p, int64_t m, int64_t K, const typename Types<P>::Wt* w, const Scales& scales,
+                 const Row& row, const Epilogue& epilogue) {
   using A = typename Types<P>::A;
   auto pass = [&](auto rows_c) {
     constexpr int R = decltype(rows_c)::value;
     const A* xr[R];
     for (int i = 0; i < R; ++i) xr[i] = row(p + i);
     vf acc[R][NT];
-    tile<P, R>(xr, K, w, acc);
+    tile<P, R>(xr, K, w, scales, acc);
     for (int i = 0; i < R; ++i) epilogue(p + i, acc[i]);
   };
   switch (m) {
@@ -176,6 +203,32 @@ inline void rows(int64_t p, int64_t m, int64_t K, const typename Types<P>::Wt* w
     case 5: pass(std::integral_constant<int, 5>{}); break;
     default: pass(std::integral_constant<int, MT>{}); break;
   }
+}
+
+// A task's rows p0 .. p1 through the micro-kernel, MT at a time. An fp8 task with more rows than
+// one pass has its tile converted once into float32 (K x TN, L2-resident) and passed over as
+// the float32 path's: the same weights, without converting them again for every MT rows.
+template <Path P, typename Row, typename Epilogue>
+inline void task_rows(const Task& t, int64_t K, const typename Types<P>::Wt* w, const Scales& scales,
+                      const Row& row, const Epilogue& epilogue) {
+  if constexpr (P == FP8) {
+    if (t.p1 - t.p0 > MT) {
+      thread_local std::vector<float> tile32;
+      tile32.resize(K * TN);
+      for (int64_t k0 = 0, kb = 0; k0 < K; k0 += scales.bk, ++kb) {
+        vf scale[NT];
+        for (int n = 0; n < NT; ++n) scale[n] = splat(scales.s[kb * NT + n] * FP8_UNIT);
+        for (int64_t k = k0, k1 = std::min(K, k0 + scales.bk); k < k1; ++k)
+          for (int n = 0; n < NT; ++n)
+            storeu(tile32.data() + k * TN + n * W, load_fp8(w + k * TN + n * W) * scale[n]);
+      }
+      for (int64_t p = t.p0; p < t.p1; p += MT)
+        rows<F32>(p, std::min<int64_t>(MT, t.p1 - p), K, tile32.data(), scales, row, epilogue);
+      return;
+    }
+  }
+  for (int64_t p = t.p0; p < t.p1; p += MT)
+    rows<P>(p, std::min<int64_t>(MT, t.p1 - p), K, w, scales, row, epilogue);
 }
 
 struct Step {
@@ -210,15 +263,23 @@ Step sort_pairs(const at::Tensor& slots, const at::Tensor& weights, int64_t E) {
   return s;
 }
 
+// An fp8 layer's packed scales (nullptr otherwise) and their run of inputs.
+struct LayerScales {
+  const float* s13 = nullptr;
+  const float* s2 = nullptr;
+  int64_t bk = 0;
+};
+
 template <Path P, typename Out>
 void run(Out* out, const typename Types<P>::A* x, const typename Types<P>::Wt* w13,
          const typename Types<P>::Wt* w2, const float* b13, const float* b2, const Step& s,
-         const Activation& act) {
+         const Activation& act, const LayerScales& ls = {}) {
   using A = typename Types<P>::A;
-  constexpr int64_t per_word = P == F32 ? 1 : 2;  // inputs per weight element
+  constexpr int64_t per_word = P == BF16_FMA || P == BF16_DP ? 2 : 1;  // inputs per weight element
   const int64_t H = s.H, Ip = s.Ip, Hp = s.Hp, pairs = s.start[s.E];
   const int64_t tiles13 = Ip / W, tiles2 = Hp / TN;
   const int64_t tile13 = H / per_word * TN, tile2 = Ip / per_word * TN;  // weight elements per tile
+  const int64_t kb13 = ls.bk ? (H + ls.bk - 1) / ls.bk : 0, kb2 = ls.bk ? (Ip + ls.bk - 1) / ls.bk : 0;
   constexpr int64_t per_a = P == BF16_DP ? 2 : 1;                         // inputs per A element
   // h: float32, or bf16 for VDPBF16PS (the bf16-rounded value either way).
   const at::Tensor hbuf = at::empty({pairs, Ip}, at::TensorOptions().dtype(P == BF16_DP ? at::kBFloat16 : at::kFloat));
@@ -228,24 +289,24 @@ void run(Out* out, const typename Types<P>::A* x, const typename Types<P>::Wt* w
 
   run_tasks(make_tasks(s.start, tiles13), [&](const Task& t) {
     const auto* w = w13 + (t.slot * tiles13 + t.tile) * tile13;
+    const Scales scales{ls.s13 ? ls.s13 + (t.slot * tiles13 + t.tile) * kb13 * NT : nullptr, ls.bk};
     const float* bg = b13 ? b13 + t.slot * 2 * Ip + t.tile * W : nullptr;
     auto row = [&](int64_t p) { return x + s.token[p] * (H / per_a); };
     auto store = [&](int64_t p, const vf* acc) {
       vf g = acc[0], u = acc[1];
       if (bg) g += loadu(bg), u += loadu(bg + Ip);
       const vf v = activate(g, u, act);
-      if constexpr (P == F32)
-        storeu(reinterpret_cast<float*>(h) + p * Ip + t.tile * W, v);
-      else if constexpr (P == BF16_FMA)
-        storeu(reinterpret_cast<float*>(h) + p * Ip + t.tile * W, round_bf16(v));
-      else
+      if constexpr (P == BF16_DP)
         store_as(reinterpret_cast<c10::BFloat16*>(h) + p * Ip + t.tile * W, round_bf16(v));
+      else  // float32 h, rounded to bfloat16 for a bfloat16 layer
+        storeu(reinterpret_cast<float*>(h) + p * Ip + t.tile * W, round_to(v, out));
     };
-    for (int64_t p = t.p0; p < t.p1; p += MT) rows<P>(p, std::min<int64_t>(MT, t.p1 - p), H, w, row, store);
+    task_rows<P>(t, H, w, scales, row, store);
   });
 
   run_tasks(make_tasks(s.start, tiles2), [&](const Task& t) {
     const auto* w = w2 + (t.slot * tiles2 + t.tile) * tile2;
+    const Scales scales{ls.s2 ? ls.s2 + (t.slot * tiles2 + t.tile) * kb2 * NT : nullptr, ls.bk};
     const float* bias = b2 ? b2 + t.slot * Hp + t.tile * TN : nullptr;
     auto row = [&](int64_t p) { return reinterpret_cast<const A*>(h) + p * (Ip / per_a); };
     auto store = [&](int64_t p, const vf* acc) {
@@ -255,7 +316,7 @@ void run(Out* out, const typename Types<P>::A* x, const typename Types<P>::Wt* w
         storeu(y + p * Hp + t.tile * TN + n * W, v * scale);
       }
     };
-    for (int64_t p = t.p0; p < t.p1; p += MT) rows<P>(p, std::min<int64_t>(MT, t.p1 - p), Ip, w, row, store);
+    task_rows<P>(t, Ip, w, scales, row, store);
   });
 
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(H * s.k, 1));
@@ -281,10 +342,13 @@ int64_t fused_moe_tile() { return TN; }
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& weights,
                      const at::Tensor& slots, const std::optional<at::Tensor>& b13,
                      const std::optional<at::Tensor>& b2, int64_t activation, double alpha, double limit,
-                     const std::string& bf16_dot) {
+                     const std::string& bf16_dot, const std::optional<at::Tensor>& w13_scale,
+                     const std::optional<at::Tensor>& w2_scale, int64_t block_k) {
   const auto dtype = x.scalar_type();
+  const bool fp8 = w13.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "fused_moe: float32 or bfloat16 x");
-  TORCH_CHECK(w13.scalar_type() == dtype && w2.scalar_type() == dtype, "fused_moe: weights in x's dtype");
+  TORCH_CHECK((fp8 || w13.scalar_type() == dtype) && w2.scalar_type() == w13.scalar_type(),
+              "fused_moe: weights in x's dtype, or both float8_e4m3fn");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w13.is_contiguous() && w2.is_contiguous(),
               "fused_moe: contiguous x [T, H] and packed weights");
   TORCH_CHECK(slots.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && slots.is_contiguous() &&
@@ -292,7 +356,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
                   slots.size(0) == x.size(0),
               "fused_moe: int64 slots and float32 weights, both [T, k]");
   TORCH_CHECK(activation >= SILU && activation <= CLAMPED_SWIGLU, "fused_moe: unknown activation ", activation);
-  const int64_t per_word = dtype == at::kFloat ? 1 : 2;
+  const int64_t per_word = dtype == at::kFloat || fp8 ? 1 : 2;
   Step s = sort_pairs(slots, weights, w13.size(0));
   s.H = x.size(1), s.Ip = w13.size(1) * W, s.Hp = w2.size(1) * TN;
   TORCH_CHECK(w13.dim() == 4 && w13.size(2) * per_word == s.H && w13.size(3) == TN * per_word,
@@ -300,6 +364,19 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   TORCH_CHECK(w2.dim() == 4 && w2.size(0) == s.E && w2.size(2) * per_word == s.Ip && w2.size(3) == TN * per_word &&
                   s.Hp >= s.H && s.Hp < s.H + TN,
               "fused_moe: w2 is not packed to match w13 and x");
+  LayerScales ls;
+  TORCH_CHECK(fp8 == (w13_scale.has_value() && w2_scale.has_value()),
+              "fused_moe: fp8 weights, and only they, have scales");
+  if (fp8) {
+    TORCH_CHECK(block_k > 0, "fused_moe: fp8 weights need block_k");
+    const int64_t kb13 = (s.H + block_k - 1) / block_k, kb2 = (s.Ip + block_k - 1) / block_k;
+    TORCH_CHECK(w13_scale->scalar_type() == at::kFloat && w2_scale->scalar_type() == at::kFloat &&
+                    w13_scale->is_contiguous() && w2_scale->is_contiguous() &&
+                    w13_scale->sizes() == at::IntArrayRef({s.E, w13.size(1), kb13, NT}) &&
+                    w2_scale->sizes() == at::IntArrayRef({s.E, w2.size(1), kb2, NT}),
+                "fused_moe: fp8 scales are float32 [E, tiles, ceil(K / block_k), ", NT, "], packed as the weights");
+    ls = {w13_scale->data_ptr<float>(), w2_scale->data_ptr<float>(), block_k};
+  }
   const float* pb13 = nullptr;
   const float* pb2 = nullptr;
   if (b13.has_value() || b2.has_value()) {
@@ -312,6 +389,17 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   const Activation act{activation, float(alpha), float(limit)};
   at::Tensor out = at::empty({s.T, s.H}, x.options());
   if (s.T == 0) return out;
+  if (fp8) {
+    const auto* pw13 = static_cast<const uint8_t*>(w13.data_ptr());
+    const auto* pw2 = static_cast<const uint8_t*>(w2.data_ptr());
+    if (dtype == at::kFloat) {
+      run<FP8>(out.data_ptr<float>(), x.data_ptr<float>(), pw13, pw2, pb13, pb2, s, act, ls);
+    } else {
+      const at::Tensor xf = x.to(at::kFloat);
+      run<FP8>(out.data_ptr<c10::BFloat16>(), xf.data_ptr<float>(), pw13, pw2, pb13, pb2, s, act, ls);
+    }
+    return out;
+  }
   if (dtype == at::kFloat) {
     run<F32>(out.data_ptr<float>(), x.data_ptr<float>(), w13.data_ptr<float>(), w2.data_ptr<float>(), pb13, pb2,
              s, act);

@@ -58,7 +58,8 @@ int64_t fused_moe_tile();
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& weights,
                      const at::Tensor& slots, const std::optional<at::Tensor>& b13,
                      const std::optional<at::Tensor>& b2, int64_t activation, double alpha, double limit,
-                     const std::string& bf16_dot);
+                     const std::string& bf16_dot, const std::optional<at::Tensor>& w13_scale,
+                     const std::optional<at::Tensor>& w2_scale, int64_t block_k);
 // amx_gemm.cpp
 bool amx_gemm_available();
 #ifdef OI_AMX

@@ -25,12 +25,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
+#include "fp8.h"
 #include "ops.h"
 
 namespace {
@@ -101,40 +103,51 @@ inline void tile(const W* w, const float* x, int64_t K, float* out, int64_t N,
     }
 }
 
-// W rows [n0, n1) against all M rows of x: each tile of R W rows is read from memory once
-// and stays in L1 while every group of up to four x rows passes over it.
+template <int N>
+using Rows = std::integral_constant<int, N>;
+
+// Every tile of out for W rows [n0, n1) and all M rows of x, in order: W rows in steps of R (the
+// range's last rows one at a time), each step's rows prepared once (prepare(n, rows)) and passed
+// over by every group of up to four x rows (visit(Rows<R>, Rows<MT>, n, m)). Each W tile is
+// read from memory once and stays in L1 while the x rows pass. An output's sum does not
+// depend on the tile it falls in (one accumulator per output, K in order), so neither M nor
+// the thread split changes a value.
+template <int R, typename Prepare, typename Visit>
+void for_each_tile(int64_t M, int64_t n0, int64_t n1, Prepare&& prepare, Visit&& visit) {
+  for (int64_t n = n0; n < n1;) {
+    const int64_t rows = n + R <= n1 ? R : 1;
+    prepare(n, rows);
+    for (int64_t m = 0; m < M; m += 4) {
+      const int64_t mt = std::min<int64_t>(4, M - m);
+      if (rows == R) {
+        switch (mt) {
+          case 1: visit(Rows<R>{}, Rows<1>{}, n, m); break;
+          case 2: visit(Rows<R>{}, Rows<2>{}, n, m); break;
+          case 3: visit(Rows<R>{}, Rows<3>{}, n, m); break;
+          default: visit(Rows<R>{}, Rows<4>{}, n, m); break;
+        }
+      } else {
+        switch (mt) {
+          case 1: visit(Rows<1>{}, Rows<1>{}, n, m); break;
+          case 2: visit(Rows<1>{}, Rows<2>{}, n, m); break;
+          case 3: visit(Rows<1>{}, Rows<3>{}, n, m); break;
+          default: visit(Rows<1>{}, Rows<4>{}, n, m); break;
+        }
+      }
+    }
+    n += rows;
+  }
+}
+
+constexpr auto nothing_to_prepare = [](int64_t, int64_t) {};
+
 template <int R, typename W>
 void rows_block(const W* w, const float* x, int64_t M, int64_t K, float* out, int64_t N,
                 int64_t n0, int64_t n1, const float* bias) {
-  for (int64_t n = n0; n < n1; n += R) {
-    const bool full = n + R <= n1;
-    for (int64_t m = 0; m < M; m += 4) {
-      const int64_t mt = std::min<int64_t>(4, M - m);
-      const float* xm = x + m * K;
-      float* om = out + m * N;
-      if (!full) {  // the range's last rows, one at a time
-        for (int64_t t = n; t < n1; ++t) {
-          const W* wt = w + t * K;
-          const float* bt = bias ? bias + t : nullptr;
-          switch (mt) {
-            case 1: tile<1, 1>(wt, xm, K, om + t, N, bt); break;
-            case 2: tile<1, 2>(wt, xm, K, om + t, N, bt); break;
-            case 3: tile<1, 3>(wt, xm, K, om + t, N, bt); break;
-            default: tile<1, 4>(wt, xm, K, om + t, N, bt); break;
-          }
-        }
-        continue;
-      }
-      const W* wn = w + n * K;
-      const float* bn = bias ? bias + n : nullptr;
-      switch (mt) {
-        case 1: tile<R, 1>(wn, xm, K, om + n, N, bn); break;
-        case 2: tile<R, 2>(wn, xm, K, om + n, N, bn); break;
-        case 3: tile<R, 3>(wn, xm, K, om + n, N, bn); break;
-        default: tile<R, 4>(wn, xm, K, om + n, N, bn); break;
-      }
-    }
-  }
+  for_each_tile<R>(M, n0, n1, nothing_to_prepare, [&](auto r, auto mt, int64_t n, int64_t m) {
+    tile<decltype(r)::value, decltype(mt)::value>(w + n * K, x + m * K, K, out + m * N + n, N,
+                                                   bias ? bias + n : nullptr);
+  });
 }
 
 template <typename W>
@@ -153,61 +166,9 @@ void run_rows(const W* pw, const float* px, int64_t M, int64_t K, float* po, int
   });
 }
 
-// float8 e4m3 (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities) read as 2^-8
-// times its value: callers multiply each tile's scale by FP8_UNIT once (exact, a power of two).
-// With F16C (every x86 CPU with AVX2): the byte into a 16-bit lane's high half, shifted right by
-// one with its sign copied and the copy cleared, is an fp16 of that sign, those exponent bits
-// (fp16's bias is 15 for e4m3's 7: the 2^-8) and mantissa, normal or subnormal alike; VCVTPH2PS
-// widens 8 or 16 at once. Without (and in the lane twin, which tests it): the bits built straight into float32's fields, a subnormal
-// (exponent 0) as its mantissa times 2^-9. No float32 denormal is ever formed (their arithmetic
-// is slow on x86, and flushed to 0 under DAZ). The NaN encoding (S.1111.111) reads as +-480:
-// checkpoints hold none.
-constexpr float FP8_UNIT = 256.f;
-
-#if defined(__F16C__) && defined(__AVX2__) && !defined(OI_LANE_TWIN)
-inline vf load_fp8(const uint8_t* p) {
-#if defined(__AVX512F__)
-  const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
-  const __m512 f = _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16(int16_t(0xBFFF))));
-#else
-  const __m128i h = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256 f = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(h, 1), _mm_set1_epi16(int16_t(0xBFFF))));
-#endif
-  vf v;
-  std::memcpy(&v, &f, sizeof(v));
-  return v;
-}
-#else
-typedef uint8_t vb __attribute__((vector_size(L)));
-typedef int32_t vi __attribute__((vector_size(L * 4)));
-
-inline vf load_fp8(const uint8_t* p) {
-  vb b;
-  std::memcpy(&b, p, sizeof(b));
-  const vu u = __builtin_convertvector(b, vu);
-  const vu mag = u & 0x7f;
-  const vu normal = (mag << 20) + (120u << 23);
-  vf sub = __builtin_convertvector(vi(mag & 7), vf) * (1.f / 512.f);
-  vu sub_bits;
-  std::memcpy(&sub_bits, &sub, sizeof(sub));
-  const vu bits = ((mag >> 3) == 0 ? sub_bits : normal) | ((u & 0x80) << 24);
-  vf v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v * (1.f / FP8_UNIT);
-}
-#endif
-
-inline float fp8_value(uint8_t b) {  // 2^-8 times the value, as load_fp8
-  const uint32_t mag = b & 0x7f;
-  float f;
-  if (mag >> 3) {
-    const uint32_t bits = (mag << 20) + (120u << 23);
-    std::memcpy(&f, &bits, sizeof(f));
-  } else {
-    f = float(mag & 7) * (1.f / 512.f);
-  }
-  return ((b & 0x80) ? -f : f) * (1.f / FP8_UNIT);
-}
+using oi_vec::FP8_UNIT;
+using oi_vec::fp8_value;
+using oi_vec::load_fp8;
 
 // out[m][n .. n+R) for MT rows of x, fp8 W rows n .. n+R whose scale rows are s[r] (one scale
 // per bk inputs).
@@ -249,14 +210,6 @@ inline void tile_fp8(const uint8_t* w, const float* const* s, int64_t bk, const 
     }
 }
 
-template <int R, int MT>
-inline void tile_fp8_at(const uint8_t* w, const float* scale, int64_t bn, int64_t kblocks, int64_t bk,
-                        const float* x, int64_t K, float* out, int64_t N, const float* bias, int64_t n) {
-  const float* s[R];
-  for (int r = 0; r < R; ++r) s[r] = scale + ((n + r) / bn) * kblocks;
-  tile_fp8<R, MT>(w + n * K, s, bk, x, K, out + n, N, bias ? bias + n : nullptr);
-}
-
 // W rows [n0, n1) times their tiles' scales, as float32 rows of K in out: each product rounded
 // once, the values of the reference dequantization (openinfer/kernels/fp8_gemm.py).
 void dequantize_rows(const uint8_t* w, const float* scale, int64_t bn, int64_t kblocks, int64_t bk,
@@ -286,64 +239,27 @@ void rows_block_fp8_buffered(const uint8_t* w, const float* scale, int64_t bn, i
                              const float* x, int64_t M, int64_t K, float* out, int64_t N, int64_t n0,
                              int64_t n1, const float* bias) {
   std::vector<float> buf(R * K);
-  for (int64_t n = n0; n < n1;) {
-    const int64_t rows = n + R <= n1 ? R : 1;
-    dequantize_rows(w, scale, bn, kblocks, bk, K, n, n + rows, buf.data());
-    const float* bias_n = bias ? bias + n : nullptr;
-    for (int64_t m = 0; m < M; m += 4) {
-      const int64_t mt = std::min<int64_t>(4, M - m);
-      const float* xm = x + m * K;
-      float* om = out + m * N + n;
-      if (rows == R) {
-        switch (mt) {
-          case 1: tile<R, 1>(buf.data(), xm, K, om, N, bias_n); break;
-          case 2: tile<R, 2>(buf.data(), xm, K, om, N, bias_n); break;
-          case 3: tile<R, 3>(buf.data(), xm, K, om, N, bias_n); break;
-          default: tile<R, 4>(buf.data(), xm, K, om, N, bias_n); break;
-        }
-      } else {
-        switch (mt) {
-          case 1: tile<1, 1>(buf.data(), xm, K, om, N, bias_n); break;
-          case 2: tile<1, 2>(buf.data(), xm, K, om, N, bias_n); break;
-          case 3: tile<1, 3>(buf.data(), xm, K, om, N, bias_n); break;
-          default: tile<1, 4>(buf.data(), xm, K, om, N, bias_n); break;
-        }
-      }
-    }
-    n += rows;
-  }
+  for_each_tile<R>(
+      M, n0, n1,
+      [&](int64_t n, int64_t rows) { dequantize_rows(w, scale, bn, kblocks, bk, K, n, n + rows, buf.data()); },
+      [&](auto r, auto mt, int64_t n, int64_t m) {
+        tile<decltype(r)::value, decltype(mt)::value>(buf.data(), x + m * K, K, out + m * N + n, N,
+                                                       bias ? bias + n : nullptr);
+      });
 }
 
-// rows_block for an fp8 W: the same order of tiles, each row's scales looked up by its block.
+// rows_block for an fp8 W: the same tiles, each W row's scales looked up by its block.
 template <int R>
 void rows_block_fp8(const uint8_t* w, const float* scale, int64_t bn, int64_t kblocks, int64_t bk,
                     const float* x, int64_t M, int64_t K, float* out, int64_t N, int64_t n0, int64_t n1,
                     const float* bias) {
-  for (int64_t n = n0; n < n1; n += R) {
-    const bool full = n + R <= n1;
-    for (int64_t m = 0; m < M; m += 4) {
-      const int64_t mt = std::min<int64_t>(4, M - m);
-      const float* xm = x + m * K;
-      float* om = out + m * N;
-      if (!full) {  // the range's last rows, one at a time
-        for (int64_t t = n; t < n1; ++t) {
-          switch (mt) {
-            case 1: tile_fp8_at<1, 1>(w, scale, bn, kblocks, bk, xm, K, om, N, bias, t); break;
-            case 2: tile_fp8_at<1, 2>(w, scale, bn, kblocks, bk, xm, K, om, N, bias, t); break;
-            case 3: tile_fp8_at<1, 3>(w, scale, bn, kblocks, bk, xm, K, om, N, bias, t); break;
-            default: tile_fp8_at<1, 4>(w, scale, bn, kblocks, bk, xm, K, om, N, bias, t); break;
-          }
-        }
-        continue;
-      }
-      switch (mt) {
-        case 1: tile_fp8_at<R, 1>(w, scale, bn, kblocks, bk, xm, K, om, N, bias, n); break;
-        case 2: tile_fp8_at<R, 2>(w, scale, bn, kblocks, bk, xm, K, om, N, bias, n); break;
-        case 3: tile_fp8_at<R, 3>(w, scale, bn, kblocks, bk, xm, K, om, N, bias, n); break;
-        default: tile_fp8_at<R, 4>(w, scale, bn, kblocks, bk, xm, K, om, N, bias, n); break;
-      }
-    }
-  }
+  for_each_tile<R>(M, n0, n1, nothing_to_prepare, [&](auto r, auto mt, int64_t n, int64_t m) {
+    constexpr int RR = decltype(r)::value;
+    const float* s[RR];
+    for (int i = 0; i < RR; ++i) s[i] = scale + ((n + i) / bn) * kblocks;
+    tile_fp8<RR, decltype(mt)::value>(w + n * K, s, bk, x + m * K, K, out + m * N + n, N,
+                                      bias ? bias + n : nullptr);
+  });
 }
 
 }  // namespace
