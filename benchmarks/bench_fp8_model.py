@@ -108,7 +108,7 @@ def main() -> None:
             f"to block-scaled FP8 ({BLOCK}x{BLOCK} tiles, linear layers), batch-1 decode of "
             f"{DECODE_TOKENS} tokens, each variant in its own process, rounds interleaved. "
             f"CPU: {cpu_model_name()}, {cpu_capability()}.", "",
-            "| variant | decode tok/s (median, range) | parameter bytes | greedy tokens before the "
+            "| variant | decode tok/s (median, range) | weight bytes as held | greedy tokens before the "
             "first that differs from fp32's on the dequantized weights |", "|---|---|---|---|"]
     for name, results in runs.items():
         rates = [x["tok_s"] for x in results]

@@ -30,7 +30,8 @@ from openinfer.kernels.cpu_attention import load_cpu_attention
 from openinfer.kernels.custom_op import CustomOp, Platform
 from openinfer.kv.spec import FullAttentionSpec, MLALatentSpec
 from openinfer.layers.mlp import GatedMLP
-from openinfer.layers.moe import FusedExperts, MoE, RoutingConfig
+from openinfer.layers.moe import FusedExperts, MoE
+from openinfer.layers.moe_router import RoutingConfig
 from openinfer.models.gemm_plans import plan_gemms
 from openinfer.models.platform import bind_platform
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The Triton attention backend and decode CUDA graphs on a CUDA machine, in one command
 # (about 2-5 minutes):
-#   (a) the parity tests (tests/kernels/test_triton_attention.py) compiled for the GPU, against
-#       the torch reference backend (no TRITON_INTERPRET), and decode through captured CUDA
-#       graphs against eager decode, token for token (tests/kernels/test_decode_graphs.py);
+#   (a) the parity tests (tests/kernels/test_triton_attention.py, and the MoE experts'
+#       tests/kernels/test_triton_moe.py) compiled for the GPU, against the torch reference
+#       (no TRITON_INTERPRET), and decode through captured CUDA graphs against eager decode,
+#       token for token, dense and MoE (tests/kernels/test_decode_graphs.py);
 #   (b) timings of the Triton and torch backends at Qwen3-0.6B-like shapes, as a markdown table
 #       with the GPU, the commit and the torch/triton versions (benchmarks/gpu_check.py);
 #   (c) decode tokens/s with CUDA graphs (and graphs + async scheduling) against eager,
@@ -34,7 +35,7 @@ status=0
 if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "== (a) Triton parity tests on $("$PY" -c 'import torch; print(torch.cuda.get_device_name())')"
     env -u TRITON_INTERPRET "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
-        tests/kernels/test_decode_graphs.py || status=1
+        tests/kernels/test_triton_moe.py tests/kernels/test_decode_graphs.py || status=1
     echo "== (b) Triton vs torch reference timings"
     env -u TRITON_INTERPRET "$PY" benchmarks/gpu_check.py || status=1
     echo "== (c) decode: CUDA graphs vs eager"
@@ -43,7 +44,7 @@ else
     echo "gpu_check: no CUDA device here: SKIPPING the CUDA parity tests and timings;"
     echo "gpu_check: running the same tests and a tiny smoke run in Triton's CPU interpreter instead"
     TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
-        tests/kernels/test_decode_graphs.py || status=1
+        tests/kernels/test_triton_moe.py tests/kernels/test_decode_graphs.py || status=1
     TRITON_INTERPRET=1 "$PY" benchmarks/gpu_check.py --quick || status=1
 fi
 

@@ -42,8 +42,9 @@ def use_interpreter() -> None:
     kernels = sys.modules.get("openinfer.kernels.triton_attention")
     if kernels is not None and not kernels.interpreted():
         importlib.reload(kernels)
-        if "openinfer.attention.triton" in sys.modules:
-            importlib.reload(sys.modules["openinfer.attention.triton"])
+        for module in ("openinfer.attention.triton", "openinfer.kernels.triton_moe"):
+            if module in sys.modules:
+                importlib.reload(sys.modules[module])
 
 
 def triton_test_device() -> str:

@@ -5,14 +5,15 @@ DeepSeekMoE, always-on shared experts).
     x ─ router ─ (weights, expert ids) [T, k]
     x ─ tokens sorted by expert ─ per active expert: down(silu(gate(x_e)) * up(x_e)) * w ─ Σ ─ out
 
-Routing follows the reference models operation by operation (fp32 logits, the same top-k
-calls), so ties resolve the same way. Expert weights are stacked at load into one
+The router is openinfer/layers/moe_router.py. Expert weights are stacked at load into one
 ``[E, 2I, H]`` gate/up and one ``[E, H, I]`` down tensor. The torch path (``forward_native``,
 the oracle) groups the step's (token, expert) pairs by expert with one sort and runs one GEMM
 pair per expert that has tokens: no Python loop over tokens, no per-expert modules. On the cpu
 backend, ``forward_cpu`` runs all of a step's experts in one call of the extension's fused
 kernel (openinfer/kernels/fused_moe.py), on weights packed once when the model is bound to the
-platform; expert parallelism keeps the torch path (its weights move between ranks).
+platform (fp8 checkpoints' experts kept as loaded); ``forward_cuda`` runs Triton's grouped GEMMs
+(openinfer/kernels/triton_moe.py); expert parallelism keeps the torch path on CPU (its weights
+move between ranks).
 
 Tensor parallel: every rank holds every expert's share of the intermediate features (rows
 of gate/up, columns of down), routes all tokens the same way (the router is replicated),
@@ -29,6 +30,7 @@ first and the outputs reduce-scattered back (``_exchange``).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Callable
@@ -45,103 +47,9 @@ from openinfer.kernels.custom_op import CustomOp, Platform
 from openinfer.kernels.fp8_gemm import dequantize
 from openinfer.kernels.fused_moe import Fp8Experts, PackedExperts, fused_moe, pack_experts
 from openinfer.layers.linear import narrow, reads_slices
+from openinfer.layers.moe_router import Router, RoutingConfig
 
 logger = logging.getLogger("openinfer.layers.moe")
-
-SCORING_FUNCS = ("softmax", "sigmoid", "topk_softmax")
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-
-
-@dataclass(frozen=True)
-class RoutingConfig:
-    num_experts: int
-    top_k: int
-    scoring: str = "softmax"
-    """``softmax`` over all experts, ``sigmoid`` per expert (DeepSeek-V3), or
-    or ``topk_softmax``: the top-k logits, softmax over those k (gpt-oss)."""
-    method: str = "greedy"
-    """``greedy`` (top-k of the scores), ``group_limited_greedy`` (DeepSeek-V2: top-k within
-    the ``topk_groups`` groups with the highest best score) or ``noaux_tc`` (DeepSeek-V3:
-    groups ranked by their two best bias-corrected scores, experts chosen by the corrected
-    scores, weighted by the uncorrected ones)."""
-    num_groups: int = 1
-    topk_groups: int = 1
-    renormalize: bool = False
-    """Divide the chosen weights by their sum (``norm_topk_prob``)."""
-    scaling: float = 1.0
-    """``routed_scaling_factor``, applied to the final weights."""
-    fp32_logits: bool = False
-    """Router weight and logits in float32 whatever the compute dtype (DeepSeek keeps its
-    gate in fp32); otherwise the logits are computed in the compute dtype, as Mixtral and
-    Qwen-MoE do, and only the softmax runs in float32."""
-    bias: bool = False
-    """The router's linear layer has a bias (gpt-oss)."""
-
-    def __post_init__(self) -> None:
-        if self.scoring not in SCORING_FUNCS:
-            raise ValueError(f"scoring_func {self.scoring!r} is not supported; supported: "
-                             f"{', '.join(SCORING_FUNCS)}")
-        if self.method not in TOPK_METHODS:
-            raise ValueError(f"topk_method {self.method!r} is not supported; supported: "
-                             f"{', '.join(TOPK_METHODS)}")
-        if self.method != "greedy" and self.num_experts % self.num_groups:
-            raise ValueError(f"n_group {self.num_groups} does not divide n_routed_experts "
-                             f"{self.num_experts}")
-        if self.scoring == "topk_softmax" and self.method != "greedy":
-            raise ValueError("topk_softmax scoring picks experts greedily")
-        if not 0 < self.top_k <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, {self.num_experts}]")
-
-
-class Router(nn.Module):
-    """Scores every expert for every token and picks ``top_k``: (weights fp32 [T, k], ids [T, k])."""
-
-    def __init__(self, hidden_size: int, config: RoutingConfig) -> None:
-        super().__init__()
-        self.config = config
-        dtype = torch.float32 if config.fp32_logits else None
-        self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size, dtype=dtype),
-                                   requires_grad=False)
-        self.bias = (nn.Parameter(torch.zeros(config.num_experts, dtype=dtype), requires_grad=False)
-                     if config.bias else None)
-        if config.method == "noaux_tc":
-            self.e_score_correction_bias = nn.Parameter(
-                torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.config
-        logits = F.linear(x.to(self.weight.dtype), self.weight, self.bias)
-        if c.scoring == "topk_softmax":  # in the logits' dtype, as gpt-oss does
-            values, ids = torch.topk(logits, k=c.top_k, dim=-1)
-            return values.softmax(dim=-1).float(), ids
-        logits = logits.float()
-        scores = logits.softmax(dim=-1) if c.scoring == "softmax" else logits.sigmoid()
-        if c.method == "greedy":
-            weights, ids = torch.topk(scores, k=c.top_k, dim=-1)
-        elif c.method == "group_limited_greedy":
-            group_scores = scores.view(-1, c.num_groups, c.num_experts // c.num_groups).amax(dim=-1)
-            masked = scores.masked_fill(~self._group_mask(group_scores), 0.0)
-            weights, ids = torch.topk(masked, k=c.top_k, dim=-1)
-        else:  # noaux_tc
-            corrected = scores + self.e_score_correction_bias
-            group_scores = (corrected.view(-1, c.num_groups, c.num_experts // c.num_groups)
-                            .topk(2, dim=-1)[0].sum(dim=-1))
-            corrected = corrected.masked_fill(~self._group_mask(group_scores), float("-inf"))
-            ids = torch.topk(corrected, k=c.top_k, dim=-1)[1]
-            weights = scores.gather(1, ids)
-        if c.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if c.scaling != 1.0:
-            weights = weights * c.scaling
-        return weights, ids
-
-    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
-        """[T, E] True for the experts of each token's ``topk_groups`` best groups."""
-        c = self.config
-        best = torch.topk(group_scores, k=c.topk_groups, dim=-1)[1]
-        groups = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-        return groups.repeat_interleave(c.num_experts // c.num_groups, dim=1)
-
 
 ALL_TO_ALL_MIN_TOKENS: dict[str, int] = {"cpu": 0, "cuda": 256}
 """Data-parallel expert parallelism, by device type: from this many tokens over all ranks in
@@ -220,7 +128,8 @@ class FusedExperts(CustomOp):
     """``num_experts`` gated MLPs stored as two stacked tensors (and, with ``bias``, two
     stacked biases). ``forward`` routes, counts and (expert parallel) exchanges tokens; the
     bound path computes this rank's (token, slot) pairs: ``forward_native`` a loop over
-    experts, ``forward_cpu`` the fused kernel."""
+    experts, ``forward_cpu`` the fused kernel, ``forward_cuda`` Triton's grouped GEMMs
+    (openinfer/kernels/triton_moe.py: static shapes, so decode CUDA graphs capture it)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  bias: bool = False,
@@ -304,6 +213,8 @@ class FusedExperts(CustomOp):
         if self.forward_path == "forward_cpu" and (
                 self.ep.enabled or kernel_activation is None or dtype not in (torch.float32, torch.bfloat16)
                 or (dtype == torch.bfloat16 and hidden % 2 and not self.fp8_block)):
+            self._forward_path = self.forward_native
+        if self.forward_path == "forward_cuda" and importlib.util.find_spec("triton") is None:
             self._forward_path = self.forward_native
         if self.forward_path != "forward_cpu":
             if self.fp8_block:
@@ -411,6 +322,12 @@ class FusedExperts(CustomOp):
 
     def forward_cpu(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         return fused_moe(self.cpu_kernels, self.packed, x, weights, slots, bf16_dot())
+
+    def forward_cuda(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        from openinfer.kernels import triton_moe  # (triton: an optional dependency)
+
+        return triton_moe.fused_experts(x, self.w13, self.w2, self.b13, self.b2, weights, slots,
+                                        self.activation)
 
     def forward_native(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         top_k = slots.shape[1]

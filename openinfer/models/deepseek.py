@@ -21,7 +21,8 @@ from openinfer.layers.embedding import LMHead, VocabEmbedding
 from openinfer.layers.linear import Linear
 from openinfer.layers.mla import MLAAttention, MLAConfig
 from openinfer.layers.mlp import GatedMLP
-from openinfer.layers.moe import MoE, RoutingConfig
+from openinfer.layers.moe import MoE
+from openinfer.layers.moe_router import RoutingConfig
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding
 from openinfer.models.arch import ArchConfig

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openinfer.layers.moe import ClampedSwiGLU, FusedExperts, Router, RoutingConfig
+from openinfer.layers.moe import ClampedSwiGLU, FusedExperts
+from openinfer.layers.moe_router import Router, RoutingConfig
 from openinfer.models.arch import ArchConfig
 from openinfer.models.llama import BlockVariant, LlamaForCausalLM
 

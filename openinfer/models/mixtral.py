@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from openinfer.layers.moe import MoE, RoutingConfig
+from openinfer.layers.moe import MoE
+from openinfer.layers.moe_router import RoutingConfig
 from openinfer.models.arch import ArchConfig
 from openinfer.models.llama import LlamaForCausalLM, require_silu
 

@@ -291,8 +291,6 @@ class Worker:
             return "a model drafter reads the step's metadata"
         if get_tp().size > 1 or get_cp().size > 1 or self.lockstep:
             return "tensor, context or data parallelism (collectives are not captured yet)"
-        if self._model_experts():
-            return "MoE layers group tokens by expert, shapes a graph cannot replay"
         return None
 
     def profile_step_seconds(self, rows: list[int], query_len: int) -> list[tuple[int, float]]:

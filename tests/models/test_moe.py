@@ -10,7 +10,8 @@ from test_hf_parity import PagedModel, _hf_logits, _prompts
 
 from openinfer import LLM, SamplingParams
 from openinfer.kernels.custom_op import Platform
-from openinfer.layers.moe import FusedExperts, Router, RoutingConfig
+from openinfer.layers.moe import FusedExperts
+from openinfer.layers.moe_router import Router, RoutingConfig
 
 MOE_CONFIGS = {
     "MixtralForCausalLM": dict(num_local_experts=8, num_experts_per_tok=2),
