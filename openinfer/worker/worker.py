@@ -109,10 +109,13 @@ class Worker:
         self.compute_info = {"dtype": self.dtype_name, "gemm": gemm.label,
                              "cpu_capability": cpu_capability(), "attention": self.attention.name,
                              "attention_bf16_dot": attention_dot, "huge_pages": huge_pages,
-                             "cpu_allocator_cache": str(kept_bytes), "cuda_graphs": ""}
+                             "cpu_allocator_cache": str(kept_bytes), "cuda_graphs": "",
+                             "experts": self._experts_label()}
         """How this worker computes (the labels of the compute_info metric; cpu_allocator_cache: the
         bytes of freed blocks the caching CPU allocator may keep, 0 where it is off; cuda_graphs:
-        the largest decode batch that replays a CUDA graph, empty where none does)."""
+        the largest decode batch that replays a CUDA graph, empty where none does; experts: the
+        routed experts' path, ``cpu`` (the fused kernel), ``cuda`` or ``native``, ``+fp8`` where
+        they hold a checkpoint's fp8 weights, empty for a dense model)."""
         self.draft_model = self._load_draft_model(progress)
         self.runner: ModelRunner | None = None
         self.kv: WorkerKVConnector | None = None
@@ -173,6 +176,11 @@ class Worker:
     def runner_request_ids(self) -> list[str]:
         """Requests the model runner holds state for (tests: none once idle)."""
         return sorted(self.runner.requests) if self.runner is not None else []
+
+    def _experts_label(self) -> str:
+        return ",".join(sorted({e.forward_path.removeprefix("forward_")
+                                + ("+fp8" if e.packed is not None and e.packed.w13_scale is not None else "")
+                                for e in self._model_experts().values()}))
 
     def _model_experts(self) -> dict[str, FusedExperts]:
         """Layer index -> the layer's experts (not the MTP modules', which drafting runs)."""

@@ -97,6 +97,9 @@ def test_two_ranks_hold_their_slices_of_fp8_weights_and_answer_as_one(parallel_c
         assert [o.token_ids for o in _run(two, params)] == [o.token_ids for o in _run(one, params)]
         assert one.engine.core.compute_info["gemm"].endswith("+fp8")
         assert two.engine.core.compute_info["gemm"].endswith("+fp8")
+        # each rank's experts too: its 16 of 32 features start on a 16x16 tile
+        assert [r["experts"] for r in two.engine.core.executor.collective_rpc("compute_info_labels")] \
+            == ["cpu+fp8"] * 2
         # fp8 rows and columns split over the ranks: under 0.6 of one rank's bytes each
         whole = one.engine.core.executor.worker.weight_bytes()
         per_rank = two.engine.core.executor.collective_rpc("weight_bytes")

@@ -45,7 +45,7 @@ def test_core_process_serves_aborts_and_shuts_down(qwen3_checkpoint):
             assert client.info["compute_info"]["dtype"] == "float32"
             assert set(client.info["compute_info"]) == {
                 "dtype", "gemm", "cpu_capability", "huge_pages", "attention", "attention_bf16_dot",
-                "cpu_allocator_cache", "cuda_graphs"}
+                "cpu_allocator_cache", "cuda_graphs", "experts"}
             queues = [client.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
             # A long request, aborted after its first tokens, frees its blocks in the core.
             doomed = client.add_request("doomed", [1, 2, 3], SamplingParams(

@@ -28,7 +28,7 @@ def _experts(num: int, hidden: int, inter: int, dtype: torch.dtype, bias: bool =
             p.normal_(std=hidden ** -0.5)
     oracle = oracle.to(DEVICE, dtype)
     triton_path = copy.deepcopy(oracle)
-    triton_path.bind(Platform(DEVICE if DEVICE == "cuda" else "cuda", None))
+    triton_path.bind(Platform("cuda", None))  # the CUDA path, whatever device runs it
     assert triton_path.forward_path == "forward_cuda"
     return oracle, triton_path
 

@@ -422,9 +422,9 @@ def test_the_engine_reports_how_it_computes(qwen3_checkpoint, monkeypatch):
     llm = LLM(str(qwen3_checkpoint), progress=False, kv_cache_memory=1 << 24)
     info = llm.engine.core.compute_info
     assert set(info) == {"dtype", "gemm", "cpu_capability", "attention", "attention_bf16_dot",
-                         "huge_pages", "cpu_allocator_cache", "cuda_graphs"}
+                         "huge_pages", "cpu_allocator_cache", "cuda_graphs", "experts"}
     assert info["cpu_allocator_cache"] == str(cpu_allocator.cache_limit())
-    assert info["cuda_graphs"] == ""  # none on a CPU
+    assert info["cuda_graphs"] == "" and info["experts"] == ""  # none on a CPU; a dense model
     assert info["dtype"] == "float32" and info["cpu_capability"] == cpu_capability()
     assert info["attention_bf16_dot"] == ""  # a float32 model has no bf16 products to choose
     assert info["huge_pages"] == ("on" if huge_pages_in_use() else "off")

@@ -190,6 +190,7 @@ def test_fp8_block_quantized_checkpoint_with_an_mtp_layer(fp8_weights, scale_fmt
     assert llm.engine.core.compute_info["gemm"].endswith("+fp8") == (fp8_weights == "keep")
     bound = llm.engine.core.executor.worker.model.model.layers[1].mlp.experts
     assert bound.packed.w13.dtype == (torch.float8_e4m3fn if fp8_weights == "keep" else torch.float32)
+    assert llm.engine.core.compute_info["experts"] == ("cpu+fp8" if fp8_weights == "keep" else "cpu")
     prompts = _prompts(llm.engine.inputs.vocab_size, [3, 17, 9], seed=11)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
