@@ -11,7 +11,8 @@ to: the same bits.
 Covered: every layer a ``DecoderLayer`` of ``LlamaAttention`` (q/k norms or none, RoPE over
 whole heads, a window, softcap or sinks) and a SiLU ``GatedMLP``, on one tensor-parallel rank,
 with any GEMM plan (AMX, MKL, small_gemm, oneDNN, torch's own; prefill-sized calls padded as
-the plan pads them). Anything else runs the Python layers, which call the same kernels one by
+the plan pads them), and fp8 weights kept as loaded (steps of up to FP8_KERNEL_MAX_ROWS rows:
+the fp8 kernel). Anything else runs the Python layers, which call the same kernels one by
 one.
 """
 
@@ -25,6 +26,7 @@ from torch import nn
 
 from openinfer.attention.base import AttentionMetadata
 from openinfer.attention.cpu import attention_step, rope_kernel
+from openinfer.kernels.fp8_gemm import FP8_KERNEL_MAX_ROWS
 from openinfer.kernels.gemm_plan import PAD_FROM_ROWS, PAD_ROWS
 from openinfer.layers.linear import GemmLayer
 from openinfer.layers.mlp import GatedMLP
@@ -77,7 +79,14 @@ def _build(blocks: list[LlamaBlock], kernels: ModuleType, dtype: torch.dtype,
 
     def gemm(linear: GemmLayer):
         plan = linear.plan
-        if plan is None or getattr(linear, "tp", None) is not None and linear.tp.size > 1:
+        if getattr(linear, "tp", None) is not None and linear.tp.size > 1:
+            return None
+        if linear.fp8_block is not None:  # fp8_linear's kernel rows; more run the Python layers
+            routes = [(FP8_KERNEL_MAX_ROWS, paths["fp8"], linear.weight, False),
+                      (2**62, -1, linear.weight, False)]
+            return kernels.Gemm(routes, linear.bias, PAD_FROM_ROWS, PAD_ROWS,
+                                linear.weight_scale_inv, *linear.fp8_block)
+        if plan is None:
             return None
         routes = [(min(max_rows, 2**62), paths.get(route.path.name, -1), weight, pads)
                   for (max_rows, _, weight, pads), route in zip(plan._table, plan.routes)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import fp8_checkpoint
 
 from openinfer import LLM, SamplingParams
 from openinfer.kernels.gemm_plan import ENV_VAR as GEMM_ENV
@@ -35,9 +36,10 @@ def _generate(llm: LLM) -> list[tuple[list[int], list]]:
             for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
 
 
-def _one_call_vs_python(path, dtype: torch.dtype) -> int:
+def _one_call_vs_python(path, dtype: torch.dtype, gemm_label: str = "") -> int:
     llm = LLM(str(path), attention_backend="cpu", dtype=str(dtype).removeprefix("torch."),
               kv_cache_memory=8 << 20, progress=False, enable_prefix_caching=False)
+    assert llm.engine.core.compute_info["gemm"].endswith(gemm_label)
     stack = llm.engine.core.executor.worker.model.model
     _generate(llm)  # builds the call at the first step
     counting = stack.cpu_layers[dtype] = CountingLayers(stack.cpu_layers[dtype])
@@ -70,6 +72,15 @@ def test_each_gemm_path_the_call_runs(kernels, make_checkpoint, monkeypatch, gem
     monkeypatch.setenv(GEMM_ENV, gemm)
     path = make_checkpoint("Qwen3ForCausalLM", num_layers=2, dtype=dtype)
     assert _one_call_vs_python(path, dtype) >= 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp8_weights_kept_as_loaded(kernels, make_checkpoint, tmp_path, dtype):
+    """A block-scaled fp8 checkpoint's layers: decode steps (up to the fp8 kernel's 16 rows)
+    run in the one call, the 219-row prefill in the Python layers."""
+    path = fp8_checkpoint(make_checkpoint("Qwen3ForCausalLM", num_layers=2, dtype=dtype),
+                          tmp_path / "fp8", 16)
+    assert _one_call_vs_python(path, dtype, gemm_label="+fp8") >= 5
 
 
 def test_models_and_steps_it_does_not_cover_run_the_python_layers(kernels, make_checkpoint):

@@ -74,19 +74,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &RopeAttention::forward, py::arg("qkv"), py::arg("cache"), py::arg("step"), nogil);
   py::class_<Gemm>(m, "Gemm", "A GEMM plan's routes, callable from C++", py::module_local())
       .def(py::init([](const std::vector<std::tuple<int64_t, int64_t, at::Tensor, bool>>& routes,
-                       std::optional<at::Tensor> bias, int64_t pad_from_rows, int64_t pad_rows) {
-             Gemm g{{}, bias, pad_from_rows, pad_rows};
+                       std::optional<at::Tensor> bias, int64_t pad_from_rows, int64_t pad_rows,
+                       std::optional<at::Tensor> scale, int64_t block_n, int64_t block_k) {
+             Gemm g{{}, bias, pad_from_rows, pad_rows, scale, block_n, block_k};
              for (const auto& [max_rows, path, weight, pads] : routes) g.routes.push_back({max_rows, path, weight, pads});
              return g;
            }),
-           py::arg("routes"), py::arg("bias"), py::arg("pad_from_rows"), py::arg("pad_rows"))
+           py::arg("routes"), py::arg("bias"), py::arg("pad_from_rows"), py::arg("pad_rows"),
+           py::arg("scale") = py::none(), py::arg("block_n") = 0, py::arg("block_k") = 0)
       .def("covers", &Gemm::covers, py::arg("rows"))
       .def("__call__", &Gemm::operator(), py::arg("x"), nogil);
   m.attr("GEMM_PATHS") = py::dict(py::arg("amx") = int64_t(GEMM_AMX), py::arg("mkl_packed") = int64_t(GEMM_MKL),
                                   py::arg("small_gemm") = int64_t(GEMM_SMALL), py::arg("torch") = int64_t(GEMM_TORCH),
                                   py::arg("torch_t") = int64_t(GEMM_TORCH_T), py::arg("onednn") = int64_t(GEMM_ONEDNN),
                                   py::arg("onednn_packed") = int64_t(GEMM_ONEDNN),
-                                  py::arg("widened") = int64_t(GEMM_WIDENED));
+                                  py::arg("widened") = int64_t(GEMM_WIDENED), py::arg("fp8") = int64_t(GEMM_FP8));
   py::class_<DecoderLayer>(m, "DecoderLayer", "One Llama-family decoder layer's weights and kernels",
                            py::module_local())
       .def(py::init([](at::Tensor input_norm, double input_eps, at::Tensor post_norm, double post_eps, Gemm qkv,

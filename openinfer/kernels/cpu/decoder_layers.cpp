@@ -83,6 +83,12 @@ at::Tensor Gemm::run(const GemmRoute& r, const at::Tensor& x) const {
     }
     case GEMM_ONEDNN:
       return onednn_linear(x, r.weight, bias);
+    case GEMM_FP8: {  // as kernels/fp8_gemm.py's fp8_linear for its kernel's rows
+      TORCH_CHECK(scale.has_value(), "Gemm: an fp8 route without scales");
+      at::Tensor out = at::empty({x.size(0), r.weight.size(0)}, x.options());
+      fp8_gemm(out, x.contiguous(), r.weight, *scale, block_n, block_k, bias);
+      return out;
+    }
     default:
       TORCH_CHECK(false, "Gemm: unknown path ", r.path);
   }

@@ -99,7 +99,7 @@ struct RopeAttention {
 // weight in that path's format. A path the C++ does not know is GEMM_OTHER.
 enum GemmPathId : int64_t {
   GEMM_OTHER = -1, GEMM_AMX = 0, GEMM_MKL = 1, GEMM_SMALL = 2, GEMM_TORCH = 3, GEMM_TORCH_T = 4, GEMM_ONEDNN = 5,
-  GEMM_WIDENED = 6
+  GEMM_WIDENED = 6, GEMM_FP8 = 7
 };
 struct GemmRoute {
   int64_t max_rows;
@@ -111,6 +111,9 @@ struct Gemm {
   std::vector<GemmRoute> routes;
   std::optional<at::Tensor> bias;
   int64_t pad_from_rows, pad_rows;
+  // GEMM_FP8 (a block-scaled fp8 weight kept as loaded): its scales and their tile
+  std::optional<at::Tensor> scale = std::nullopt;
+  int64_t block_n = 0, block_k = 0;
   const GemmRoute* route(int64_t rows) const;
   bool covers(int64_t rows) const;
   at::Tensor operator()(const at::Tensor& x) const;
