@@ -167,9 +167,9 @@ class ServerMetrics:
                                self._values, cache_info or dict))
         r.register(_InfoSeries(p + "compute_info", "How the engine computes: dtype, GEMM paths "
                                "(openinfer.kernels.gemm_plan), CPU capability, attention backend, "
-                               "huge pages, "
-                               "bytes the caching CPU allocator may keep, largest decode batch "
-                               "replayed as a CUDA graph",
+                               "huge pages, bytes the caching CPU allocator may keep, largest "
+                               "decode batch replayed as a CUDA graph, the routed experts' path "
+                               "(+fp8: fp8 weights)",
                                self._values, compute_info or dict, skip_empty=True))
         self._requests: dict[str, _Tracked] = {}
 
