@@ -47,6 +47,8 @@ from types import ModuleType
 
 import torch
 
+from openinfer.kernels.kv_quant import dequantize_kv
+
 logger = logging.getLogger("openinfer.kernels.cpu_attention")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
@@ -180,7 +182,8 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     max_query_len: int, invariant: bool = False, window: int = 0,
                     softcap: float = 0.0, sinks: torch.Tensor | None = None,
-                    bf16_dot: str | None = None) -> None:
+                    bf16_dot: str | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> None:
     """out[T, Hq, D] = attention of q[T, Hq, D] over each sequence's paged K/V.
 
     key_cache / value_cache: [num_blocks, block_size, Hkv, D] — strided views: dim 0 has an
@@ -192,8 +195,10 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
     (0-based in its chunk, q_len = its row count) sits at position seq_len - q_len + i and
     attends keys 0 .. that position (causal with offset: a prefix hit or an earlier chunk is
     just a longer seq_len). Decode is q_len == 1. Its own K/V is already in the cache.
-    GQA: Hq = Hkv * group. dtypes: float32 and bfloat16 (q, caches and out share one dtype;
-    accumulate in fp32). head_dim a multiple of 16. Softmax scale given.
+    GQA: Hq = Hkv * group. dtypes: float32 and bfloat16 (q and out share one dtype, the caches
+    are of it or float8: e4m3fn or e5m2, whose entries read as stored value x ``k_scale`` /
+    ``v_scale``, see openinfer/kernels/kv_quant.py; accumulate in fp32). head_dim a multiple
+    of 16. Softmax scale given.
     ``invariant``: batch-invariant mode, each row's result bitwise independent of the other
     sequences and of how its own prompt was chunked (no split-KV, no shared-prefix items, one
     score path; slower for decode batches).
@@ -213,7 +218,8 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
     module.paged_attention(out, q, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
                            float(scale), int(max_query_len), invariant=invariant, window=int(window),
                            softcap=float(softcap), sinks=sinks,
-                           bf16_dot=_bf16_dot if bf16_dot is None else bf16_dot)
+                           bf16_dot=_bf16_dot if bf16_dot is None else bf16_dot,
+                           k_scale=float(k_scale), v_scale=float(v_scale))
 
 
 def bf16_dot_paths() -> list[str]:
@@ -279,7 +285,8 @@ def paged_attention_reference(out: torch.Tensor, q: torch.Tensor, key_cache: tor
                               value_cache: torch.Tensor, block_tables: torch.Tensor,
                               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                               max_query_len: int, window: int = 0, softcap: float = 0.0,
-                              sinks: torch.Tensor | None = None) -> None:
+                              sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                              v_scale: float = 1.0) -> None:
     """The oracle for ``paged_attention`` (same contract): plain fp32 torch, one sequence at a
     time, an explicit causal (and window) mask with offset and an explicit softmax."""
     block_size = key_cache.shape[1]
@@ -295,6 +302,7 @@ def paged_attention_reference(out: torch.Tensor, q: torch.Tensor, key_cache: tor
         blocks = block_tables[b, first:-(-seq_len // block_size)].long()
         k = key_cache[blocks].flatten(0, 1)[:seq_len - first * block_size]  # [L, Hkv, D]
         v = value_cache[blocks].flatten(0, 1)[:seq_len - first * block_size]
+        k, v = dequantize_kv(k, k_scale, torch.float32), dequantize_kv(v, v_scale, torch.float32)
         out[start:end] = masked_attention(q[start:end], k, v, scale, window, softcap, sinks,
                                           first * block_size).to(out.dtype)
 

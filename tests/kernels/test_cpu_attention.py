@@ -10,7 +10,7 @@ NaN, so one stray read turns the output NaN.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ from openinfer.kernels.cpu_attention import (
     paged_attention,
     paged_attention_reference,
 )
+from openinfer.kernels.kv_quant import quantize_kv
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,8 @@ class Batch:
     seq_lens: torch.Tensor
     scale: float
     max_query_len: int
+    kv_scales: dict = field(default_factory=dict)
+    """k_scale and v_scale of a float8 cache (none for the others)."""
 
     def args(self, out: torch.Tensor) -> tuple:
         return (out, self.q, self.key_cache, self.value_cache, self.block_tables, self.query_start_loc,
@@ -51,20 +54,24 @@ class Batch:
 def make_batch(query_lens: list[int], seq_lens: list[int], *, heads: int = 4, kv_heads: int = 2,
                head_dim: int = 64, block_size: int = 16, dtype: torch.dtype = torch.float32,
                shared_blocks: int = 0, scale: float | None = None, layers: int = 3,
-               contiguous: bool = False, seed: int = 0) -> Batch:
+               contiguous: bool = False, seed: int = 0, cache_dtype: torch.dtype | None = None,
+               k_scale: float = 1.0, v_scale: float = 1.0) -> Batch:
     """Sequences b = 0.. with the given lengths; the first ``shared_blocks`` blocks of every
-    sequence are the same physical blocks (a prefix-cache hit shared by all)."""
+    sequence are the same physical blocks (a prefix-cache hit shared by all). ``cache_dtype``:
+    a float8 cache, its K and V stored with ``k_scale`` and ``v_scale`` as the engine stores
+    them (poison included: NaN, or e4m3's largest value where a NaN reads as a number)."""
     gen = torch.Generator().manual_seed(seed)
     own = [-(-s // block_size) - shared_blocks for s in seq_lens]
     assert min(own) >= 0
     used = shared_blocks + sum(own)
     num_blocks = used + 3  # + blocks nobody owns
     nan_block = used  # an unowned block that padding points at
+    stored = dtype if cache_dtype is None else torch.float32
     if contiguous:
-        key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-        value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+        blocks = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(stored)
+        key_cache, value_cache = blocks
     else:
-        blocks = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+        blocks = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, generator=gen).to(stored)
         key_cache, value_cache = blocks[:, layers // 2].transpose(0, 1)
     physical = torch.randperm(used, generator=gen).tolist()
     shared, nxt = physical[:shared_blocks], shared_blocks
@@ -89,8 +96,18 @@ def make_batch(query_lens: list[int], seq_lens: list[int], *, heads: int = 4, kv
     qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(query_lens).cumsum(0)
     q = torch.randn(int(qsl[-1]), heads, head_dim, generator=gen).to(dtype)
+    kv_scales = {}
+    if cache_dtype is not None:
+        kv_scales = dict(k_scale=k_scale, v_scale=v_scale)
+        if cache_dtype == torch.float8_e4m3fn:  # its NaN reads as a number: poison is its largest
+            blocks.nan_to_num_(nan=448 * max(k_scale, v_scale))
+        quantized = torch.empty_like(blocks, dtype=cache_dtype)
+        for i, half_scale in enumerate((k_scale, v_scale)):
+            index = (i,) if contiguous else (slice(None), slice(None), i)
+            quantized[index] = quantize_kv(blocks[index], half_scale, cache_dtype)
+        key_cache, value_cache = quantized if contiguous else quantized[:, layers // 2].transpose(0, 1)
     return Batch(q, key_cache, value_cache, tables, qsl, torch.tensor(seq_lens, dtype=torch.int32),
-                 scale if scale is not None else 1 / math.sqrt(head_dim), max(query_lens))
+                 scale if scale is not None else 1 / math.sqrt(head_dim), max(query_lens), kv_scales)
 
 
 def plan(ext, batch: Batch, threads: int = 2, kv_splits: int = 0) -> tuple[int, int, int]:
@@ -102,10 +119,10 @@ def plan(ext, batch: Batch, threads: int = 2, kv_splits: int = 0) -> tuple[int, 
 
 def check(batch: Batch, run=None) -> None:
     ref = torch.full_like(batch.q, float("nan"))
-    paged_attention_reference(*batch.args(ref))
+    paged_attention_reference(*batch.args(ref), **batch.kv_scales)
     assert not ref.isnan().any(), "the oracle read poisoned K/V"
     out = torch.full_like(batch.q, float("nan"))
-    (run or paged_attention)(*batch.args(out))
+    (run or paged_attention)(*batch.args(out), **batch.kv_scales)
     assert not out.isnan().any(), "the kernel read poisoned K/V or left rows unwritten"
     if batch.q.dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -350,6 +367,9 @@ def test_other_lane_width_build(ext):
         check(make_batch([1, 5, 64], [17, 5, 300], heads=16, kv_heads=2, head_dim=128, dtype=dtype), run)
         check(make_batch([1], [1000], heads=16, kv_heads=8, dtype=dtype),
               lambda *args: other.paged_attention(*args, kv_splits=3))
+        for cache_dtype in FP8:  # float8 caches: e4m3 and e5m2 read without F16C
+            check(make_batch([1, 1, 9, 70], [90, 333, 100, 170], shared_blocks=5, heads=8, kv_heads=2,
+                             dtype=dtype, cache_dtype=cache_dtype, k_scale=0.05, v_scale=3.0), run)
         x = torch.randn(37, 200, dtype=dtype)
         weight = torch.randn(200, dtype=dtype)
         out, native = torch.empty_like(x), torch.empty_like(x)
@@ -416,6 +436,82 @@ def test_sliding_window_softcap_and_sinks(ext, dtype, window, softcap, sinks):
         plain = torch.empty_like(batch.q)
         paged_attention(*batch.args(plain))
         torch.testing.assert_close(plain.float(), ref.float(), atol=tol, rtol=tol)
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_CASES = {
+    "decodes": dict(query_lens=[1, 1, 1], seq_lens=[90, 333, 17], heads=8, kv_heads=2),
+    "prefill+prefix": dict(query_lens=[1, 9, 70], seq_lens=[90, 100, 170], shared_blocks=5, heads=8,
+                           kv_heads=2),
+    "mha-128": dict(query_lens=[1, 5, 64], seq_lens=[17, 5, 300], heads=4, kv_heads=4, head_dim=128),
+}
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(FP8_CASES))
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 3.0), (0.004, 0.5)],
+                         ids=["unscaled", "scaled", "clamped"])
+def test_float8_cache(ext, cache_dtype, dtype, case, scales):
+    """A float8 cache (--kv-cache-dtype) with fp32 or bf16 queries, its per-tensor scales folded
+    into the kernel's softmax scale and output rows: the oracle's dequantized attention. The
+    "clamped" scales store keys past e4m3's largest value (clamped, as the engine writes them)."""
+    k_scale, v_scale = scales
+    check(make_batch(**FP8_CASES[case], dtype=dtype, cache_dtype=cache_dtype, k_scale=k_scale,
+                     v_scale=v_scale))
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+def test_float8_cache_variants_splits_and_invariant_mode(ext, cache_dtype):
+    """Window, soft cap and sinks; forced KV splits (partial rows merged, each scaled once); the
+    batch-invariant mode's transposed path for every item."""
+    batch = make_batch([1, 7, 40], [200, 60, 40], heads=8, kv_heads=2, cache_dtype=cache_dtype,
+                       k_scale=0.5, v_scale=2.0)
+    sinks = torch.randn(8)
+
+    def variants(*args, **kwargs):
+        paged_attention(*args, window=24, softcap=5.0, sinks=sinks, **kwargs)
+
+    def reference(*args, **kwargs):
+        paged_attention_reference(*args, window=24, softcap=5.0, sinks=sinks, **kwargs)
+
+    ref = torch.empty_like(batch.q)
+    reference(*batch.args(ref), **batch.kv_scales)
+    out = torch.empty_like(batch.q)
+    variants(*batch.args(out), **batch.kv_scales)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    check(batch, lambda *args, **kw: load_cpu_attention().paged_attention(*args, kv_splits=3, **kw))
+    check(batch, lambda *args, **kw: paged_attention(*args, invariant=True, **kw))
+
+
+def test_float8_cache_refusals(ext):
+    """Scales on a cache that is not float8, and a bf16 cache under fp32 queries, are refused."""
+    batch = make_batch([1], [20])
+    with pytest.raises(RuntimeError, match="float8 caches only"):
+        paged_attention(*batch.args(torch.empty_like(batch.q)), k_scale=2.0)
+    half = make_batch([1], [20], dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        paged_attention(torch.empty(1, 4, 64), half.q.float(), half.key_cache, half.value_cache,
+                        *half.args(None)[4:])
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_write_kv_into_a_float8_cache_is_the_reference_quantization(ext, cache_dtype, dtype):
+    """The C++ write's scale, clamp and round-to-nearest-even are quantize_kv's bit for bit,
+    outliers (clamped) and values between two float8 numbers included."""
+    blocks, block_size, kv_heads, head_dim = 6, 4, 2, 16
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.zeros(2, blocks, block_size, kv_heads, head_dim, dtype=cache_dtype)
+    slots = torch.tensor([9, 0, 23, 4])
+    k = (torch.randn(4, kv_heads, head_dim, generator=gen) * 300).to(dtype)
+    v = torch.randn(4, kv_heads, head_dim, generator=gen).to(dtype)
+    k[0, 0, :4] = torch.tensor([1e6, -1e6, 0.0, -0.0])
+    ext.write_kv(cache, k, v, slots, k_scale=0.7, v_scale=0.01)
+    expected = torch.zeros_like(cache)
+    for half, x, scale in zip(expected, (k, v), (0.7, 0.01)):
+        half.view(-1, kv_heads, head_dim)[slots] = quantize_kv(x, scale, cache_dtype)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

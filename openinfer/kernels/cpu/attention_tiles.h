@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 
+#include "fp8.h"
 #include "vec.h"
 
 namespace oi_attention {
@@ -65,6 +66,8 @@ inline v8f load8(const c10::BFloat16* p) {
   __builtin_memcpy(&h, p, sizeof h);
   return (v8f)(__builtin_convertvector(h, v8u) << 16);
 }
+inline v8f load8(const c10::Float8_e4m3fn* p) { return load8_fp8<false>(reinterpret_cast<const uint8_t*>(p)); }
+inline v8f load8(const c10::Float8_e5m2* p) { return load8_fp8<true>(reinterpret_cast<const uint8_t*>(p)); }
 
 #if defined(__has_builtin)
 #if __has_builtin(__builtin_shufflevector)

@@ -153,7 +153,7 @@ inline void run_item_two_pass(const Params& P, const Item& it, const c10::BFloat
         }
         const int64_t head = int64_t(it.h + hi) * G + r % G;
         store_from_float(out + int64_t(tokens[r / G]) * P.o_s0 + head * P.o_s1, o + size_t(i) * D, D,
-                         normaliser(m[i], l[i], P.sinks, head));
+                         normaliser(m[i], l[i], P.sinks, head) * P.v_out);
       }
     }
   }

@@ -14,7 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("max_query_len"),
         py::arg("kv_splits") = 0, py::arg("invariant") = false, py::arg("window") = 0, py::arg("softcap") = 0.0,
-        py::arg("sinks") = py::none(), py::arg("bf16_dot") = "", nogil);
+        py::arg("sinks") = py::none(), py::arg("bf16_dot") = "", py::arg("k_scale") = 1.0,
+        py::arg("v_scale") = 1.0, nogil);
   m.def("bf16_dot_paths", &bf16_dot_paths, "The bf16 product paths of this build: fp32, avx512_bf16, amx_bf16");
   m.def("plan_stats", &plan_stats, "(items, shared-prefix items, partial items) of a call's plan",
         py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("num_kv_heads"),
@@ -49,7 +50,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("caching_allocator_stats", &caching_allocator_stats,
         "(hits, misses, cached bytes, limit, live blocks) of the caching allocator; empty before install");
   m.def("write_kv", &write_kv, "cache[:, slot] = k, v for every token (see write_kv.cpp)", py::arg("cache"),
-        py::arg("k"), py::arg("v"), py::arg("slot_mapping"), nogil);
+        py::arg("k"), py::arg("v"), py::arg("slot_mapping"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0,
+        nogil);
   // module_local: a twin build (another name, see build_extension) loads the same C++ types.
   py::class_<AttentionStep>(m, "AttentionStep", "A step's attention metadata for RopeAttention (made once per step)",
                             py::module_local())
@@ -64,13 +66,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             py::module_local())
       .def(py::init([](int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin,
                        std::optional<at::Tensor> q_weight, std::optional<at::Tensor> k_weight, double eps,
-                       double scale, int64_t window, double softcap, std::optional<at::Tensor> sinks) {
+                       double scale, int64_t window, double softcap, std::optional<at::Tensor> sinks,
+                       double k_scale, double v_scale) {
              return RopeAttention{num_heads, num_kv_heads, head_dim, cos, sin, q_weight, k_weight, eps, scale,
-                                  window, softcap, sinks};
+                                  window, softcap, sinks, k_scale, v_scale};
            }),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("cos"), py::arg("sin"),
            py::arg("q_weight"), py::arg("k_weight"), py::arg("eps"), py::arg("scale"), py::arg("window") = 0,
-           py::arg("softcap") = 0.0, py::arg("sinks") = py::none())
+           py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), py::arg("k_scale") = 1.0,
+           py::arg("v_scale") = 1.0)
       .def("__call__", &RopeAttention::forward, py::arg("qkv"), py::arg("cache"), py::arg("step"), nogil);
   py::class_<Gemm>(m, "Gemm", "A GEMM plan's routes, callable from C++", py::module_local())
       .def(py::init([](const std::vector<std::tuple<int64_t, int64_t, at::Tensor, bool>>& routes,

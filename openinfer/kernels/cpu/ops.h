@@ -19,7 +19,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
                      int64_t max_query_len, int64_t kv_splits, bool invariant, int64_t window, double softcap,
-                     const std::optional<at::Tensor>& sinks, const std::string& bf16_dot);
+                     const std::optional<at::Tensor>& sinks, const std::string& bf16_dot, double k_scale = 1.0,
+                     double v_scale = 1.0);
 std::vector<std::string> bf16_dot_paths();
 std::string isa();
 std::tuple<int64_t, int64_t, int64_t> plan_stats(const at::Tensor& block_tables, const at::Tensor& query_start_loc,
@@ -33,7 +34,8 @@ bool evict_from_cache(int64_t address, int64_t nbytes);
 bool install_caching_allocator(int64_t limit_bytes);
 std::vector<int64_t> caching_allocator_stats();
 // write_kv.cpp
-void write_kv(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
+void write_kv(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping,
+              double k_scale = 1.0, double v_scale = 1.0);
 // rms_norm.cpp
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm(at::Tensor& out, at::Tensor& sum, const at::Tensor& x, const at::Tensor& residual,
@@ -91,6 +93,7 @@ struct RopeAttention {
   int64_t window;
   double softcap;
   std::optional<at::Tensor> sinks;
+  double k_scale = 1.0, v_scale = 1.0;  // an fp8 cache's per-tensor scales
   // qkv [T, (Hq + 2 Hkv) * D] -> attention output [T, Hq * D]; the step's K/V stored in cache.
   at::Tensor forward(const at::Tensor& qkv, at::Tensor& cache, const AttentionStep& step) const;
 };

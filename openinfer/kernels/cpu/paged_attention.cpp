@@ -108,8 +108,10 @@ inline void read_through(const char* const* runs, int count, int64_t bytes) {
 }
 constexpr int READ_STREAMS = 8;
 
-template <typename T>
-void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T* vc, T* out) {
+// T: the query's and output's type; C: the cache's (T itself, or a float8 type under an fp8 KV
+// cache, read through load_as_float and the per-tensor scales folded into P.scale and P.v_out).
+template <typename T, typename C>
+void run_item(const Params& P, const Item& it, const T* q, const C* kc, const C* vc, T* out) {
   const int G = P.G, D = P.D, BS = P.BS, BSP = P.BSP, CB = P.chunk_blocks;
   const int SW = CB * BSP;  // score row stride: one chunk of keys
   const int32_t* tokens = P.row_tokens + it.tok0;
@@ -125,14 +127,14 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
   }
   const bool rowdot = !P.invariant && MH <= ROWDOT_ROWS;
 #ifdef OI_DPBF16
-  const bool dpbf16 = std::is_same_v<T, c10::BFloat16> && !rowdot && P.bf16_dot != BF16_FP32;
+  const bool dpbf16 = std::is_same_v<C, c10::BFloat16> && !rowdot && P.bf16_dot != BF16_FP32;
 #else
   const bool dpbf16 = false;
 #endif
   // Few-row items of a bf16 cache: VDPBF16PS scores on the K rows in place, P.V on V split into
   // its even and odd values (attention_bf16.h), O in the split layout until the item ends.
 #ifdef OI_ROWDOT_BF16
-  const bool rowdot_bf16 = std::is_same_v<T, c10::BFloat16> && rowdot && D % 32 == 0 && P.bf16_dot != BF16_FP32;
+  const bool rowdot_bf16 = std::is_same_v<C, c10::BFloat16> && rowdot && D % 32 == 0 && P.bf16_dot != BF16_FP32;
 #else
   const bool rowdot_bf16 = false;
 #endif
@@ -142,7 +144,7 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
   const bool amx = false;
 #endif
 #if defined(OI_DPBF16) && !defined(OI_ONLINE_ONLY)  // (a twin without: bench_attention.py --two-pass)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
     if (dpbf16 && two_pass_fits(P, it)) return run_item_two_pass(P, it, q, kc, vc, out, amx);
   }
 #endif
@@ -171,13 +173,13 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
   auto* kpairs = reinterpret_cast<uint32_t*>(kt);
 
   const int32_t* table = P.tables + int64_t(it.table_b) * P.table_stride;
-  const int64_t row_bytes = P.kv_row * int64_t(sizeof(T));
+  const int64_t row_bytes = P.kv_row * int64_t(sizeof(C));
   const int64_t head0 = int64_t(it.h) * D;  // offset of the item's first head in a K/V row
   // The item's heads are a run of each block row (the whole row when it has every head). Blocks
   // lie scattered over memory and a run is too short for the hardware prefetcher to lock on:
   // the rows of the block PREFETCH_BLOCKS ahead are requested while this one is computed.
-  const int64_t run_bytes = int64_t(NH) * D * int64_t(sizeof(T));
-  auto prefetch_block = [&](const T* cache, int64_t block_stride, int j) {
+  const int64_t run_bytes = int64_t(NH) * D * int64_t(sizeof(C));
+  auto prefetch_block = [&](const C* cache, int64_t block_stride, int j) {
     if (j >= it.blk1 || j * BS >= kv_end) return;
     const int n = std::min(BS, kv_end - j * BS);
     const char* base = reinterpret_cast<const char*>(cache + table[j] * block_stride + head0);
@@ -204,8 +206,8 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
   std::fill(l, l + M, 0.f);
   if (!rowdot) std::fill(kt, kt + size_t(D) * BSP, 0.f);  // transposed padding keys: finite
 
-  const T* kblk[MAX_CHUNK_BLOCKS];
-  const T* vblk[MAX_CHUNK_BLOCKS];
+  const C* kblk[MAX_CHUNK_BLOCKS];
+  const C* vblk[MAX_CHUNK_BLOCKS];
   int nvalid[MAX_CHUNK_BLOCKS];
   for (int j0 = it.blk0; j0 < it.blk1; j0 += CB) {
     const int c0 = j0 * BS;  // first key of the chunk
@@ -218,9 +220,9 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
     // head: whole rows) brings them to L2 at the plain pass's rate. Decode attention between
     // layers' weight reads (as in a forward pass; bench_attention.py --read-through, 2 Intel
     // cores): bf16 1.3-1.6x faster; float32 caches, whose loads carry no conversion, ran
-    // 0.8-0.95x with it and go without.
+    // 0.8-0.95x with it and go without. (fp8 caches convert as bf16 ones do, and take it.)
 #ifndef OI_NO_READ_THROUGH  // (a twin without: bench_attention.py --read-through)
-    if (std::is_same_v<T, c10::BFloat16> && rowdot && NH == P.Hkv) {
+    if (!std::is_same_v<C, float> && rowdot && NH == P.Hkv) {
       const char* runs[2 * MAX_CHUNK_BLOCKS];  // the K and V rows of the chunk's full blocks
       int full = 0;
       for (int c = 0; c < nb; ++c) {
@@ -253,7 +255,7 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
       nvalid[c] = n;
       prefetch_block(kc, P.k_s0, j0 + c + PREFETCH_BLOCKS);
       for (int hi = 0; hi < NH; ++hi) {
-        const T* kb = kblk[c] + hi * D;
+        const C* kb = kblk[c] + hi * D;
         const float* qh = qf + size_t(hi * MH + r0) * D;
         float* sr = s + size_t(hi * MH + r0) * SW + c * BSP;
         if (rowdot_bf16) {
@@ -262,7 +264,7 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
                              reinterpret_cast<const c10::BFloat16*>(kb), P.kv_row, n, score_scale, sr, SW);
 #endif
         } else if (rowdot) {
-          if (std::is_same_v<T, float> || rows_h <= 2) {
+          if (std::is_same_v<C, float> || rows_h <= 2) {
             scores_rowdot(rows_h, qh, D, kb, P.kv_row, n, sr, SW);
           } else {  // convert once rather than once per row
             for (int k = 0; k < n; ++k)
@@ -399,10 +401,10 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
     for (int c = 0; c < nb; ++c) {
       prefetch_block(vc, P.v_s0, j0 + c + PREFETCH_BLOCKS);
       for (int hi = 0; hi < NH; ++hi) {
-        const T* vb = vblk[c] + hi * D;
+        const C* vb = vblk[c] + hi * D;
         const float* pr = s + size_t(hi * MH + r0) * SW + c * BSP;
         float* orow = o + size_t(hi * MH + r0) * D;
-        if (std::is_same_v<T, float> || rows_h <= PV_ROWS) {
+        if (std::is_same_v<C, float> || rows_h <= PV_ROWS) {
           // A single row tile converts each V element once anyway: read the block in place.
           accumulate_pv(rows_h, pr, SW, vb, P.kv_row, nvalid[c], orow, D);
         } else {
@@ -422,7 +424,7 @@ void run_item(const Params& P, const Item& it, const T* q, const T* kc, const T*
       const int hi = r / MH, i = (r % MH) / G, g = r % G;
       const int64_t head = (it.h + hi) * G + g;
       T* dst = out + int64_t(tokens[i]) * P.o_s0 + head * P.o_s1;
-      store_from_float(dst, o + size_t(r) * D, D, normaliser(m[r], l[r], P.sinks, head));
+      store_from_float(dst, o + size_t(r) * D, D, normaliser(m[r], l[r], P.sinks, head) * P.v_out);
     }
   } else {
     std::copy(o, o + size_t(M) * D, P.part_o + it.part_row * D);
@@ -452,7 +454,7 @@ void merge_rows(const Params& P, const std::pair<int64_t, int64_t>* merges, int 
       for (int d = 0; d < D; d += W) storeu(acc + d, loadu(acc + d) + loadu(po + d) * w);
     }
     T* dst = out + token * P.o_s0 + (h * G + g) * P.o_s1;
-    store_from_float(dst, acc, D, normaliser(mmax, total, P.sinks, h * G + g));
+    store_from_float(dst, acc, D, normaliser(mmax, total, P.sinks, h * G + g) * P.v_out);
   }
 }
 
@@ -606,21 +608,27 @@ Plan make_plan(int64_t B, const int32_t* qsl, const int32_t* sl, const int32_t* 
 
 // See openinfer/kernels/cpu_attention.py for the contract. kv_splits: 0 = automatic,
 // k > 0 = split every item's KV range into (up to) k parts (tests). invariant: batch-invariant
-// mode (see the top of this file; kv_splits is then ignored).
+// mode (see the top of this file; kv_splits is then ignored). k_scale, v_scale: an fp8 cache's
+// per-tensor scales (a key is its stored value times k_scale).
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
                      int64_t max_query_len, int64_t kv_splits, bool invariant, int64_t window, double softcap,
-                     const std::optional<at::Tensor>& sinks, const std::string& bf16_dot) {
+                     const std::optional<at::Tensor>& sinks, const std::string& bf16_dot, double k_scale,
+                     double v_scale) {
   for (const at::Tensor* t : {&static_cast<const at::Tensor&>(out), &q, &key_cache, &value_cache, &block_tables,
                               &query_start_loc, &seq_lens})
     TORCH_CHECK(t->device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, Hq, D] of one shape");
-  const auto dtype = q.scalar_type();
+  const auto dtype = q.scalar_type(), cache_dtype = key_cache.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_attention: float32 or bfloat16 only");
-  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype &&
-                  value_cache.scalar_type() == dtype,
-              "q, out, key_cache and value_cache must share one dtype");
+  const bool fp8_cache = cache_dtype == at::kFloat8_e4m3fn || cache_dtype == at::kFloat8_e5m2;
+  TORCH_CHECK(out.scalar_type() == dtype && value_cache.scalar_type() == cache_dtype &&
+                  (cache_dtype == dtype || fp8_cache),
+              "q and out must share one dtype, and key_cache and value_cache be of it or both float8 "
+              "(e4m3fn, e5m2)");
+  TORCH_CHECK(fp8_cache || (k_scale == 1.0 && v_scale == 1.0), "k_scale and v_scale apply to float8 caches only");
+  TORCH_CHECK(k_scale > 0 && v_scale > 0, "k_scale and v_scale must be > 0");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out must be contiguous in head_dim");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hkv = key_cache.size(2);
@@ -676,7 +684,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
   // chunk at a time.
   P.bf16_dot = parse_bf16_dot(invariant ? "" : bf16_dot);
   if (P.bf16_dot == BF16_AMX && (D % 32 != 0 || P.chunk_blocks * P.BSP % 32 != 0)) P.bf16_dot = BF16_AVX512;
-  const bool amx_items = dtype == at::kBFloat16 && P.bf16_dot == BF16_AMX;
+  const bool amx_items = cache_dtype == at::kBFloat16 && P.bf16_dot == BF16_AMX;
   Plan plan = make_plan(B, qsl, sl, tables, table_stride, int(Hkv), G, int(BS), threads, kv_splits, invariant,
                         int(window), amx_items ? AMX_TILE_ROWS : TILE_ROWS);
 
@@ -685,7 +693,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
   P.G = G;
   P.D = int(D);
   P.BS = int(BS);
-  P.scale = float(scale);
+  const double unit = cache_dtype == at::kFloat8_e4m3fn ? kv_unit<c10::Float8_e4m3fn>() : 1.0;
+  P.scale = float(scale * k_scale * unit);
+  P.v_out = float(v_scale * unit);
   P.qsl = qsl;
   P.seq_lens = sl;
   P.tables = tables;
@@ -727,17 +737,18 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
   std::unique_ptr<std::atomic<int32_t>[]> awaiting(new std::atomic<int32_t>[run_keys.size()]);
   for (size_t r = 0; r < run_keys.size(); ++r) awaiting[r].store(int32_t(runs[r + 1] - runs[r]));
 
-  auto run = [&](auto* tag) {
+  auto run = [&](auto* tag, auto* cache_tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    using C = std::remove_pointer_t<decltype(cache_tag)>;
     const T* qp = reinterpret_cast<const T*>(q.data_ptr());
-    const T* kp = reinterpret_cast<const T*>(key_cache.data_ptr());
-    const T* vp = reinterpret_cast<const T*>(value_cache.data_ptr());
+    const C* kp = reinterpret_cast<const C*>(key_cache.data_ptr());
+    const C* vp = reinterpret_cast<const C*>(value_cache.data_ptr());
     T* op = reinterpret_cast<T*>(out.data_ptr());
     const int64_t n = int64_t(order.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (n > 1)
     for (int64_t i = 0; i < n; ++i) {
       const Item& it = plan.items[order[i]];
-      run_item<T>(P, it, qp, kp, vp, op);
+      run_item<T, C>(P, it, qp, kp, vp, op);
       if (it.part_row < 0) continue;
       for (int t = 0; t < it.num_tok * it.num_heads; ++t) {
         const int64_t key = int64_t(plan.row_tokens[it.tok0 + t % it.num_tok]) * Hkv + it.h + t / it.num_tok;
@@ -748,10 +759,18 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
       }
     }
   };
+  auto run_cache = [&](auto* tag) {
+    if (cache_dtype == at::kFloat8_e4m3fn)
+      run(tag, static_cast<c10::Float8_e4m3fn*>(nullptr));
+    else if (cache_dtype == at::kFloat8_e5m2)
+      run(tag, static_cast<c10::Float8_e5m2*>(nullptr));
+    else
+      run(tag, tag);
+  };
   if (dtype == at::kFloat)
-    run(static_cast<float*>(nullptr));
+    run_cache(static_cast<float*>(nullptr));
   else
-    run(static_cast<c10::BFloat16*>(nullptr));
+    run_cache(static_cast<c10::BFloat16*>(nullptr));
 }
 
 // The bf16 product paths this build has, in the order of Bf16Dot ("avx512_bf16" where compiled

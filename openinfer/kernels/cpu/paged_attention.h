@@ -65,7 +65,8 @@ enum Bf16Dot : int { BF16_FP32 = 0, BF16_AVX512 = 1, BF16_AMX = 2 };
 struct Params {
   int Hq, Hkv, G, D, BS, BSP;
   Bf16Dot bf16_dot;
-  float scale;
+  float scale;                 // softmax scale x K's per-tensor scale x kv_unit (fp8.h)
+  float v_out;                 // V's per-tensor scale x kv_unit: multiplies each result row
   const int32_t* qsl;
   const int32_t* seq_lens;
   const int32_t* tables;

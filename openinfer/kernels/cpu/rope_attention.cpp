@@ -24,10 +24,10 @@ at::Tensor RopeAttention::forward(const at::Tensor& qkv, at::Tensor& cache, cons
   at::Tensor q_rot = at::empty({T, H, D}, qkv.options());
   at::Tensor k_rot = at::empty({T, Hkv, D}, qkv.options());
   rotary_neox(q_rot, k_rot, q, k, step.positions, cos, sin, q_weight, k_weight, eps);
-  write_kv(cache, k_rot, v, step.slot_mapping);
+  write_kv(cache, k_rot, v, step.slot_mapping, k_scale, v_scale);
   at::Tensor out = at::empty({T, H, D}, qkv.options());
   paged_attention(out, q_rot, cache.select(0, 0), cache.select(0, 1), step.block_tables, step.query_start_loc,
                   step.seq_lens, scale, step.max_query_len, /*kv_splits=*/0, /*invariant=*/false, window, softcap,
-                  sinks, step.bf16_dot);
+                  sinks, step.bf16_dot, k_scale, v_scale);
   return out.view({T, H * D});
 }
