@@ -119,10 +119,19 @@ class ModelConfig:
         )
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""``--kv-cache-dtype`` (vLLM's names): ``auto`` stores KV in the model's dtype; ``fp8`` is
+``fp8_e4m3`` (openinfer/kernels/kv_quant.py)."""
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     """Tokens per KV block."""
+    kv_cache_dtype: str = "auto"
+    """What the KV cache stores: the model's dtype (``auto``) or float8 (``fp8``/``fp8_e4m3``,
+    ``fp8_e5m2``) with a per-tensor scale per layer's K and V: half a bf16 cache's bytes, twice
+    the tokens in the same memory."""
     kv_cache_memory: int | None = None
     """Bytes for the KV block pool; None picks a default for the device (see module constants)."""
     enable_prefix_caching: bool = True
@@ -147,6 +156,9 @@ class CacheConfig:
     """Tokens between window snapshots (a multiple of block_size)."""
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.window_snapshot_interval < self.block_size or self.window_snapshot_interval % self.block_size:
             raise ValueError(f"window_snapshot_interval ({self.window_snapshot_interval}) must be a "
                              f"positive multiple of block_size ({self.block_size})")

@@ -35,6 +35,7 @@ class EngineArgs:
     # CacheConfig
     kv_cache_memory: int | None = CacheConfig.kv_cache_memory
     block_size: int = CacheConfig.block_size
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     kv_host_memory: int | None = CacheConfig.kv_host_memory
     kv_store_dir: str | None = CacheConfig.kv_store_dir
@@ -102,7 +103,8 @@ class EngineArgs:
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(
-                block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
+                kv_cache_memory=self.kv_cache_memory,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_host_memory=self.kv_host_memory, kv_store_dir=self.kv_store_dir,
                 kv_store_bytes=self.kv_store_bytes, kv_events_endpoint=self.kv_events_endpoint,

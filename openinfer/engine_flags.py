@@ -9,6 +9,7 @@ import os
 
 from openinfer import units
 from openinfer.attention import ATTENTION_BACKENDS
+from openinfer.config import KV_CACHE_DTYPES
 
 DEFAULT_MODEL = "smollm2"
 
@@ -39,6 +40,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="bytes for the KV block pool, e.g. 4GiB (default: "
                         "$OPENINFER_CPU_KV_CACHE_MEMORY or 2GiB on CPU, 90%% of free memory on CUDA)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="what the KV cache stores: the model's dtype (auto) or float8 (fp8 = "
+                        "fp8_e4m3, fp8_e5m2), half a bf16 cache's bytes per token; per-tensor "
+                        "scales from the checkpoint's k_scale/v_scale, else 1.0")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of earlier prompts' common prefixes")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -156,7 +161,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+        enable_prefix_caching=args.enable_prefix_caching,
         kv_host_memory=args.kv_host_memory, kv_store_dir=args.kv_store_dir,
         kv_store_bytes=args.kv_store_bytes, kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,

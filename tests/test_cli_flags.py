@@ -26,6 +26,7 @@ ROWS: list[tuple[tuple[str, ...], str, object]] = [
     (("--max-model-len", "96"), "model.max_model_len", 96),
     (("--kv-cache-memory", "3MiB"), "cache.kv_cache_memory", 3 * 2**20),
     (("--block-size", "32"), "cache.block_size", 32),
+    (("--kv-cache-dtype", "fp8_e5m2"), "cache.kv_cache_dtype", "fp8_e5m2"),
     (("--no-enable-prefix-caching",), "cache.enable_prefix_caching", False),
     (("--no-prefix-caching",), "cache.enable_prefix_caching", False),
     (("--kv-host-memory", "5MiB"), "cache.kv_host_memory", 5 * 2**20),

@@ -83,21 +83,25 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
         """Write k/v ([T, Hkv, D]) into ``cache`` at ``meta.slot_mapping``, then return the
-        attention of q ([T, Hq, D]) over each sequence's cached context, [T, Hq, D].
+        attention of q ([T, Hq, D]) over each sequence's cached context, [T, Hq, D], in q's
+        dtype. Every key and value is read back from the cache, the step's own included.
 
         A layer's variants: ``window`` > 0, query ``p`` sees keys ``p - window + 1 .. p``
         only (and never reads table entries before that: they may be released); ``softcap``
         > 0, scaled scores ``s`` become ``softcap * tanh(s / softcap)``; ``sinks`` [Hq], one
-        logit per query head in the softmax denominator, with no value."""
+        logit per query head in the softmax denominator, with no value. A float8 cache
+        (``--kv-cache-dtype``) stores k / ``k_scale`` and v / ``v_scale``
+        (openinfer/kernels/kv_quant.py)."""
 
     @abstractmethod
     def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """The attention of q ([T, Hq, D]) over each sequence's context, already in ``cache``
         (any ``[2, num_blocks, block_size, Hkv, D]`` view: MLA passes its latent entries as
-        both K and V, one expanded view), [T, Hq, D]."""
+        both K and V, one expanded view), [T, Hq, D] in q's dtype."""
 
     def rope_attention(self, layer: AttentionLayerShape, positions: torch.Tensor, qkv: torch.Tensor,
                        rotary: RotaryTables, q_norm: NormWeights | None, k_norm: NormWeights | None,
@@ -107,8 +111,8 @@ class AttentionBackend(ABC):
         return None
 
     def forward_batch_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                cache: torch.Tensor, meta: AttentionMetadata,
-                                scale: float) -> torch.Tensor:
+                                cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """``forward``, with each query row's result bitwise independent of the rest of the
         step (other sequences, its own prompt's chunking, padding): ``--batch-invariant``."""
         raise NotImplementedError(f"attention backend {self.name!r} has no batch-invariant mode")

@@ -25,20 +25,26 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        write_kv(cache, k, v, meta.slot_mapping)
-        return self.attend(q, cache, meta, scale, window, softcap, sinks)
+                sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
+        write_kv(cache, k, v, meta.slot_mapping, k_scale, v_scale)
+        return self._attend(q, cache, meta, scale, window, softcap, sinks, k_scale, v_scale)
 
     def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, window: int = 0, softcap: float = 0.0,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        return self._attend(q, cache, meta, scale, k_scale=k_scale, v_scale=v_scale)
+
+    def _attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty_like(q)
         num_kv_heads = cache.shape[3]
         plan = self._plan(meta, q.shape[1] // num_kv_heads, num_kv_heads)
         paged_attention(out, q, cache[0], cache[1], meta.block_tables, meta.query_start_loc,
-                        meta.seq_lens, scale, plan, window, softcap, sinks)
+                        meta.seq_lens, scale, plan, window, softcap, sinks, k_scale, v_scale)
         return out
 
     def _plan(self, meta: AttentionMetadata, group: int, num_kv_heads: int) -> AttentionPlan:

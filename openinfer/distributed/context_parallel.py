@@ -74,8 +74,10 @@ class ContextParallelStep:
     """Cache slots of the other ranks' split rows, in the order the exchange returns them."""
     num_rows: int
 
-    def exchange_kv(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the other ranks' split tokens' K/V into this layer's ``cache``."""
+    def exchange_kv(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """Write the other ranks' split tokens' K/V into this layer's ``cache`` (a float8
+        cache's with the layer's scales)."""
         most = max(len(rows) for rows in self.split_rows)
         if most == 0:
             return
@@ -87,7 +89,7 @@ class ContextParallelStep:
         dist.all_gather(parts, padded, group=self.cp.group)
         others = torch.cat([part[:, :len(rows)] for r, (part, rows)
                             in enumerate(zip(parts, self.split_rows)) if r != self.cp.rank], 1)
-        write_kv(cache, others[0], others[1], self.other_slots)
+        write_kv(cache, others[0], others[1], self.other_slots, k_scale, v_scale)
 
     def assemble_hidden(self, local: torch.Tensor) -> torch.Tensor:
         """The full batch's hidden states on every rank, from this rank's rows."""

@@ -147,7 +147,9 @@ class KVConnector:
             held = update.holds.get(out.request_id)
             if held is None:
                 continue
-            if self.server_address is None:  # nobody could pull them: free them now
+            if self.server_address is None or not held:
+                # Nobody could pull them, or there is nothing to pull (a prompt shorter than a
+                # block: its decode instance computes it, and would never release a lease).
                 self.kv.release(out.request_id)
                 continue
             out.kv_transfer_params = self._lease(out.request_id, held)

@@ -197,8 +197,8 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
     just a longer seq_len). Decode is q_len == 1. Its own K/V is already in the cache.
     GQA: Hq = Hkv * group. dtypes: float32 and bfloat16 (q and out share one dtype, the caches
     are of it or float8: e4m3fn or e5m2, whose entries read as stored value x ``k_scale`` /
-    ``v_scale``, see openinfer/kernels/kv_quant.py; accumulate in fp32). head_dim a multiple
-    of 16. Softmax scale given.
+    ``v_scale``, see openinfer/kernels/kv_quant.py; other caches ignore the scales; accumulate in
+    fp32). head_dim a multiple of 16. Softmax scale given.
     ``invariant``: batch-invariant mode, each row's result bitwise independent of the other
     sequences and of how its own prompt was chunked (no split-KV, no shared-prefix items, one
     score path; slower for decode batches).

@@ -18,22 +18,18 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-"""``--kv-cache-dtype`` choices: ``auto`` stores KV in the model's dtype; ``fp8`` is e4m3."""
+from openinfer.config import KV_CACHE_DTYPES
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_NAMED = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+              "fp8_e5m2": torch.float8_e5m2}
 
 
 def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache's element type for ``--kv-cache-dtype name``; ValueError naming the choices."""
+    """The cache's element type for ``--kv-cache-dtype name`` (config.KV_CACHE_DTYPES)."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
-    return KV_CACHE_DTYPES[name] or model_dtype
+    return _FP8_NAMED.get(name, model_dtype)
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

@@ -17,10 +17,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from openinfer.kernels.kv_quant import dequantize_kv, is_fp8, quantize_kv
 
-def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the K/V of the step's tokens ([T, H, D]) into their slots.
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store the K/V of the step's tokens ([T, H, D]) into their slots (into a float8 cache
+    as ``kv_quant.quantize_kv`` with the per-tensor scales).
 
     A token's K (or V) is one contiguous row of H * D values in its block, and the blocks
     of a layer lie a page apart: seen as rows of H * D values from the layer's first block,
@@ -31,30 +34,37 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _, num_blocks, block_size, heads, head_dim = cache.shape
     row = heads * head_dim
     page = cache.stride(1)
+    # torch's index ops have no float8 kernels: a float8 cache's bytes are written as uint8.
+    raw = (lambda t: t.view(torch.uint8)) if is_fp8(cache.dtype) else (lambda t: t)
     if cache.stride()[2:] != (row, head_dim, 1) or page % row:
         blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-        cache[0].index_put_((blocks, offsets), k.to(cache.dtype))
-        cache[1].index_put_((blocks, offsets), v.to(cache.dtype))
+        raw(cache[0]).index_put_((blocks, offsets), raw(quantize_kv(k, k_scale, cache.dtype)))
+        raw(cache[1]).index_put_((blocks, offsets), raw(quantize_kv(v, v_scale, cache.dtype)))
         return
     rows_per_page = page // row
     index = slot_mapping // block_size * rows_per_page + slot_mapping % block_size
     shape = ((num_blocks - 1) * rows_per_page + block_size, row)
-    for half, x in zip(cache, (k, v)):
-        half.as_strided(shape, (row, 1)).index_copy_(0, index, x.reshape(-1, row).to(cache.dtype))
+    for half, x, scale in zip(cache, (k, v), (k_scale, v_scale)):
+        raw(half).as_strided(shape, (row, 1)).index_copy_(
+            0, index, raw(quantize_kv(x.reshape(-1, row), scale, cache.dtype)))
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor,
-              length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence's first ``length`` tokens, as [length, H, D] each."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, k_scale: float = 1.0,
+              v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence's first ``length`` tokens, as [length, H, D] each (a float8
+    cache's dequantized to float32)."""
     _, _, block_size, num_heads, head_dim = cache.shape
     blocks = block_table[:-(-length // block_size)]
     k = cache[0].index_select(0, blocks).view(-1, num_heads, head_dim)[:length]
     v = cache[1].index_select(0, blocks).view(-1, num_heads, head_dim)[:length]
+    if is_fp8(cache.dtype):
+        return dequantize_kv(k, k_scale, torch.float32), dequantize_kv(v, v_scale, torch.float32)
     return k, v
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+                     mask: torch.Tensor, scale: float, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context.
 
     q: [B, Hq, D]; block_tables: [B, nb] (padded); mask: [B, 1, 1, nb * block_size],
@@ -68,6 +78,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     # [B * nb, bs, H, D] -> [B, H, L, D] (a view: SDPA takes strided inputs)
     k = cache[0].index_select(0, flat).view(batch, length, num_heads, head_dim).transpose(1, 2)
     v = cache[1].index_select(0, flat).view(batch, length, num_heads, head_dim).transpose(1, 2)
+    if is_fp8(cache.dtype):
+        k, v = dequantize_kv(k, k_scale, torch.float32), dequantize_kv(v, v_scale, torch.float32)
     out = F.scaled_dot_product_attention(q.unsqueeze(2).to(k.dtype), k, v, attn_mask=mask,
                                          scale=scale, enable_gqa=True)
     return out.squeeze(2).to(q.dtype)
@@ -105,7 +117,8 @@ a multiple of every vector loop's width, so no score ever takes a scalar tail.""
 
 def batch_invariant_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                               query_lens: list[int], seq_lens: list[int],
-                              scale: float) -> torch.Tensor:
+                              scale: float, k_scale: float = 1.0,
+                              v_scale: float = 1.0) -> torch.Tensor:
     """Attention of every query row of a step over its sequence's cached keys (all written
     already), each row's result bitwise independent of the other rows: of the other sequences,
     of where its own sequence's prompt was cut into chunks, of padding.
@@ -160,8 +173,9 @@ def batch_invariant_attention(q: torch.Tensor, cache: torch.Tensor, block_tables
             hidden = (c * chunk + key_offsets)[None, :] > pos[:, None]  # [rows, chunk]
             k = cache[0].index_select(0, blocks).view(rows, chunk, num_kv_heads, head_dim)
             v = cache[1].index_select(0, blocks).view(rows, chunk, num_kv_heads, head_dim)
-            v = v.float().masked_fill(hidden[:, :, None, None], 0.0)  # 0 * junk could be NaN
-            k = k.float().permute(0, 2, 1, 3).unsqueeze(2)  # [rows, Hkv, 1, chunk, D]
+            k, v = dequantize_kv(k, k_scale, torch.float32), dequantize_kv(v, v_scale, torch.float32)
+            v = v.masked_fill(hidden[:, :, None, None], 0.0)  # 0 * junk could be NaN
+            k = k.permute(0, 2, 1, 3).unsqueeze(2)  # [rows, Hkv, 1, chunk, D]
             v = v.permute(0, 2, 1, 3).unsqueeze(2)
             s = (qf * k).sum(-1)  # [rows, Hkv, G, chunk]
             s.masked_fill_(hidden[:, None, None, :], float("-inf"))

@@ -56,6 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
+from openinfer.kernels.kv_quant import is_fp8
+
 PREFILL_BLOCK_M = 64  # query rows (tokens x heads of a group) per prefill program
 DECODE_BLOCK_N = 64  # keys per tile of a decode program: long, bandwidth-bound loops
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs its parallelism
@@ -67,10 +69,12 @@ def _write_kv_kernel(
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_ckb, stride_cks, stride_ckh, stride_ckd,
     stride_cvb, stride_cvs, stride_cvh, stride_cvd,
-    num_kv_heads,
+    num_kv_heads, k_scale_inv, v_scale_inv,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8_MAX: tl.constexpr, FP8_MANTISSA: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
 ):
-    """One program per token: its [Hkv, D] K and V rows into their slot (negative = skip)."""
+    """One program per token: its [Hkv, D] K and V rows into their slot (negative = skip).
+    FP8_MAX > 0: a float8 cache, values scaled by 1 / their scale and clamped to +-FP8_MAX."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token)
     if slot < 0:
@@ -84,12 +88,33 @@ def _write_kv_kernel(
                 mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd,
                 mask=mask)
+    if FP8_MAX > 0:
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * k_scale_inv, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * v_scale_inv, -FP8_MAX), FP8_MAX)
+        k = _round_to_float8(k, FP8_MANTISSA, FP8_MIN_NORMAL)
+        v = _round_to_float8(v, FP8_MANTISSA, FP8_MIN_NORMAL)
     k_dst = k_cache_ptr + block * stride_ckb + offset * stride_cks
     v_dst = v_cache_ptr + block * stride_cvb + offset * stride_cvs
     tl.store(k_dst + heads[:, None] * stride_ckh + dims[None, :] * stride_ckd,
              k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst + heads[:, None] * stride_cvh + dims[None, :] * stride_cvd,
              v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _round_to_float8(x, MANTISSA: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    """fp32 values rounded to nearest even on the float8 grid (MANTISSA bits; below MIN_NORMAL the
+    subnormals' fixed step), so that the conversion after is exact. The GPU's conversion rounds so
+    itself; Triton's interpreter truncates the exponent's carry (31.9 becomes 16, not 32)."""
+    shift: tl.constexpr = 23 - MANTISSA
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = ((bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) >> shift) << shift
+    # Below the smallest normal the step is MIN_NORMAL / 2^MANTISSA: adding 1.5 x 2^23 steps
+    # rounds to a multiple of it (to nearest even), subtracting gives it back exactly; the sign
+    # is put back after (-0.0 stays -0.0).
+    magic: tl.constexpr = 1.5 * 8388608.0 * MIN_NORMAL / (1 << MANTISSA)
+    subnormal = ((tl.abs(x) + magic) - magic).to(tl.uint32, bitcast=True) | ((bits >> 31) << 31)
+    return tl.where(tl.abs(x) < MIN_NORMAL, subnormal, normal).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -119,7 +144,7 @@ def _attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_start_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr,
-    scale, window, softcap,
+    scale, window, softcap, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -129,8 +154,11 @@ def _attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
 ):
-    """Grid (query tiles, KV heads, KV splits). See the module docstring for the tiling."""
+    """Grid (query tiles, KV heads, KV splits). See the module docstring for the tiling.
+    FP8_CACHE: K/V tiles are widened to q's dtype as loaded (``scale`` carries K's per-tensor
+    scale, ``v_scale`` multiplies each result row)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -153,7 +181,8 @@ def _attention_kernel(
 
     q_rows = (q_begin + token).to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_dim_valid, other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not FP8_CACHE:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     # Keys this tile needs: up to its last row's position, from its first row's window start
     # (blocks before it may be released); with split-KV, this split's share of them.
@@ -181,6 +210,8 @@ def _attention_kernel(
         k_addr = page * stride_kb + slot * stride_ks + kv_head * stride_kh
         k_t = tl.load(k_cache_ptr + k_addr[None, :] + dims[:, None] * stride_kd,
                       mask=key_valid[None, :] & dim_valid[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]: K^T
+        if FP8_CACHE:
+            k_t = k_t.to(q.dtype)
         s = _dot(q, k_t, DOT_FP32) * scale
         if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (e^2x + 1)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
@@ -196,6 +227,8 @@ def _attention_kernel(
         v_addr = page * stride_vb + slot * stride_vs + kv_head * stride_vh
         v = tl.load(v_cache_ptr + v_addr[:, None] + dims[None, :] * stride_vd,
                     mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if FP8_CACHE:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
         m_i = m_new
 
@@ -206,7 +239,7 @@ def _attention_kernel(
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
     else:
-        out = acc * _normaliser(m_i, l_i, sinks_ptr, head, HAS_SINKS)[:, None]
+        out = acc * (_normaliser(m_i, l_i, sinks_ptr, head, HAS_SINKS) * v_scale)[:, None]
         o_rows = (q_begin + token).to(tl.int64) * stride_ot + head * stride_oh
         tl.store(out_ptr + o_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_dim_valid)
@@ -215,7 +248,7 @@ def _attention_kernel(
 @triton.jit
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr, sinks_ptr,
-    stride_ot, stride_oh, num_splits,
+    stride_ot, stride_oh, num_splits, v_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Grid (decodes, query heads): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
@@ -232,8 +265,8 @@ def _merge_splits_kernel(
                   mask=split_valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
     top = tl.max(m_s, 0)
     weight = tl.exp2(m_s - top)
-    out = tl.sum(acc * weight[:, None], 0) * _normaliser(top, tl.sum(l_s * weight, 0), sinks_ptr,
-                                                         head, HAS_SINKS)
+    out = tl.sum(acc * weight[:, None], 0) * (_normaliser(top, tl.sum(l_s * weight, 0), sinks_ptr,
+                                                          head, HAS_SINKS) * v_scale)
     row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
@@ -248,10 +281,12 @@ def interpreted() -> bool:
     return all(isinstance(fn, InterpretedFunction) for fn in (_attention_kernel, tl.standard.zeros))
 
 
-def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store k/v [T, Hkv, D] into ``cache`` [2, num_blocks, page, Hkv, D] (any strides) at
     ``slot_mapping`` [T] (block * page + offset; negative slots are skipped), cast to the
-    cache's dtype. The same contract as ``openinfer.kernels.paged_attention.write_kv``."""
+    cache's dtype (a float8 cache: scaled and clamped, openinfer/kernels/kv_quant.py). The same
+    contract as ``openinfer.kernels.paged_attention.write_kv``."""
     tokens, num_kv_heads, head_dim = k.shape
     if tokens == 0:
         return
@@ -259,10 +294,18 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping
     _write_kv_kernel[(tokens,)](
         k, v, key_cache, value_cache, slot_mapping,
         *k.stride(), *v.stride(), *key_cache.stride(), *value_cache.stride(),
-        num_kv_heads,
+        num_kv_heads, _inverse(k_scale), _inverse(v_scale),
         PAGE=cache.shape[2], HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8_MAX=torch.finfo(cache.dtype).max if is_fp8(cache.dtype) else 0.0,
+        FP8_MANTISSA=3 if cache.dtype == torch.float8_e4m3fn else 2,
+        FP8_MIN_NORMAL=torch.finfo(cache.dtype).tiny if is_fp8(cache.dtype) else 1.0,
     )
+
+
+def _inverse(scale: float) -> float:
+    """1 / scale rounded to float32, as kv_quant.quantize_kv multiplies by it."""
+    return torch.tensor(1.0 / scale, dtype=torch.float32).item()
 
 
 @dataclass
@@ -347,31 +390,38 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     plan: AttentionPlan, window: int = 0, softcap: float = 0.0,
-                    sinks: torch.Tensor | None = None) -> None:
+                    sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> None:
     """out[T, Hq, D] = attention of q[T, Hq, D] over each sequence's paged K/V (the contract of
     ``openinfer.kernels.cpu_attention.paged_attention``; the step's own K/V already written).
 
     key_cache / value_cache: [num_blocks, page, Hkv, D], any strides. q and out: any token and
     head strides, unit stride over D. dtypes: the cache's fp32/fp16/bf16; q and out may differ
-    (q is cast to the cache dtype, out written in its own). Accumulation in fp32. ``window``,
-    ``softcap`` and ``sinks`` [Hq]: the CPU kernel's variants.
+    (q is cast to the cache dtype, out written in its own). A float8 cache (e4m3fn, e5m2): its
+    tiles are widened to q's dtype, entries read as stored value x ``k_scale`` / ``v_scale``.
+    Accumulation in fp32. ``window``, ``softcap`` and ``sinks`` [Hq]: the CPU kernel's variants.
     """
     _, page, num_kv_heads, head_dim = key_cache.shape
     num_q_heads = q.shape[1]
     group = num_q_heads // num_kv_heads
     assert q.stride(-1) == 1 and out.stride(-1) == 1, "q and out need unit stride over head_dim"
     pad = group_pad(group)
+    fp8 = is_fp8(key_cache.dtype)
+    compute = q.dtype if fp8 else key_cache.dtype  # the dot products' operands
     common = dict(GROUP=group, GROUP_PAD=pad, HEAD_DIM=head_dim,
                   BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=page,
                   # CPU tensors mean the interpreter: compiled Triton never runs on them.
-                  DOT_FP32=key_cache.dtype == torch.float32
-                  or (key_cache.dtype == torch.bfloat16 and key_cache.device.type == "cpu"),
-                  WINDOWED=window > 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None)
+                  DOT_FP32=compute == torch.float32
+                  or (compute == torch.bfloat16 and key_cache.device.type == "cpu"),
+                  WINDOWED=window > 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
+                  FP8_CACHE=fp8)
     sinks = sinks.float().contiguous() if sinks is not None else out
     args = [block_tables, query_start_loc, seq_lens]
     strides = [*q.stride()[:2], *out.stride()[:2], *key_cache.stride(), *value_cache.stride(),
                block_tables.stride(0)]
-    variant = (sinks, scale, window, softcap)
+    if not fp8:  # (scales apply to float8 caches only)
+        k_scale = v_scale = 1.0
+    variant = (sinks, scale * k_scale, window, softcap, v_scale)
     nd = plan.num_decodes
     if plan.prefill_tiles.shape[1]:
         grid = (plan.prefill_tiles.shape[1], num_kv_heads, 1)
@@ -405,6 +455,6 @@ def _decode(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor, value_c
                             *variant, *strides, plan.min_keys_per_split, num_q_heads, SPLIT=True,
                             **launch)
     _merge_splits_kernel[(nd, num_q_heads)](
-        out, part_acc, part_m, part_l, args[1], variant[0], *out.stride()[:2], splits,
+        out, part_acc, part_m, part_l, args[1], variant[0], *out.stride()[:2], splits, variant[4],
         HEAD_DIM=head_dim, BLOCK_D=common["BLOCK_D"], BLOCK_S=triton.next_power_of_2(splits),
         HAS_SINKS=common["HAS_SINKS"], num_warps=4)

@@ -45,6 +45,10 @@ class Attention(CustomOp):
         self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
         self.rope_kernels: dict[torch.dtype, object] = {}
         """A backend's fused kernel for ``forward_qkv`` per compute dtype (``None``: none)."""
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        """Per-tensor scales of K and V in a float8 cache (openinfer/kernels/kv_quant.py): the
+        checkpoint's ``k_scale``/``v_scale`` where it has them."""
 
     @property
     def is_variant(self) -> bool:
@@ -59,17 +63,16 @@ class Attention(CustomOp):
                        cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, H, D]; cache: this layer's [2, num_blocks, bs, H, D]."""
         if meta.context_parallel is not None:  # the other ranks' pieces of split prompts
-            meta.context_parallel.exchange_kv(cache, k, v)
-        if self.is_variant:
-            return meta.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window,
-                                        self.logit_softcap, self.sinks)
-        return meta.backend.forward(q, k, v, cache, meta, self.scale)
+            meta.context_parallel.exchange_kv(cache, k, v, self.k_scale, self.v_scale)
+        return meta.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window,
+                                    self.logit_softcap, self.sinks, self.k_scale, self.v_scale)
 
     def forward_batch_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.context_parallel is not None:
-            meta.context_parallel.exchange_kv(cache, k, v)
-        return meta.backend.forward_batch_invariant(q, k, v, cache, meta, self.scale)
+            meta.context_parallel.exchange_kv(cache, k, v, self.k_scale, self.v_scale)
+        return meta.backend.forward_batch_invariant(q, k, v, cache, meta, self.scale, self.k_scale,
+                                                    self.v_scale)
 
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, rotary: RotaryEmbedding,
                     cache: torch.Tensor, meta: AttentionMetadata, q_norm: RMSNorm | None = None,

@@ -34,6 +34,7 @@ from torch import nn
 
 from openinfer.attention.base import AttentionMetadata
 from openinfer.distributed.parallel_state import get_tp
+from openinfer.kernels.kv_quant import dequantize_kv, quantize_kv
 from openinfer.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding
@@ -99,6 +100,9 @@ class MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(total_heads * self.v_dim, hidden, bias=bias)
         self.rotary = rotary
         self.scale = mla.scale
+        self.kv_scale = 1.0
+        """The per-tensor scale of the cached entries in a float8 cache (both K and V: one
+        tensor; openinfer/kernels/kv_quant.py)."""
         self.w_uk: torch.Tensor | None = None
         """W_UK as [H, nope, latent]: the absorbed decode's query map (process_weights_after_loading)."""
         self.w_uv_t: torch.Tensor | None = None
@@ -130,7 +134,8 @@ class MLAAttention(nn.Module):
         k_pe = k_pe.squeeze(1)
         block_size = cache.shape[1]
         slots = meta.slot_mapping
-        cache[slots // block_size, slots % block_size] = torch.cat([latent, k_pe], -1).to(cache.dtype)
+        entries = torch.cat([latent, k_pe], -1)
+        cache[slots // block_size, slots % block_size] = quantize_kv(entries, self.kv_scale, cache.dtype)
 
         out = x.new_empty(T, H, self.v_dim)
         nd = meta.num_decodes
@@ -148,7 +153,8 @@ class MLAAttention(nn.Module):
         query = torch.cat([q_latent, q_pe.to(q_latent.dtype)], -1)
         # The entries are both the keys and the values: one [2, blocks, bs, 1, latent + rope] view.
         kv = cache.unsqueeze(2).unsqueeze(0).expand(2, *cache.shape[:2], 1, cache.shape[2])
-        o_latent = meta.backend.attend(query, kv, meta, self.scale)[..., :self.latent_dim]
+        o_latent = meta.backend.attend(query, kv, meta, self.scale, self.kv_scale,
+                                       self.kv_scale)[..., :self.latent_dim]
         return torch.bmm(o_latent.transpose(0, 1).to(w_uv_t.dtype), w_uv_t).transpose(0, 1)
 
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
@@ -161,8 +167,9 @@ class MLAAttention(nn.Module):
         nope, qk, v_dim = self.nope_dim, self.nope_dim + self.rope_dim, self.v_dim
         block_ids, prefills = meta.gathered_prefills()
         ctx = cache.index_select(0, block_ids)  # [n, block_size, latent + rope]
+        ctx = dequantize_kv(ctx, self.kv_scale, q_nope.dtype)
         n, block_size = ctx.shape[:2]
-        kv = self.kv_b_proj(ctx[..., :self.latent_dim].flatten(0, 1).to(q_nope.dtype))
+        kv = self.kv_b_proj(ctx[..., :self.latent_dim].flatten(0, 1))
         kv = kv.view(n, block_size, H, nope + v_dim)
         width = -(-max(qk, v_dim) // 16) * 16
         keys_values = kv.new_empty(2, n, block_size, H, width)

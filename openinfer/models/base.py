@@ -31,6 +31,9 @@ class CausalLM(nn.Module):
     """Whether its layers split over tensor-parallel ranks."""
     supports_context_parallel: ClassVar[bool] = False
     """Whether a prompt's tokens may be split over context-parallel ranks."""
+    supports_fp8_kv_cache: ClassVar[bool] = True
+    """Whether its caches may be float8 (``--kv-cache-dtype``): every layer's cache is written
+    and read through an attention backend's scaled float8 paths."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:

@@ -431,6 +431,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     ``hc_attn_fn``, ``head``: what transformers writes and the Hub holds)."""
 
     supports_tensor_parallel = True
+    supports_fp8_kv_cache = False  # the compressed and indexer caches are read in torch, unscaled
 
     # Per-expert w1 (gate) / w3 (up) / w2 (down) into the stacked expert tensors; the
     # shared expert's w1/w3 into its merged gate/up projection, w2 as its down projection.

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from openinfer import gguf_file
 from openinfer.config import ModelConfig
 from openinfer.distributed.parallel_state import get_tp
+from openinfer.layers.attention import Attention
 from openinfer.layers.linear import GemmLayer, default_weight_loader
 from openinfer.layers.moe import FusedExperts
 from openinfer.models import fp8
@@ -91,7 +92,7 @@ def load_weights(model: CausalLM, path: Path, progress: bool = True,
             params = dict(model.named_parameters())  # with the layers' fp8 parameters
             tensors = fp8.dequantizing(tensors, fp8_block, lambda name: names.map(name)[0] in kept)
     for name, tensor in tensors:
-        if name.endswith(_IGNORED_SUFFIXES):
+        if name.endswith(_IGNORED_SUFFIXES) or _load_kv_scale(model, names, name, tensor):
             continue
         target, shard = names.map(name)
         param = params.get(target)
@@ -122,6 +123,27 @@ def load_weights(model: CausalLM, path: Path, progress: bool = True,
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s",
                        len(unexpected), unexpected[:4])
+
+
+def _load_kv_scale(model: nn.Module, names: CheckpointNames, name: str, tensor: Any) -> bool:
+    """A checkpoint's per-tensor scale of an attention layer's cached K or V
+    (``<attention>.k_scale`` / ``.v_scale``, as llm-compressor and vLLM write them) onto that
+    layer's ``Attention`` (used by float8 caches only); False for any other tensor."""
+    parent, _, which = name.rpartition(".")
+    if which not in ("k_scale", "v_scale"):
+        return False
+    try:
+        module = model.get_submodule(names.map(parent)[0])
+    except AttributeError:
+        return False
+    attention = next((m for m in module.modules() if isinstance(m, Attention)), None)
+    if attention is None:
+        return False
+    value = float(tensor if isinstance(tensor, torch.Tensor) else tensor[:])
+    if not value > 0:
+        raise ValueError(f"checkpoint tensor {name}: a KV cache scale must be > 0, got {value}")
+    setattr(attention, which, value)
+    return True
 
 
 def _keep_fp8_layers(model: nn.Module, path: Path, names: CheckpointNames,

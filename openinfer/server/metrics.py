@@ -184,7 +184,8 @@ class ServerMetrics:
                     "num_gpu_blocks": str(llm.client.info.get("num_blocks")),
                     "num_cpu_blocks": str(llm.client.stats.get("kv_host_blocks_total")),
                     "enable_prefix_caching": str(config.cache.enable_prefix_caching),
-                    "cache_dtype": str(config.model.dtype).removeprefix("torch.")}
+                    "cache_dtype": (config.cache.kv_cache_dtype if config.cache.kv_cache_dtype != "auto"
+                                    else str(config.model.dtype).removeprefix("torch."))}
 
         def compute_info() -> dict[str, str]:
             return {k: str(v) for k, v in (llm.client.info.get("compute_info") or {}).items()}

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from openinfer.kernels.kv_quant import is_fp8
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.kv_manager import BlockCopy, BlockLoad
 from openinfer.kv.remote import KVTransferParams
@@ -108,6 +109,8 @@ class BlockMover:
         """Per layout group: (device cache, host cache, host slots, device block ids)."""
         slots = torch.tensor([c.slot for c in copies])
         for g, device, host in zip(self.layout.group_ids, self.device_caches, self.host_caches):
+            if is_fp8(device.dtype):  # torch's index_copy_ has no float8 kernel: move the bytes
+                device, host = device.view(torch.uint8), host.view(torch.uint8)
             yield device, host, slots, torch.tensor([c.blocks[g] for c in copies],
                                                     device=device.device)
 

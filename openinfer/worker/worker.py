@@ -46,6 +46,7 @@ from openinfer.kernels.cpu_attention import (
     load_cpu_attention,
 )
 from openinfer.kernels.custom_op import Platform
+from openinfer.kernels.kv_quant import is_fp8, kv_cache_torch_dtype
 from openinfer.kv.spec import KVSpec, LayerGroup, MLALatentSpec
 from openinfer.layers.attention import Attention
 from openinfer.layers.moe import FusedExperts
@@ -76,6 +77,8 @@ class Worker:
             self.model = load_model(mc, config.device, progress=progress)
         num_params = sum(p.numel() for p in self.model.parameters())
         self.dtype_name = str(mc.dtype).removeprefix("torch.")
+        self.kv_dtype_name = self._kv_cache_dtype(self.model)
+        """What the KV cache stores (--kv-cache-dtype): the model's dtype, or a float8 type."""
         gemm = describe_gemms(self.model)
         logger.info("%s (%s, %.0fM parameters) loaded in %.1f s: %s on %s (CPU capability %s); "
                     "GEMM %s", mc.path, mc.architecture, num_params / 1e6,
@@ -117,11 +120,22 @@ class Worker:
         routed experts' path, ``cpu`` (the fused kernel), ``cuda`` or ``native``, ``+fp8`` where
         they hold a checkpoint's fp8 weights, empty for a dense model)."""
         self.draft_model = self._load_draft_model(progress)
+        if self.draft_model is not None:
+            self._kv_cache_dtype(self.draft_model)
         self.runner: ModelRunner | None = None
         self.kv: WorkerKVConnector | None = None
         """The worker half of the KV connector: tiers and KV transfer (set up with the cache)."""
 
     # ---- set-up -----------------------------------------------------------------------
+
+    def _kv_cache_dtype(self, model: torch.nn.Module) -> str:
+        """The cache dtype's name for ``model``; ValueError where it cannot store float8."""
+        dtype = kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.config.model.dtype)
+        if is_fp8(dtype) and not model.supports_fp8_kv_cache:
+            raise ValueError(f"kv_cache_dtype {self.config.cache.kv_cache_dtype!r}: "
+                             f"{type(model).__name__}'s caches cannot be float8 (its compressed "
+                             "attention reads them unscaled); use --kv-cache-dtype auto")
+        return str(dtype).removeprefix("torch.")
 
     def _platform(self, batch_invariant: bool) -> Platform:
         """What a model here is bound to: the cpu attention backend's extension also has the
@@ -222,9 +236,9 @@ class Worker:
         """The model's declaration of what each layer keeps per token (a draft model's
         layers follow the target's)."""
         block_size = self.config.cache.block_size
-        specs = self.model.kv_cache_specs(block_size, self.dtype_name)
+        specs = self.model.kv_cache_specs(block_size, self.kv_dtype_name)
         if self.draft_model is not None:
-            specs = specs + self.draft_model.kv_cache_specs(block_size, self.dtype_name)
+            specs = specs + self.draft_model.kv_cache_specs(block_size, self.kv_dtype_name)
         spec = self.config.speculative
         if spec is not None and spec.method == "mtp":
             layers = mtp_layers(self.model)
@@ -233,7 +247,7 @@ class Worker:
                                  "has no MTP module loaded (num_nextn_predict_layers is 0, or "
                                  "the checkpoint lacks its weights)")
             attn = layers[0].block.self_attn
-            specs = specs + [MLALatentSpec(block_size, attn.latent_dim, attn.rope_dim, self.dtype_name)]
+            specs = specs + [MLALatentSpec(block_size, attn.latent_dim, attn.rope_dim, self.kv_dtype_name)]
         return specs
 
     def kv_cache_memory(self) -> int:
@@ -255,7 +269,7 @@ class Worker:
         spec = self.config.speculative
         specs = self.kv_cache_specs()
         drafter = None
-        first = len(self.model.kv_cache_specs(self.config.cache.block_size, self.dtype_name))
+        first = len(self.model.kv_cache_specs(self.config.cache.block_size, self.kv_dtype_name))
         if self.draft_model is not None:
             drafter = DraftModelDrafter(self.draft_model, first, spec.num_speculative_tokens)
         elif spec is not None and spec.method == "mtp":

@@ -124,3 +124,27 @@ def test_keys_template_generation_defaults_and_async_scheduling(qwen3_checkpoint
         assert again.choices[0].text == want[3].outputs[0].text
     finally:
         stop(proc)
+
+
+@pytest.mark.slow
+def test_float8_kv_cache_flag(qwen3_checkpoint):
+    """`serve --kv-cache-dtype fp8`: a completion with the offline float8 engine's text, and
+    /metrics' cache_config_info says fp8 (the engine's own tests: tests/engine/test_fp8_kv_cache.py)."""
+    prompt = [(7 * j) % 900 + 5 for j in range(40)]
+    offline = LLM(str(qwen3_checkpoint), kv_cache_dtype="fp8", progress=False)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = offline.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].text
+    offline.engine.core.shutdown()
+    base, proc = start_server(qwen3_checkpoint, "--kv-cache-dtype", "fp8", admin_key=None)
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert answer.choices[0].text == expected
+        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+        info = next(line for line in metrics.splitlines() if "cache_config_info{" in line)
+        assert 'cache_dtype="fp8"' in info
+    finally:
+        stop(proc)
+    refused = _cli("serve", "--model", str(qwen3_checkpoint), "--kv-cache-dtype", "int8")
+    assert refused.returncode == 2 and "invalid choice: 'int8'" in refused.stderr

@@ -484,11 +484,14 @@ def test_float8_cache_variants_splits_and_invariant_mode(ext, cache_dtype):
     check(batch, lambda *args, **kw: paged_attention(*args, invariant=True, **kw))
 
 
-def test_float8_cache_refusals(ext):
-    """Scales on a cache that is not float8, and a bf16 cache under fp32 queries, are refused."""
-    batch = make_batch([1], [20])
-    with pytest.raises(RuntimeError, match="float8 caches only"):
-        paged_attention(*batch.args(torch.empty_like(batch.q)), k_scale=2.0)
+def test_kv_scales_apply_to_float8_caches_only(ext):
+    """A checkpoint's k/v scales reach every layer whatever the cache: a cache that is not float8
+    ignores them (as kv_quant's reference does). A bf16 cache under fp32 queries is refused."""
+    batch = make_batch([1, 9], [20, 30])
+    plain, scaled = torch.empty_like(batch.q), torch.empty_like(batch.q)
+    paged_attention(*batch.args(plain))
+    paged_attention(*batch.args(scaled), k_scale=2.0, v_scale=0.5)
+    assert torch.equal(plain, scaled)
     half = make_batch([1], [20], dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="share one dtype"):
         paged_attention(torch.empty(1, 4, 64), half.q.float(), half.key_cache, half.value_cache,

@@ -91,6 +91,26 @@ def test_variants_go_through_the_one_call(kernels, variant):
     assert torch.equal(fused_out, split_out) and torch.equal(blocks, split_blocks)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_float8_cache_through_the_one_call(kernels, dtype, cache_dtype):
+    """--kv-cache-dtype fp8: the one call quantizes the step's K/V with the layer's scales and
+    attends over the float8 cache, bit for bit the separate steps."""
+    backend = select_attention_backend("cpu", "cpu")
+    meta, positions = _step(backend, [1, 1, 40], [100, 33, 60])
+    attn, rotary, norms = _layer(kernels, 64, dtype, True)
+    attn.k_scale, attn.v_scale = 0.25, 2.0
+    qkv = (torch.randn(len(positions), (HEADS + 2 * KV_HEADS) * 64) * 3).to(dtype)
+    blocks = torch.randn(NUM_BLOCKS, LAYERS, 2, BLOCK, KV_HEADS, 64).to(cache_dtype)
+    before = blocks.clone()
+    split_blocks = blocks.clone()
+    fused_out = _run(attn, rotary, norms, qkv, positions, meta, blocks, fused=True)
+    split_out = _run(attn, rotary, norms, qkv, positions, meta, split_blocks, fused=False)
+    assert fused_out.dtype == dtype and torch.equal(fused_out, split_out)
+    assert torch.equal(blocks.view(torch.uint8), split_blocks.view(torch.uint8))
+    assert not torch.equal(blocks.view(torch.uint8), before.view(torch.uint8))
+
+
 def test_layers_the_call_does_not_cover_take_the_separate_steps(kernels):
     backend = select_attention_backend("cpu", "cpu")
     meta, positions = _step(backend, [1, 5], [20, 5])

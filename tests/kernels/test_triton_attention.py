@@ -34,6 +34,7 @@ from openinfer.attention import AttentionMetadata, select_attention_backend  # n
 from openinfer.attention.reference import TorchAttentionBackend  # noqa: E402
 from openinfer.attention.triton import TritonAttentionBackend  # noqa: E402
 from openinfer.kernels import triton_attention  # noqa: E402
+from openinfer.kernels.kv_quant import quantize_kv  # noqa: E402
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 FAR = 2**30  # a block-table padding entry far past the cache
@@ -246,8 +247,8 @@ def test_kernels_compile_for_hopper():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     compiled = result.stdout.splitlines()
-    assert sum("_attention_kernel" in line for line in compiled) == 4, compiled
-    assert any("SPLIT': True" in line for line in compiled) and len(compiled) == 7, compiled
+    assert sum("_attention_kernel" in line for line in compiled) == 6, compiled
+    assert any("SPLIT': True" in line for line in compiled) and len(compiled) == 10, compiled
 
 
 @pytest.mark.parametrize("window,softcap,sinks", [(1, 0.0, False), (20, 0.0, False), (20, 5.0, True),
@@ -272,3 +273,38 @@ def test_window_softcap_and_sinks(window, softcap, sinks):
         out = backend.forward(case.q, case.k, case.v, case.poisoned, metas[1], case.scale, **extra)
         assert not out.isnan().any()
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-5, rtol=2e-5)
+
+
+def _float8_cache(cache: torch.Tensor, dtype: torch.dtype, k_scale: float, v_scale: float) -> torch.Tensor:
+    """A case's cache stored as float8 (NaN poison stays NaN), in the same interleaved layout."""
+    storage = torch.zeros(cache.shape[1], 3, *cache.shape[:1], *cache.shape[2:], dtype=dtype,
+                          device=cache.device)
+    view = layer_view(storage)
+    view[0] = quantize_kv(cache[0], k_scale, dtype)
+    view[1] = quantize_kv(cache[1], v_scale, dtype)
+    return view
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("splits", [None, 3], ids=["planned", "split3"])
+def test_float8_cache(cache_dtype, splits):
+    """--kv-cache-dtype fp8: the write kernel stores kv_quant's bytes (scaled, clamped, rounded to
+    nearest even), the attention widens float8 tiles to q's dtype with the per-tensor scales in
+    the softmax scale and the output rows (split-KV merges included): the reference's result."""
+    k_scale, v_scale = 0.05, 3.0
+    backend, reference = TritonAttentionBackend(num_kv_splits=splits), TorchAttentionBackend()
+    case = make_case([1, 1, 9, 40], [150, 17, 30, 80], heads=8, kv_heads=2)
+    case.k[0, 0, :2] = torch.tensor([1e4, -1e4])  # past e4m3's range once scaled: clamped
+    clean = _float8_cache(case.clean, cache_dtype, k_scale, v_scale)
+    poisoned = _float8_cache(case.poisoned, cache_dtype, k_scale, v_scale)
+    metas = [b.build_metadata(case.query_lens, case.seq_lens, case.tables, case.block_size, DEVICE)
+             for b in (reference, backend)]
+    pad_tables(metas[1], case)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    expected = reference.forward(case.q, case.k, case.v, clean, metas[0], case.scale, **scales)
+    out = backend.forward(case.q, case.k, case.v, poisoned, metas[1], case.scale, **scales)
+    assert not out.isnan().any(), "the kernel read poisoned K/V or left rows unwritten"
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    slots = metas[0].slot_mapping
+    written = [c.reshape(2, -1, *c.shape[3:])[:, slots].view(torch.uint8) for c in (poisoned, clean)]
+    assert torch.equal(*written)

@@ -69,17 +69,20 @@ def main(arch: int = 90) -> list[str]:
     target = GPUTarget("cuda", arch, 32)
     for name in ("_write_kv_kernel", "_attention_kernel", "_merge_splits_kernel"):
         setattr(kernels, name, CompileInsteadOfLaunch(getattr(kernels, name), target, compiled))
-    # (dtype, q heads, kv heads, head_dim, forced decode splits)
-    for dtype, heads, kv_heads, head_dim, splits in ((torch.bfloat16, 16, 8, 128, 2),
-                                                     (torch.float32, 6, 2, 80, None)):
+    # (dtype, cache dtype, q heads, kv heads, head_dim, forced decode splits)
+    for dtype, cache_dtype, heads, kv_heads, head_dim, splits in (
+            (torch.bfloat16, torch.bfloat16, 16, 8, 128, 2),
+            (torch.float32, torch.float32, 6, 2, 80, None),
+            (torch.bfloat16, torch.float8_e4m3fn, 16, 8, 128, 2)):  # --kv-cache-dtype fp8
         backend = TritonAttentionBackend(num_kv_splits=splits)
         query_lens, seq_lens = [1, 1, 40], [100, 200, 60]
         tables = [list(range(i * 13, (i + 1) * 13)) for i in range(3)]
         meta = backend.build_metadata(query_lens, seq_lens, tables, 16, "cpu")
-        pool = torch.zeros(40, 2, 2, 16, kv_heads, head_dim, dtype=dtype)
+        pool = torch.zeros(40, 2, 2, 16, kv_heads, head_dim, dtype=cache_dtype)
         qkv = torch.zeros(sum(query_lens), heads + 2 * kv_heads, head_dim, dtype=dtype)
         q, k, v = qkv.split([heads, kv_heads, kv_heads], 1)
-        backend.forward(q, k, v, pool[:, 1].transpose(0, 1), meta, head_dim ** -0.5)
+        backend.forward(q, k, v, pool[:, 1].transpose(0, 1), meta, head_dim ** -0.5, k_scale=0.5,
+                        v_scale=2.0)
     return compiled
 
 

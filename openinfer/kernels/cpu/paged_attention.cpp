@@ -608,8 +608,8 @@ Plan make_plan(int64_t B, const int32_t* qsl, const int32_t* sl, const int32_t* 
 
 // See openinfer/kernels/cpu_attention.py for the contract. kv_splits: 0 = automatic,
 // k > 0 = split every item's KV range into (up to) k parts (tests). invariant: batch-invariant
-// mode (see the top of this file; kv_splits is then ignored). k_scale, v_scale: an fp8 cache's
-// per-tensor scales (a key is its stored value times k_scale).
+// mode (see the top of this file; kv_splits is then ignored). k_scale, v_scale: a float8 cache's
+// per-tensor scales (a key is its stored value times k_scale); other caches ignore them.
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
@@ -627,8 +627,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_
                   (cache_dtype == dtype || fp8_cache),
               "q and out must share one dtype, and key_cache and value_cache be of it or both float8 "
               "(e4m3fn, e5m2)");
-  TORCH_CHECK(fp8_cache || (k_scale == 1.0 && v_scale == 1.0), "k_scale and v_scale apply to float8 caches only");
   TORCH_CHECK(k_scale > 0 && v_scale > 0, "k_scale and v_scale must be > 0");
+  if (!fp8_cache) k_scale = v_scale = 1.0;
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out must be contiguous in head_dim");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hkv = key_cache.size(2);

@@ -55,7 +55,7 @@ void check_rows(const at::Tensor& x, const char* name, const at::Tensor& cache) 
 // cache: [2, num_blocks, block_size, H, D] (K, V), any strides for its first two dims, each
 // block's [block_size, H, D] contiguous. k, v: [T, H, D]. slot_mapping: [T] int64, each slot
 // in [0, num_blocks * block_size).
-// k_scale, v_scale: a float8 cache's per-tensor scales.
+// k_scale, v_scale: a float8 cache's per-tensor scales (other caches ignore them).
 void write_kv(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping,
               double k_scale, double v_scale) {
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.device().is_cpu(),
@@ -94,7 +94,6 @@ void write_kv(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const
   const auto cache_t = cache.scalar_type(), in_t = k.scalar_type();
   const int64_t n = H * D;
   if (cache_t == in_t) {
-    TORCH_CHECK(is_fp8(cache_t) || (k_scale == 1.0 && v_scale == 1.0), "k_scale and v_scale apply to float8 caches only");
     store([&](char* dst, const char* src, float) { std::memcpy(dst, src, size_t(row_bytes)); });
   } else if (cache_t == at::kFloat8_e4m3fn && in_t == at::kFloat) {
     store([&](char* dst, const char* src, float inv) { quantize_row<c10::Float8_e4m3fn, float>(dst, src, n, inv); });
