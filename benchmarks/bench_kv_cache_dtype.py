@@ -4,12 +4,12 @@ speed at long context) and what it costs (greedy tokens that part from the plain
 1. The attention kernel alone: a batch of decodes over long contexts, each cache dtype with
    the query dtype a model would give it, seconds per call and the cache bytes it reads.
 2. The engine, each variant in its own process, rounds interleaved: a batch of requests with
-   long prompts, decode tokens/s (generated tokens less the first, over the time past the
-   first), and the KV blocks one GiB holds. Models: the built-in SmolLM2-135M (real weights)
-   and the peers' dense qwen3-0.4b-random.
-3. Closeness, on SmolLM2's real weights: greedy continuations of a set of prompts with a
-   float8 cache against the model-dtype cache, the share identical to the end and the mean
-   length of the common prefix.
+   long prompts (prefilled once, then prefix hits), decode tokens/s (generated tokens less the
+   first, over the time past a one-token run), and the KV blocks one GiB holds. Models: the
+   built-in SmolLM2-135M (real weights) and the peers' dense qwen3-0.4b-random.
+3. Closeness, on SmolLM2's real weights: the model-dtype cache's greedy continuations of a set
+   of prompts, read back by each cache (teacher-forced: how often its top-1 token is the
+   plain cache's), and each cache's own greedy text (how far it follows the plain cache's).
 
     .venv/bin/python benchmarks/bench_kv_cache_dtype.py [--rounds 3] [--output PAGE]
 """
@@ -49,14 +49,14 @@ import json, sys, time
 from openinfer import LLM, SamplingParams
 model, dtype, kv, prompt_len, batch, gen = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
 llm = LLM(model, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=1 << 30, progress=False,
-          max_model_len=prompt_len + gen + 8, enable_prefix_caching=False)
+          max_model_len=prompt_len + gen + 8)
 prompts = [{"prompt_token_ids": [(37 * i + 11 * j) % 20000 + 100 for j in range(prompt_len)]}
            for i in range(batch)]
 def run(n):
     start = time.perf_counter()
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     return time.perf_counter() - start
-run(2)  # warm-up
+run(2)  # the prompts' KV into the prefix cache: the runs below prefill their last block only
 one, many = run(1), run(gen)
 print(json.dumps({"tok_s": batch * (gen - 1) / (many - one), "blocks": llm.engine.core.kv.num_blocks,
                   "block_size": llm.engine.core.config.cache.block_size}))
@@ -66,6 +66,7 @@ _CLOSENESS = r"""
 import json, sys
 from openinfer import LLM, SamplingParams
 llm = LLM("smollm2", kv_cache_dtype=sys.argv[1], progress=False)
+tokens, reference = int(sys.argv[2]), json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
 topics = ["the history of the printing press", "how a refrigerator works", "why the sky is blue",
           "the rules of chess", "photosynthesis", "the French revolution", "how vaccines work",
           "black holes", "the water cycle", "how to bake bread", "the stock market",
@@ -73,9 +74,20 @@ topics = ["the history of the printing press", "how a refrigerator works", "why 
           "climate and weather", "ancient Rome", "how batteries store energy", "volcanoes",
           "the theory of evolution", "how compilers work", "the Moon landing", "honey bees",
           "the immune system"]
-messages = [[{"role": "user", "content": f"Explain {t} in a few paragraphs."}] for t in topics]
-outs = llm.chat(messages, SamplingParams(temperature=0, max_tokens=int(sys.argv[2]), ignore_eos=True))
-print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+tokenizer = llm.get_tokenizer()
+prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Explain {t} in a few paragraphs."}],
+                                         add_generation_prompt=True, tokenize=True) for t in topics]
+prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                    SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+greedy = [list(o.outputs[0].token_ids) for o in outs]
+ranks = []
+if reference is not None:  # teacher-forced: this cache's rank of each of the reference's tokens
+    scored = llm.generate([{"prompt_token_ids": p + r} for p, r in zip(prompts, reference)],
+                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    for p, r, o in zip(prompts, reference, scored):
+        ranks += [o.prompt_logprobs[len(p) + i][t].rank for i, t in enumerate(r)]
+print(json.dumps({"greedy": greedy, "ranks": ranks}))
 """
 
 
@@ -127,9 +139,9 @@ def run_engine(model: str, dtype: str, kv: str, prompt_len: int, batch: int, gen
 
 
 def engine_table(rounds: int) -> str:
-    configs = [("smollm2", "smollm2", "float32", 2048, 8, 33)]
+    configs = [("smollm2", "smollm2", "float32", 2048, 4, 33)]
     if PEER_MODEL.exists():
-        configs += [("qwen3-0.4b-random", str(PEER_MODEL), dtype, 1024, 8, 33)
+        configs += [("qwen3-0.4b-random", str(PEER_MODEL), dtype, 1024, 4, 33)
                     for dtype in ("float32", "bfloat16")]
     rows = []
     for name, model, dtype, prompt_len, batch, gen in configs:
@@ -148,24 +160,25 @@ def engine_table(rounds: int) -> str:
 
 
 def closeness_table(tokens: int = 64) -> str:
-    runs = {}
-    for kv in ENGINE_VARIANTS:
-        out = subprocess.run([sys.executable, "-c", _CLOSENESS, kv, str(tokens)], capture_output=True,
-                             text=True, timeout=1800)
+    def run(kv: str, *reference) -> dict:
+        out = subprocess.run([sys.executable, "-c", _CLOSENESS, kv, str(tokens), *reference],
+                             capture_output=True, text=True, timeout=1800)
         if out.returncode:
             raise RuntimeError(out.stderr[-2000:])
-        runs[kv] = json.loads(out.stdout.strip().splitlines()[-1])
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    plain = run("auto")["greedy"]
     rows = []
-    for kv in ENGINE_VARIANTS[1:]:
-        prefixes = []
-        for plain, quantized in zip(runs["auto"], runs[kv]):
-            n = next((i for i, (a, b) in enumerate(zip(plain, quantized)) if a != b), len(plain))
-            prefixes.append(n)
+    for kv in ENGINE_VARIANTS:
+        result = run(kv, json.dumps(plain))
+        prefixes = [next((i for i, (a, b) in enumerate(zip(p, q)) if a != b), len(p))
+                    for p, q in zip(plain, result["greedy"])]
         same = sum(n == tokens for n in prefixes)
-        rows.append(f"| {kv} | {len(prefixes)} | {same} ({same / len(prefixes):.0%}) | "
+        top1 = sum(r == 1 for r in result["ranks"]) / len(result["ranks"])
+        rows.append(f"| {kv} | {top1:.1%} | {same} of {len(prefixes)} | "
                     f"{statistics.mean(prefixes):.1f} of {tokens} | {min(prefixes)} |")
-    return ("| --kv-cache-dtype | prompts | identical to auto's 64 tokens | mean common prefix | "
-            "shortest |\n|---|---|---|---|---|\n" + "\n".join(rows))
+    return ("| --kv-cache-dtype | teacher-forced top-1 = auto's token | continuations identical to "
+            "auto's | mean common prefix | shortest |\n|---|---|---|---|---|\n" + "\n".join(rows))
 
 
 def main() -> None:
@@ -188,10 +201,13 @@ def main() -> None:
         "**The attention kernel**, a batch of decodes (16 query heads, 8 KV heads, head_dim 128), "
         f"median of {args.rounds} interleaved rounds of the best of 20 calls:\n\n{kernel}\n\n"
         "**The engine**, each variant in its own process, rounds interleaved, median of "
-        f"{args.rounds}; decode tok/s over the batch, prefix caching off:\n\n{engine}\n\n"
-        "**Closeness** on SmolLM2-135M-Instruct's real weights (float32 compute): greedy "
-        "continuations of 24 chat prompts, 64 tokens each, with a float8 cache against the "
-        f"float32 cache:\n\n{closeness}\n")
+        f"{args.rounds}; decode tok/s over the batch (the prompts' KV read from the cache):\n\n"
+        f"{engine}\n\n"
+        "**Closeness** on SmolLM2-135M-Instruct's real weights (float32 compute), 24 chat "
+        "prompts: the float32 cache's (`auto`) greedy continuations of 64 tokens, then each cache "
+        "reading those same tokens (prompt logprobs): how often its own top-1 token is auto's "
+        "(auto against itself: the check of the measure), and how far its own greedy text "
+        f"follows auto's:\n\n{closeness}\n")
     if args.output:
         write_section(Path(args.output), "bench_kv_cache_dtype", body)
 
