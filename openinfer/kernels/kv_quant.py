@@ -42,8 +42,13 @@ def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tens
     if not is_fp8(dtype):
         return x.to(dtype)
     limit = torch.finfo(dtype).max
-    inverse = torch.tensor(1.0 / scale, dtype=torch.float32).item()  # rounded to float32 first
-    return (x.float() * inverse).clamp_(-limit, limit).to(dtype)
+    return (x.float() * inverse_scale(scale)).clamp_(-limit, limit).to(dtype)
+
+
+def inverse_scale(scale: float) -> float:
+    """1 / scale rounded to float32: what every write multiplies a value by (the C++ and Triton
+    writes compute it so too)."""
+    return torch.tensor(1.0 / scale, dtype=torch.float32).item()
 
 
 def dequantize_kv(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from openinfer.kernels.kv_quant import is_fp8
+from openinfer.kernels.kv_quant import inverse_scale, is_fp8
 
 PREFILL_BLOCK_M = 64  # query rows (tokens x heads of a group) per prefill program
 DECODE_BLOCK_N = 64  # keys per tile of a decode program: long, bandwidth-bound loops
@@ -294,7 +294,7 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping
     _write_kv_kernel[(tokens,)](
         k, v, key_cache, value_cache, slot_mapping,
         *k.stride(), *v.stride(), *key_cache.stride(), *value_cache.stride(),
-        num_kv_heads, _inverse(k_scale), _inverse(v_scale),
+        num_kv_heads, inverse_scale(k_scale), inverse_scale(v_scale),
         PAGE=cache.shape[2], HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         FP8_MAX=torch.finfo(cache.dtype).max if is_fp8(cache.dtype) else 0.0,
@@ -302,10 +302,6 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping
         FP8_MIN_NORMAL=torch.finfo(cache.dtype).tiny if is_fp8(cache.dtype) else 1.0,
     )
 
-
-def _inverse(scale: float) -> float:
-    """1 / scale rounded to float32, as kv_quant.quantize_kv multiplies by it."""
-    return torch.tensor(1.0 / scale, dtype=torch.float32).item()
 
 
 @dataclass

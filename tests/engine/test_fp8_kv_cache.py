@@ -12,16 +12,13 @@ import pytest
 import torch
 from conftest import DEEPSEEK_V4, build_checkpoint, randomize_v4, run_disaggregated
 from safetensors.torch import load_file, save_file
+from test_mla_engine import V3
 
 from openinfer import LLM, SamplingParams
 from openinfer.layers.attention import Attention
 
 MiB = 1024**2
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-V3 = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, q_lora_rank=24,
-          moe_intermediate_size=32, num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1,
-          first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
-          routed_scaling_factor=2.5)
 PROMPTS = [[(7 * i + 3 * j) % 900 + 5 for j in range(n)] for i, n in enumerate((70, 5, 33, 18))]
 
 
