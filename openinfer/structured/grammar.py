@@ -15,7 +15,6 @@ import threading
 from collections import OrderedDict
 
 import llguidance
-import llguidance.hf
 
 from openinfer.structured.params import StructuredOutputsParams
 
@@ -57,6 +56,10 @@ class GrammarCompiler:
                  cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         # The model's logits may be wider than the tokenizer's vocabulary: the mask covers
         # every logit, and ids past the tokenizer's are never allowed.
+        # llguidance.hf imports transformers (0.5 s): the engine core has no tokenizer
+        # until a grammar needs one, and starts without it.
+        import llguidance.hf
+
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                       eos_token=eos_token_ids or None)
         self.vocab_size = vocab_size

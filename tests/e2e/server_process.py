@@ -91,6 +91,11 @@ def _launch(args: list[str], port: int | None, admin_key: str | None = ADMIN_KEY
     if host is not None:
         args = [*args, "--host", host]
     env = {k: v for k, v in os.environ.items() if k != "OPENINFER_ADMIN_API_KEY"}
+    # One compute thread per process: the suite runs several servers (and its own engines)
+    # at once on a 2-core box, where two threads each oversubscribe the cores and OpenMP's
+    # barriers spin (two tiny-model servers answering at once took 1.7x as long as one after
+    # the other). Multi-threaded kernels are tested in the suite's own process.
+    env.setdefault("OMP_NUM_THREADS", "1")
     if admin_key is not None:
         env["OPENINFER_ADMIN_API_KEY"] = admin_key
     with tempfile.NamedTemporaryFile("wb", dir=_LOGS.name, suffix=".log", delete=False) as log:

@@ -51,7 +51,7 @@ def _attach_eager_buffers(llm: LLM) -> DecodeGraphs:
 
 
 MODELS = {
-    "qwen3-window": ("Qwen3ForCausalLM", dict(num_layers=3, extra_config=dict(
+    "qwen3-window": ("Qwen3ForCausalLM", dict(num_layers=2, extra_config=dict(
         use_sliding_window=True, sliding_window=8, max_window_layers=1))),
     "qwen3-moe": ("Qwen3MoeForCausalLM", dict(num_layers=2, num_kv_heads=2, extra_config=dict(
         num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, decoder_sparse_step=1,
@@ -63,7 +63,7 @@ MODELS = {
 def test_decode_graphs_match_eager(model, qwen3_checkpoint, make_checkpoint):
     """Five requests of different lengths that finish one by one: decode batches of 5, 4, 3,
     2 and 1 run at capture sizes 8, 4, 4, 2 and 1 (padded rows at 5 and 3). ``qwen3-window``:
-    layer 0 full attention, layers 1-2 an 8-token sliding window (several KV groups, buffers
+    layer 0 full attention, layer 1 an 8-token sliding window (several KV groups, buffers
     for each; the window group's tables hold released blocks). ``qwen3-moe``: routed experts
     (on a GPU, Triton's grouped GEMMs captured with the rest; padded rows route too)."""
     checkpoint = qwen3_checkpoint
@@ -71,7 +71,8 @@ def test_decode_graphs_match_eager(model, qwen3_checkpoint, make_checkpoint):
         arch, options = MODELS[model]
         checkpoint = make_checkpoint(arch, **options)
     prompts = [list(range(3 + 4 * i, 12 + 5 * i)) for i in range(5)]
-    params = [SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True) for i in range(5)]
+    # Request i decodes 1 + i times (its first token comes from the prefill).
+    params = [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True) for i in range(5)]
     eager = _engine(checkpoint, enforce_eager=True)
     expected = [o.outputs[0].token_ids for o in eager.generate(
         [{"prompt_token_ids": p} for p in prompts], params)]
