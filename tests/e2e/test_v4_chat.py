@@ -4,6 +4,8 @@ one without: every reply is the same, and the caching server reports cached prom
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from conftest import DEEPSEEK_V4, build_checkpoint, randomize_v4
 from server_process import MODEL, metrics, start_servers, stop
@@ -22,15 +24,21 @@ def test_32_turn_chat_gives_the_same_replies_with_and_without_caching(tmp_path, 
     common = ("--block-size", "4", "--max-model-len", "2048")
     (cached_url, cached), (plain_url, plain) = start_servers(  # both at once
         (path, *common, "--window-snapshot-interval", "16"), (path, *common, "--no-prefix-caching"))
+    pool = ThreadPoolExecutor(2)
     try:
         clients = [openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
                    for url in (cached_url, plain_url)]
+
+        def ask(chat: list[dict]) -> list:
+            """The same chat to both servers at once (each computes on one core)."""
+            return list(pool.map(lambda c: c.chat.completions.create(
+                model=MODEL, messages=chat, max_tokens=4, temperature=0), clients))
+
         messages: list[dict] = []
         hits = []
         for turn in range(TURNS):
             messages.append({"role": "user", "content": f"Turn {turn}: tell me more."})
-            replies = [c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
-                                                 temperature=0) for c in clients]
+            replies = ask(messages)
             texts = [r.choices[0].message.content for r in replies]
             assert texts[0] == texts[1], f"turn {turn}: {texts}"
             details = replies[0].usage.prompt_tokens_details
@@ -45,12 +53,12 @@ def test_32_turn_chat_gives_the_same_replies_with_and_without_caching(tmp_path, 
         for turn in (9, 17, 22, 30):
             branch = messages[:2 * turn] + [
                 {"role": "user", "content": f"Turn {turn}: tell me less, please."}]
-            replies = [c.chat.completions.create(model=MODEL, messages=branch, max_tokens=4,
-                                                 temperature=0) for c in clients]
+            replies = ask(branch)
             texts = [r.choices[0].message.content for r in replies]
             assert texts[0] == texts[1], f"branch at turn {turn}: {texts}"
             assert replies[0].usage.prompt_tokens_details.cached_tokens > 0
         assert metrics(cached_url)["openinfer:window_replayed_tokens_total"] > 0
     finally:
+        pool.shutdown()
         stop(cached)
         stop(plain)
