@@ -13,10 +13,18 @@ experts, a layer that cannot keep it) is multiplied out once while loading.
 ``OPENINFER_FP8_WEIGHTS=dequantize`` multiplies out every one (the model then holds bf16/fp32
 weights, as before fp8 layers existed). Any other ``quant_method`` is refused by name:
 loading its packed integers as if they were weights would serve garbage.
+
+DeepSeek-V4's release adds two things (transformers reads the same): a scale may be named
+``<module>.scale`` instead of ``<module>.weight_scale_inv`` (read as the latter), and with
+``"expert_dtype": "fp4"`` the routed experts are MXFP4: ``int8`` [N, K / 2], two e2m1 values
+per byte (the low nibble first), and one power-of-two scale per 32 inputs of a row
+([N, K / 32], float8_e8m0fnu). Those are multiplied out while loading, with a note in the log:
+no kernel here reads FP4 yet.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator
 
@@ -25,7 +33,16 @@ import torch
 from openinfer.kernels.fp8_gemm import dequantize
 
 SCALE_SUFFIX = "_scale_inv"
+RELEASE_SCALE_SUFFIX = ".scale"
+"""DeepSeek-V4's name for a weight's scales: ``<module>.scale`` for ``<module>.weight_scale_inv``."""
 FP8_WEIGHTS_ENV = "OPENINFER_FP8_WEIGHTS"
+EXPERT_DTYPES = ("fp8", "fp4")
+FP4_GROUP = 32
+"""Inputs per scale of an MXFP4 weight row."""
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The float4 e2m1 value of each 4-bit code (bit 3: the sign)."""
+
+logger = logging.getLogger(__name__)
 
 
 def block_size_of(hf: dict) -> tuple[int, int] | None:
@@ -42,6 +59,9 @@ def block_size_of(hf: dict) -> tuple[int, int] | None:
     fmt = quant.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ValueError(f"quantization_config: fp8 format {fmt!r} is not supported (e4m3 is)")
+    if quant.get("expert_dtype", "fp8") not in EXPERT_DTYPES:
+        raise ValueError(f"quantization_config: expert_dtype {quant['expert_dtype']!r} is not "
+                         f"supported ({' or '.join(EXPERT_DTYPES)} is)")
     rows, cols = quant["weight_block_size"]
     return int(rows), int(cols)
 
@@ -52,6 +72,34 @@ def keeps_fp8() -> bool:
     if mode not in ("keep", "dequantize"):
         raise ValueError(f"{FP8_WEIGHTS_ENV}={mode!r}: keep or dequantize")
     return mode == "keep"
+
+
+def fp4_experts(hf: dict) -> bool:
+    """Whether the checkpoint's routed experts are MXFP4 (``expert_dtype: fp4``)."""
+    return (hf.get("quantization_config") or {}).get("expert_dtype") == "fp4"
+
+
+def canonical_name(name: str) -> str:
+    """A tensor's name with DeepSeek-V4's ``<module>.scale`` read as ``<module>.weight_scale_inv``."""
+    if name.endswith(RELEASE_SCALE_SUFFIX):
+        return name.removesuffix(RELEASE_SCALE_SUFFIX) + ".weight" + SCALE_SUFFIX
+    return name
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """MXFP4 ``packed`` [N, K / 2] (int8 or uint8; element 2j in byte j's low nibble, 2j + 1
+    in its high one) and its scales [N, K / 32] (powers of two) -> float32 [N, K]."""
+    codes = packed.view(torch.uint8)
+    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2).long()
+    values = torch.tensor(E2M1_VALUES)[nibbles]
+    return values * scale.float().repeat_interleave(FP4_GROUP, -1)[..., :values.shape[-1]]
+
+
+def _dequantize_any(weight: torch.Tensor, scale: torch.Tensor,
+                    block: tuple[int, int]) -> torch.Tensor:
+    if weight.dtype in (torch.int8, torch.uint8):  # MXFP4: fp8 weights are float8_e4m3fn
+        return dequantize_fp4(weight, scale)
+    return dequantize(weight, scale, block)
 
 
 def dequantizing(tensors: Iterator[tuple[str, torch.Tensor]], block: tuple[int, int],
@@ -68,12 +116,13 @@ def dequantizing(tensors: Iterator[tuple[str, torch.Tensor]], block: tuple[int, 
         elif name.endswith(SCALE_SUFFIX):
             target = name.removesuffix(SCALE_SUFFIX)
             if target in weights:
-                yield target, dequantize(weights.pop(target), tensor, block)
+                yield target, _dequantize_any(weights.pop(target), tensor, block)
             else:
                 scales[target] = tensor
-        elif tensor.dtype == torch.float8_e4m3fn:
+        elif tensor.dtype == torch.float8_e4m3fn or (
+                tensor.dtype in (torch.int8, torch.uint8) and name.endswith(".weight")):
             if name in scales:
-                yield name, dequantize(tensor, scales.pop(name), block)
+                yield name, _dequantize_any(tensor, scales.pop(name), block)
             else:
                 weights[name] = tensor
         else:

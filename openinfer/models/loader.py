@@ -88,9 +88,15 @@ def load_weights(model: CausalLM, path: Path, progress: bool = True,
         # Tensor parallel: sharded parameters read only their slice of each tensor.
         tensors = _iter_checkpoint(path, progress, slices=get_tp().size > 1 and fp8_block is None)
         if fp8_block is not None:
-            kept = _keep_fp8_layers(model, path, names, fp8_block) if keep_fp8 else set()
+            fp4 = fp8.fp4_experts(hf_config or {})
+            if fp4:
+                logger.info("%s: its FP4 (MXFP4) routed experts are multiplied out to the "
+                            "model's dtype while loading: no kernel reads FP4 weights yet", path)
+            kept = (_keep_fp8_layers(model, path, names, fp8_block, experts=not fp4)
+                    if keep_fp8 else set())
             params = dict(model.named_parameters())  # with the layers' fp8 parameters
-            tensors = fp8.dequantizing(tensors, fp8_block, lambda name: names.map(name)[0] in kept)
+            tensors = fp8.dequantizing(((fp8.canonical_name(name), t) for name, t in tensors),
+                                       fp8_block, lambda name: names.map(name)[0] in kept)
     for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or _load_kv_scale(model, names, name, tensor):
             continue
@@ -147,12 +153,13 @@ def _load_kv_scale(model: nn.Module, names: CheckpointNames, name: str, tensor: 
 
 
 def _keep_fp8_layers(model: nn.Module, path: Path, names: CheckpointNames,
-                     block: tuple[int, int]) -> set[str]:
-    """Makes each linear layer and each stack of experts whose checkpoint tensors are all fp8
-    hold them as loaded (``GemmLayer.keep_fp8``, ``FusedExperts.keep_fp8``); returns their
-    weights' parameter names. A weight another module shares (a tied LM head) stays dense."""
+                     block: tuple[int, int], experts: bool = True) -> set[str]:
+    """Makes each linear layer and (``experts``: fp8, not FP4 ones) each stack of experts whose
+    checkpoint tensors are all fp8 hold them as loaded (``GemmLayer.keep_fp8``,
+    ``FusedExperts.keep_fp8``); returns their weights' parameter names. A weight another
+    module shares (a tied LM head) stays dense."""
     scaled: dict[str, int] = {}  # parameter -> how many of its checkpoint tensors have scales
-    for name in _checkpoint_tensor_names(path):
+    for name in map(fp8.canonical_name, _checkpoint_tensor_names(path)):
         if name.endswith(fp8.SCALE_SUFFIX):
             target = names.map(name.removesuffix(fp8.SCALE_SUFFIX))[0]
             scaled[target] = scaled.get(target, 0) + 1
@@ -162,7 +169,8 @@ def _keep_fp8_layers(model: nn.Module, path: Path, names: CheckpointNames,
         if (isinstance(m, GemmLayer) and owners[id(m.weight)] == 1
                 and scaled.get(f"{name}.weight") == len(m.checkpoint_parts()) and m.keep_fp8(block)):
             kept.add(f"{name}.weight")
-        elif (isinstance(m, FusedExperts) and scaled.get(f"{name}.w13") == 2 * m.num_experts
+        elif (experts and isinstance(m, FusedExperts)
+                and scaled.get(f"{name}.w13") == 2 * m.num_experts
                 and scaled.get(f"{name}.w2") == m.num_experts and m.keep_fp8(block)):
             kept |= {f"{name}.w13", f"{name}.w2"}
     return kept
