@@ -22,6 +22,7 @@ from openinfer.config import ModelConfig
 from openinfer.distributed.parallel_state import get_tp
 from openinfer.layers.attention import Attention
 from openinfer.layers.linear import GemmLayer, default_weight_loader
+from openinfer.layers.mla import MLAAttention
 from openinfer.layers.moe import FusedExperts
 from openinfer.models import fp8
 from openinfer.models.arch import ArchConfig
@@ -131,25 +132,54 @@ def load_weights(model: CausalLM, path: Path, progress: bool = True,
                        len(unexpected), unexpected[:4])
 
 
+KV_SCALE_NAMES = {"k_scale": ("k_scale",), "v_scale": ("v_scale",),
+                  "kv_scale": ("k_scale", "v_scale")}
+"""A checkpoint's KV cache scale tensors, by last name part, and the scales each sets: K's and
+V's (llm-compressor's ``<attention>.k_scale`` / ``.v_scale``; ModelOpt's
+``<attention>.k_proj.k_scale`` / ``.v_proj.v_scale``; compressed-tensors'
+``<attention>.k_proj.output_scale`` / ``.v_proj.output_scale``), or both at once (the older
+single ``<attention>.kv_scale``), as vLLM reads them."""
+PROJECTION_SCALES = {"k_proj": "k_scale", "v_proj": "v_scale"}
+"""Whose scale a projection's ``output_scale`` is."""
+
+
 def _load_kv_scale(model: nn.Module, names: CheckpointNames, name: str, tensor: Any) -> bool:
-    """A checkpoint's per-tensor scale of an attention layer's cached K or V
-    (``<attention>.k_scale`` / ``.v_scale``, as llm-compressor and vLLM write them) onto that
-    layer's ``Attention`` (used by float8 caches only); False for any other tensor."""
+    """A checkpoint's per-tensor scale of an attention layer's cached K or V (KV_SCALE_NAMES)
+    onto that layer's ``Attention`` (used by float8 caches only); an MLA layer's one latent
+    cache takes K's scale, as in vLLM (V has no cache of its own there). False for any
+    other tensor."""
     parent, _, which = name.rpartition(".")
-    if which not in ("k_scale", "v_scale"):
+    if which == "output_scale":
+        which = PROJECTION_SCALES.get(parent.rpartition(".")[2], which)
+    if which not in KV_SCALE_NAMES:
         return False
-    try:
-        module = model.get_submodule(names.map(parent)[0])
-    except AttributeError:
-        return False
-    attention = next((m for m in module.modules() if isinstance(m, Attention)), None)
+    attention = _attention_at(model, names.map(parent)[0])
     if attention is None:
         return False
     value = float(tensor if isinstance(tensor, torch.Tensor) else tensor[:])
     if not value > 0:
         raise ValueError(f"checkpoint tensor {name}: a KV cache scale must be > 0, got {value}")
-    setattr(attention, which, value)
+    if isinstance(attention, MLAAttention):
+        if which != "v_scale":
+            attention.kv_scale = value
+    else:
+        for scale in KV_SCALE_NAMES[which]:
+            setattr(attention, scale, value)
     return True
+
+
+def _attention_at(model: nn.Module, path: str) -> Attention | MLAAttention | None:
+    """The attention module in the module at ``path`` or, for a projection's scale
+    (``self_attn.k_proj``), in its parent; None if neither holds one."""
+    for candidate in (path, path.rpartition(".")[0]):
+        try:
+            module = model.get_submodule(candidate)
+        except AttributeError:
+            continue
+        found = next((m for m in module.modules() if isinstance(m, (Attention, MLAAttention))), None)
+        if found is not None:
+            return found
+    return None
 
 
 def _keep_fp8_layers(model: nn.Module, path: Path, names: CheckpointNames,

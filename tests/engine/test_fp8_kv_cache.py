@@ -16,6 +16,7 @@ from test_mla_engine import V3
 
 from openinfer import LLM, SamplingParams
 from openinfer.layers.attention import Attention
+from openinfer.layers.mla import MLAAttention
 
 MiB = 1024**2
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -180,6 +181,51 @@ def test_checkpoint_kv_scales_reach_the_kernels(checkpoints, tmp_path):
     assert _tokens_of(checkpoints["qwen3"], kv_cache_dtype="fp8", attention_backend="torch") != expected
     # A cache that is not float8 ignores the scales: the unscaled checkpoint's tokens.
     assert _tokens_of(path) == _tokens_of(checkpoints["qwen3"])
+
+
+def _with_tensors(src, dst, extra: dict[str, float]):
+    """A copy of the checkpoint at ``src`` with scalar tensors added."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    tensors.update({name: torch.tensor(value) for name, value in extra.items()})
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_modelopt_and_older_scale_names_and_mla_scales(checkpoints, tmp_path):
+    """ModelOpt's ``k_proj.k_scale``/``v_proj.v_scale``, compressed-tensors'
+    ``k_proj.output_scale``/``v_proj.output_scale`` and the older single ``kv_scale`` (both K
+    and V) are read as vLLM reads them. An MLA layer's one latent cache takes its
+    ``k_scale`` (``v_scale`` has no cache there): a scale that clamps the stored entries
+    changes the tokens, and the cpu kernels give the reference backend's on it."""
+    path = _with_tensors(checkpoints["qwen3"], tmp_path / "modelopt", {
+        "model.layers.0.self_attn.k_proj.k_scale": 0.05, "model.layers.0.self_attn.v_proj.v_scale": 0.5,
+        "model.layers.1.self_attn.kv_scale": 0.25})
+    llm = LLM(str(path), kv_cache_dtype="fp8", progress=False)
+    layers = [m for m in llm.engine.core.executor.worker.model.modules() if isinstance(m, Attention)]
+    assert [(a.k_scale, a.v_scale) for a in layers] == [(pytest.approx(0.05), 0.5), (0.25, 0.25)]
+    llm.engine.core.shutdown()
+    path = _with_tensors(checkpoints["gpt-oss"], tmp_path / "compressed", {
+        "model.layers.0.self_attn.k_proj.output_scale": 0.125,
+        "model.layers.0.self_attn.v_proj.output_scale": 4.0})
+    llm = LLM(str(path), kv_cache_dtype="fp8", progress=False)
+    layers = [m for m in llm.engine.core.executor.worker.model.modules() if isinstance(m, Attention)]
+    assert [(a.k_scale, a.v_scale) for a in layers] == [(0.125, 4.0), (1.0, 1.0)]
+    llm.engine.core.shutdown()
+
+    src = checkpoints["deepseek-v3"]
+    prefixes = [n.removesuffix("kv_a_proj_with_mqa.weight") for n in load_file(src / "model.safetensors")
+                if n.endswith("self_attn.kv_a_proj_with_mqa.weight")]
+    path = _with_tensors(src, tmp_path / "mla", {**{p + "k_scale": 0.001 for p in prefixes},
+                                                 **{p + "v_scale": 7.0 for p in prefixes}})
+    ref, expected = _run(path, kv_cache_dtype="fp8", attention_backend="torch")
+    mla = [m for m in ref.engine.core.executor.worker.model.modules() if isinstance(m, MLAAttention)]
+    assert len(mla) == len(prefixes) > 0 and all(m.kv_scale == pytest.approx(0.001) for m in mla)
+    ref.engine.core.shutdown()
+    assert _tokens_of(path, kv_cache_dtype="fp8", attention_backend="cpu") == expected
+    assert _tokens_of(src, kv_cache_dtype="fp8", attention_backend="torch") != expected
 
 
 def test_refused_by_name(checkpoints, make_checkpoint):
