@@ -24,7 +24,6 @@ no kernel here reads FP4 yet.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Iterator
 
@@ -41,8 +40,6 @@ FP4_GROUP = 32
 """Inputs per scale of an MXFP4 weight row."""
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The float4 e2m1 value of each 4-bit code (bit 3: the sign)."""
-
-logger = logging.getLogger(__name__)
 
 
 def block_size_of(hf: dict) -> tuple[int, int] | None:
