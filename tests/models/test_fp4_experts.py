@@ -14,10 +14,13 @@ import pytest
 import torch
 from conftest import DEEPSEEK_V4, quantize_blocks, randomize_v4
 from safetensors.torch import load_file, save_file
+from test_gemm_plans_every_arch import _V4, _assert_same_greedy, _greedy
 from test_hf_parity import _hf_logits, _prompts
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 from openinfer import LLM, SamplingParams
+from openinfer.kernels import gemm_plan
+from openinfer.kernels.gemm_paths import PATHS
 from openinfer.models.fp8 import block_size_of, dequantize_fp4
 
 E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -110,3 +113,24 @@ def test_an_unknown_expert_dtype_is_refused_by_name():
     with pytest.raises(ValueError, match="expert_dtype 'int4' is not supported"):
         block_size_of({"quantization_config": quant})
     assert block_size_of({"quantization_config": {**quant, "expert_dtype": "fp4"}}) == (128, 128)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_release_format_on_every_gemm_path(dtype, make_checkpoint, tmp_path, monkeypatch):
+    """In fp32 and bf16, with the GEMM plan this CPU picks and each path forced (its fp8 linears
+    kept as loaded, its FP4 experts multiplied out), the release checkpoint gives the plain
+    path's greedy tokens on the float copy (no plans: F.linear), up to a tie there."""
+    src = make_checkpoint("DeepseekV4ForCausalLM", **_V4)
+    randomize_v4(src)
+    release, plain_copy = release_checkpoints(src, tmp_path)
+    plain = _greedy(plain_copy, dtype, "default", monkeypatch)
+    ran = []
+    for mode in ["auto", *PATHS]:
+        try:
+            ours = _greedy(release, dtype, mode, monkeypatch)
+        except ValueError as e:  # a forced path with no kernel for this dtype/shape on this CPU
+            assert f"{gemm_plan.ENV_VAR}={mode}" in str(e)
+            continue
+        _assert_same_greedy(ours, plain, dtype, f"fp4 release {dtype} {mode}")
+        ran.append(mode)
+    assert "auto" in ran and "torch_t" in ran, ran
