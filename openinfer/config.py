@@ -403,9 +403,25 @@ def _read_config_json(path: Path) -> dict:
     if not config_file.is_file():
         raise ValueError(f"model: no config.json in {str(path)!r} (expected a Hugging Face checkpoint)")
     hf = json.loads(config_file.read_text())
+    if hf.get("model_type") in NESTED_TEXT_CONFIGS and "text_config" in hf:
+        return flatten_text_config(hf)
     if "text_config" in hf and "num_hidden_layers" not in hf:
         raise ValueError(f"model: multimodal checkpoints are not supported ({path})")
     return hf
+
+
+NESTED_TEXT_CONFIGS = ("deepseek_v41",)
+"""Models whose config.json nests the language model's keys under ``text_config`` (beside
+``vision_config``) and which openinfer serves as text models: DeepSeek-V4.1."""
+
+
+def flatten_text_config(hf: dict) -> dict:
+    """The language model's keys at the top level, as every other reader expects: the top
+    level's own keys (architectures, dtype, quantization_config, the special token ids,
+    vision_config) kept, ``text_config``'s over them."""
+    flat = {k: v for k, v in hf.items() if k != "text_config"}
+    flat.update(hf["text_config"])
+    return flat
 
 
 def _derive_max_model_len(hf: dict) -> int:

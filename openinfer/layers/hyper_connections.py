@@ -36,6 +36,12 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.ones(3, dtype=f32), requires_grad=False)
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pre, post, comb = self.mixes(h)
+        return post, comb, self.collapse(pre, h)
+
+    def mixes(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(pre [T, n], post [T, n], comb [T, n, n])`` of the streams ``h``. DeepSeek-V4.1's
+        shifted form reads the next sublayer's input with this ``pre`` (``collapse``)."""
         n, eps = self.n, self.eps
         flat = unweighted_rms_norm(h.flatten(1).float(), self.norm_eps)
         mix = F.linear(flat, self.fn)
@@ -47,8 +53,12 @@ class HyperConnection(nn.Module):
         for _ in range(self.sinkhorn_iters - 1):
             comb = comb / (comb.sum(-1, keepdim=True) + eps)
             comb = comb / (comb.sum(-2, keepdim=True) + eps)
-        x = (pre.unsqueeze(-1) * h).sum(1).to(h.dtype)
-        return post, comb, x
+        return pre, post, comb
+
+    @staticmethod
+    def collapse(pre: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The streams' ``pre``-weighted sum: [T, H]."""
+        return (pre.unsqueeze(-1) * h).sum(1).to(h.dtype)
 
     @staticmethod
     def write_back(h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,

@@ -8,9 +8,10 @@ Model files read attributes of an ``ArchConfig``, never the raw dict: how each k
       .moe        MoEArch      routed experts and how they are picked (none: a dense model)
       .mla()      MLAConfig    DeepSeek-V2/V3's latent attention (openinfer.layers.mla)
       .deepseek_v4() V4Arch    DeepSeek-V4's compressed attention, hyper-connections, MoE
+      .deepseek_v41() V41Arch  DeepSeek-V4.1's: YOCO split, cross-layer KV and index sharing
       .raw                     the dict itself, for a key that one model alone reads
 
-``mla()`` and ``deepseek_v4()`` are methods, not fields: their keys are required, and only
+``mla()``, ``deepseek_v4()`` and ``deepseek_v41()`` are methods, not fields: their keys are required, and only
 the models built from them ask (each once, in its constructor). The modules below models/ in
 the import order (``config.py``, ``engine_args.py``, ``gguf_file.py``) read the few keys they
 need from the dict themselves: they cannot import this one.
@@ -120,6 +121,96 @@ class V4Arch:
 
 
 @dataclass(frozen=True)
+class V41Arch:
+    """DeepSeek-V4.1's own parts (openinfer/models/deepseek_v41.py), from its config.json's
+    ``text_config`` (openinfer/config.py lifts it to the top level).
+
+    Layer ``l``'s attention has ``compress_ratios[l]``: 0 a window only; 2 (C2) also one
+    entry per two tokens; 1 (C1) one entry per token. The first C1 layer splits the stack:
+    layers before it are *producers*, it and the layers after it *consumers* (YOCO), whose
+    C1 entries are projections of one hidden state, the first consumer's normed input. A
+    layer may read another's entries (``kv_source``), index keys (``index_k_source``) or
+    top-k choice (``index_source``): each map sends a layer to the nearest source at or
+    before it in the config's ``*_source_layer_ids`` (itself below the first)."""
+
+    compress_ratios: tuple[int, ...]
+    first_consumer: int
+    """The first ratio-1 layer (DeepInfer's ``n_prefill_layer``)."""
+    kv_source: tuple[int, ...]
+    index_k_source: tuple[int, ...]
+    index_source: tuple[int, ...]
+    window: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    rope_dim: int
+    """``qk_rope_head_dim``: the rotated (last) dims of every vector."""
+    rope_theta: float
+    """Window (ratio 0) layers' RoPE base."""
+    compress_rope_theta: float
+    """Compressed layers' RoPE base ..."""
+    compress_rope_scaling: dict[str, Any] | None
+    """... and their YaRN scaling (``rope_scaling``; its magnitude factor not applied)."""
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    hc_shifted: bool
+    """Each sublayer reads the streams with the mix the previous one computed; the last mix
+    collapses them (no ``hc_head``)."""
+    routed_scaling_factor: float
+    swiglu_limit: float
+    num_draft_layers: int
+    """``num_nextn_predict_layers``: DSpark's draft layers (``mtp.<i>``), not run here."""
+
+
+V41_UNSUPPORTED = {
+    "engram_layer_ids": "Engram n-gram embeddings",
+    "candidate_source_layer_id": "candidate-block top-k",
+}
+"""V4.1 options openinfer does not implement yet: a config that turns one on is refused
+by name rather than served without it."""
+
+
+def _source_map(ids: list[int], num_layers: int) -> tuple[int, ...]:
+    """Each layer's source: the largest id at or before it; a layer before every id is its own."""
+    ids = sorted(set(ids))
+    return tuple(max((s for s in ids if s <= layer), default=layer) for layer in range(num_layers))
+
+
+def _check_v41_topology(arch: V41Arch, topk: int) -> None:
+    """DeepInfer's rules for the sharing maps: a layer that reads another's state is a
+    compressed layer of the same ratio; every KV source is an index-K source and every index-K
+    source an index source (so a layer reading a choice reads the chooser's keys and entries);
+    nothing after the first consumer pools pairs (so, ratios differing, no consumer reads a
+    producer's entries)."""
+    ratios, n, c = arch.compress_ratios, len(arch.compress_ratios), arch.first_consumer
+    if any(r == 2 for r in ratios[c:]):
+        raise ValueError("DeepSeek-V4.1 config: compress_ratios has a ratio-2 layer after the "
+                         f"first ratio-1 layer ({c}); consumers pool nothing")
+    maps = {"kv_source_layer_ids": arch.kv_source, "index_k_source_layer_ids": arch.index_k_source,
+            "index_source_layer_ids": arch.index_source}
+    for key, sources in maps.items():
+        for layer, source in enumerate(sources):
+            if source != layer and (ratios[layer] == 0 or ratios[layer] != ratios[source]):
+                raise ValueError(f"DeepSeek-V4.1 config: {key} makes layer {layer} (compress ratio "
+                                 f"{ratios[layer]}) read layer {source}'s (ratio {ratios[source]}): "
+                                 "only a compressed layer of the same ratio may")
+    for layer in range(n):
+        own = [arch.kv_source[layer] == layer, arch.index_k_source[layer] == layer,
+               arch.index_source[layer] == layer]
+        if own != sorted(own):
+            raise ValueError(f"DeepSeek-V4.1 config: layer {layer} is a source in "
+                             f"{[k for k, o in zip(maps, own, strict=True) if o]} but not in the "
+                             "others: every KV source must be an index-K source, every index-K "
+                             "source an index source")
+    if any(r for r in ratios) and topk <= 0:
+        raise ValueError("DeepSeek-V4.1 config: compressed layers need index_topk > 0")
+
+
+@dataclass(frozen=True)
 class ArchConfig:
     vocab_size: int
     hidden_size: int
@@ -212,6 +303,54 @@ class ArchConfig:
             routed_scaling_factor=hf.get("routed_scaling_factor", 1.5),
             swiglu_limit=hf.get("swiglu_limit", 10.0),
         )
+
+    def deepseek_v41(self) -> V41Arch:
+        """The parts of a DeepSeek-V4.1 config that no other model has, checked as DeepInfer
+        checks them; options openinfer does not implement are refused by name."""
+        hf = self.raw
+        for key, what in V41_UNSUPPORTED.items():
+            if hf.get(key):
+                raise ValueError(f"DeepSeek-V4.1 config: {key}={hf[key]!r} ({what}) is not "
+                                 "supported yet")
+        routing = {"scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True}
+        for key, want in routing.items():
+            if hf.get(key) != want:
+                raise ValueError(f"DeepSeek-V4.1 config: {key}={hf.get(key)!r} is not supported "
+                                 f"({want!r} is)")
+        n, drafts = self.num_layers, hf.get("num_nextn_predict_layers") or 0
+        ratios = tuple(hf["compress_ratios"])
+        if len(ratios) != n + drafts:
+            raise ValueError(f"DeepSeek-V4.1 config: compress_ratios has {len(ratios)} entries, "
+                             f"not num_hidden_layers + num_nextn_predict_layers = {n + drafts}")
+        ratios = ratios[:n]
+        if any(r not in (0, 1, 2) for r in ratios):
+            raise ValueError(f"DeepSeek-V4.1 config: compress_ratios {list(ratios)}: each is 0, 1 or 2")
+        if 1 not in ratios:
+            raise ValueError("DeepSeek-V4.1 config: compress_ratios has no ratio-1 layer (the "
+                             "first one starts the YOCO consumers)")
+        kv_ids = hf["kv_source_layer_ids"]
+        if not kv_ids:
+            raise ValueError("DeepSeek-V4.1 config: kv_source_layer_ids is empty")
+        index_k_ids = hf.get("index_k_source_layer_ids") or kv_ids
+        scaling = hf.get("rope_scaling")
+        arch = V41Arch(
+            compress_ratios=ratios, first_consumer=ratios.index(1),
+            kv_source=_source_map(kv_ids, n), index_k_source=_source_map(index_k_ids, n),
+            index_source=_source_map(hf["index_source_layer_ids"], n),
+            window=hf["sliding_window"], q_lora_rank=hf["q_lora_rank"],
+            o_groups=hf["o_groups"], o_lora_rank=hf["o_lora_rank"],
+            index_heads=hf.get("index_n_heads", 0), index_head_dim=hf.get("index_head_dim", 0),
+            index_topk=hf.get("index_topk", 0), rope_dim=hf["qk_rope_head_dim"],
+            rope_theta=float(hf["rope_theta"]),
+            compress_rope_theta=float(hf.get("compress_rope_theta") or hf["rope_theta"]),
+            compress_rope_scaling={"type": "yarn", **scaling} if scaling else None,
+            hc_mult=hf["hc_mult"], hc_sinkhorn_iters=hf["hc_sinkhorn_iters"], hc_eps=hf["hc_eps"],
+            hc_shifted=hf.get("hc_shifted", True),
+            routed_scaling_factor=float(hf["routed_scaling_factor"]),
+            swiglu_limit=float(hf["swiglu_limit"]), num_draft_layers=drafts,
+        )
+        _check_v41_topology(arch, arch.index_topk)
+        return arch
 
 
 def _moe(hf: dict[str, Any]) -> MoEArch:

@@ -348,12 +348,16 @@ class V4MoE(nn.Module):
     hash layers), renormalised weights times ``routed_scaling_factor``; clamped SwiGLU experts
     and one shared expert."""
 
-    def __init__(self, arch: ArchConfig, v4: V4Arch, hashed: bool) -> None:
+    def __init__(self, arch: ArchConfig, scaling: float, limit: float, hashed: bool = False,
+                 shared_experts: int = 1, vision_bias: bool = False) -> None:
+        """``shared_experts``: the shared MLP is that many experts wide (V4.1 reads
+        ``n_shared_experts``; V4, as transformers, always one). ``vision_bias``: a second
+        expert-score bias for image tokens (V4.1's ``gate.bias_vl``; loaded, unused: no image
+        reaches a model here)."""
         super().__init__()
         hidden, inter = arch.hidden_size, arch.moe.intermediate_size
         experts, self.top_k = arch.moe.num_experts, arch.moe.top_k
-        self.scaling = v4.routed_scaling_factor
-        limit = v4.swiglu_limit
+        self.scaling = scaling
         self.hashed = hashed
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)
@@ -362,8 +366,10 @@ class V4MoE(nn.Module):
                                              requires_grad=False)
         else:
             self.gate.bias = _fp32_param(experts)  # the expert-score correction: choice only
+        if vision_bias:
+            self.gate.bias_vl = _fp32_param(experts)
         self.experts = FusedExperts(experts, hidden, inter, activation=ClampedSiluAndMul(limit))
-        self.shared_experts = GatedMLP(hidden, inter, clamp_limit=limit)
+        self.shared_experts = GatedMLP(hidden, inter * shared_experts, clamp_limit=limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         scores = F.softplus(F.linear(x, self.gate.weight)).sqrt()
@@ -387,7 +393,8 @@ class V4DecoderLayer(nn.Module):
         self.attn = V4Attention(arch, v4, layer, ropes)
         self.hc_ffn = HyperConnection(streams, hidden, iters, hc_eps, eps)
         self.ffn_norm = RMSNorm(hidden, eps, fp32_weight=True)
-        self.ffn = V4MoE(arch, v4, v4.mlp_layer_types[layer] == "hash_moe")
+        self.ffn = V4MoE(arch, v4.routed_scaling_factor, v4.swiglu_limit,
+                         hashed=v4.mlp_layer_types[layer] == "hash_moe")
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, input_ids: torch.Tensor,
                 caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from openinfer.models.base import CausalLM
 from openinfer.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from openinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from openinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 from openinfer.models.gemma2 import Gemma2ForCausalLM
 from openinfer.models.gpt_oss import GptOssForCausalLM
 from openinfer.models.llama import LlamaForCausalLM
@@ -23,6 +24,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
+    "DeepseekV41ForCausalLM": DeepseekV41ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
 }

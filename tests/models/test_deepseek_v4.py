@@ -1,12 +1,16 @@
 """DeepSeek-V4 matches transformers' no-cache forward on a tiny random checkpoint with every
 layer type (sliding, CSA with its indexer, HCA), hash and score-routed MoE layers and
-hyper-connections; through the paged engine with prefix caching, the same tokens."""
+hyper-connections; through the paged engine with prefix caching, the same tokens. The
+engine-level tests (file store, disaggregation, speculation) also run DeepSeek-V4.1, whose
+slots are the same kinds arranged otherwise (tests/models/test_deepseek_v41.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import DEEPSEEK_V4, randomize_v4, run_disaggregated
 from test_hf_parity import PagedModel, _hf_logits, _prompts
+from v41_reference import build_v41_checkpoint
 
 from openinfer import LLM, SamplingParams
 
@@ -16,6 +20,14 @@ def _checkpoint(make_checkpoint, **overrides):
                            num_layers=4, num_heads=4, num_kv_heads=1, head_dim=32, intermediate_size=32)
     randomize_v4(path)
     return path
+
+
+@pytest.fixture(params=["v4", "v4.1"])
+def v4_family(request, make_checkpoint, tmp_path):
+    """A tiny DeepSeek-V4 (transformers' format) or V4.1 (DeepInfer's release format)."""
+    if request.param == "v4":
+        return _checkpoint(make_checkpoint)
+    return build_v41_checkpoint(tmp_path / "v41")
 
 
 def test_prompt_chunks_and_decodes_match_transformers(make_checkpoint, hf_model_loader):
@@ -72,10 +84,10 @@ def test_engine_greedy_tokens_with_and_without_prefix_caching(make_checkpoint, h
     llm.engine.check_integrity()
 
 
-def test_file_store_restart_gives_the_same_tokens(make_checkpoint, tmp_path):
-    """Every V4 slot (window keys, raw rows, entries) of a block goes to the file store with
-    it; a cold engine resumes from there."""
-    path = _checkpoint(make_checkpoint)
+def test_file_store_restart_gives_the_same_tokens(v4_family, tmp_path):
+    """Every slot (window keys, raw rows, entries, index keys) of a block goes to the file
+    store with it; a cold engine resumes from there."""
+    path = v4_family
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     options = dict(block_size=4, max_num_batched_tokens=16, progress=False)
     prompts = _prompts(1000, [41, 30], seed=8)
@@ -128,9 +140,9 @@ def test_bfloat16_is_as_close_to_the_exact_answer_as_transformers(make_checkpoin
         assert (got - want).abs().mean().item() <= 1.5 * their_error + 1e-3
 
 
-def test_disaggregated_prefill_and_decode(make_checkpoint):
-    """Every V4 slot of a block crosses from the prefill instance to the decode instance."""
-    path = _checkpoint(make_checkpoint)
+def test_disaggregated_prefill_and_decode(v4_family):
+    """Every slot of a block crosses from the prefill instance to the decode instance."""
+    path = v4_family
     prompts = _prompts(1000, [41, 26], seed=9)
     params = dict(temperature=0, max_tokens=6, ignore_eos=True)
     options = dict(block_size=4, max_num_batched_tokens=16)
@@ -142,11 +154,11 @@ def test_disaggregated_prefill_and_decode(make_checkpoint):
     assert decode.engine.core.scheduler.num_remote_blocks_pulled == 10 + 6
 
 
-def test_speculative_decoding_keeps_greedy_tokens(make_checkpoint):
-    """n-gram drafts over V4's window, compressor and indexer caches: rejected drafts complete
+def test_speculative_decoding_keeps_greedy_tokens(v4_family):
+    """n-gram drafts over the window, compressor and indexer caches: rejected drafts complete
     compression groups that the accepted tokens complete again, and tokens equal plain
     decoding's."""
-    path = _checkpoint(make_checkpoint)
+    path = v4_family
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = _prompts(1000, [37, 12], seed=6)
     prompts[1] = prompts[1] * 3

@@ -11,6 +11,7 @@ from conftest import CHECKPOINTS, randomize_v4
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from test_moe import MOE_CONFIGS
 from test_window_models import WINDOW_MODELS
+from v41_reference import build_v41_checkpoint
 
 from openinfer import LLM, SamplingParams
 from openinfer.kernels import gemm_plan
@@ -31,6 +32,7 @@ ARCH_CHECKPOINTS: dict[str, dict] = {
     "DeepseekV2ForCausalLM": dict(num_kv_heads=4, extra_config=_DEEPSEEK_V2),
     "DeepseekV3ForCausalLM": dict(num_kv_heads=4, extra_config=_DEEPSEEK_V3),
     "DeepseekV4ForCausalLM": _V4,
+    "DeepseekV41ForCausalLM": {},  # DeepInfer's release format (fp8 projections, MXFP4 experts)
     "GptOssForCausalLM": dict(num_layers=3, extra_config=WINDOW_MODELS["GptOssForCausalLM"][1]),
     "Gemma2ForCausalLM": dict(num_layers=3, extra_config=WINDOW_MODELS["Gemma2ForCausalLM"][1]),
 }
@@ -69,8 +71,11 @@ def _assert_same_greedy(ours, plain, dtype: str, label: str) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", sorted(MODEL_REGISTRY))
-def test_gemm_plans_keep_greedy_tokens(arch, dtype, make_checkpoint, monkeypatch):
-    path = make_checkpoint(arch, **ARCH_CHECKPOINTS[arch])
+def test_gemm_plans_keep_greedy_tokens(arch, dtype, make_checkpoint, monkeypatch, tmp_path):
+    if arch == "DeepseekV41ForCausalLM":
+        path = build_v41_checkpoint(tmp_path / "v41")
+    else:
+        path = make_checkpoint(arch, **ARCH_CHECKPOINTS[arch])
     if arch == "DeepseekV4ForCausalLM":
         randomize_v4(path)
     plain = _greedy(path, dtype, "default", monkeypatch)

@@ -1,0 +1,406 @@
+"""DeepSeek-V4.1 (``DeepseekV41ForCausalLM``, the model DeepInfer serves), text only: V4's
+sink attention over a sliding window plus compressed entries, hyper-connected residual
+streams and sqrt-softplus MoE, rearranged so that half the stack shares one cache (YOCO).
+
+    producers   layers 0 .. c - 1: window (ratio 0) or C2 (ratio 2) attention
+    consumers   layers c .. : C1 (ratio 1); c is the first ratio-1 layer
+
+    streams ─ x = pre_prev · streams ─ norm ─ Attention ─ write-back ─ ... ─ MoE ─ ...
+    ... ─ pre_last · streams ─ norm ─ head
+
+Attention (one K = V head of ``head_dim``, interleaved RoPE on its last ``rope_dim`` dims,
+queries through ``wq_a``/``q_norm``/``wq_b`` without a per-head norm): a query at position p
+sees the window keys ``p - W + 1 .. p`` and, in a compressed layer of ratio n, the entries
+``j < (p + 1) // n`` that its layer's indexer puts in its top ``index_topk``
+(``Σ_h w_h · relu(q_h · k_j)``); one softmax with a per-head sink; the output rotated back,
+projected by ``o_groups`` low-rank groups. Entries: C2 pools tokens 2j, 2j + 1 with a
+per-channel softmax of their gates; C1 projects each token; both normed, then roped at the
+group's first token. The index key of entry j is ``k_norm(wk(entry before RoPE))``, roped.
+
+Sharing: a consumer's C1 entries are projections of one hidden state, the first consumer's
+normed input (a function of the producers alone); a layer may read the entries, index keys or
+top-k choice of an earlier layer (openinfer.models.arch.V41Arch), owning no cache for them.
+
+Residual streams (``hc_shifted``): each sublayer's input is the streams weighted by the mix
+the *previous* sublayer computed (the first: stream 0), and the last mix collapses them.
+
+Cache slots (``kv_cache_specs``), per layer in order: its window keys; a C2 KV source's raw
+rows (its last pair's projections and gates); a KV source's entries; an index-K source's
+index keys. Prefix caching, tiers and preemption see ordinary sliding-window and compressed
+pages. Not implemented (refused by name when a config turns them on): Engram, candidate
+blocks; images, and DSpark's draft layers (``mtp.*``), are not loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openinfer.attention import compressed
+from openinfer.attention.base import AttentionMetadata
+from openinfer.distributed.parallel_state import get_tp
+from openinfer.kernels.paged_attention import write_kv
+from openinfer.kv.spec import CompressedSpec, KVSpec, SlidingWindowSpec
+from openinfer.layers.embedding import LMHead, VocabEmbedding
+from openinfer.layers.hyper_connections import HyperConnection, HyperHead
+from openinfer.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
+from openinfer.layers.norm import RMSNorm
+from openinfer.models.arch import ArchConfig, V41Arch
+from openinfer.models.base import CausalLM
+from openinfer.models.deepseek_v4 import V4MoE, V4Rope, _fp32_param, _rank_rows
+
+Slot = tuple[torch.Tensor, AttentionMetadata]
+
+
+@dataclass
+class V41Step:
+    """What one forward step's layers hand each other: the consumers' shared hidden state,
+    each KV source's new entries before RoPE (per sequence: first entry, rows) for the layers
+    that index them, and each index source's top-k choice for the layers that reuse it."""
+
+    shared_hidden: torch.Tensor | None = None
+    fresh: dict[int, list[tuple[int, torch.Tensor] | None]] = field(default_factory=dict)
+    choices: dict[int, dict[int | str, torch.Tensor]] = field(default_factory=dict)
+    """index source -> {sequence b: [n, entries] of a prefill, "decodes": [B, entries]}."""
+
+
+class V41Compressor(nn.Module):
+    """A KV source's entries from its hidden rows: C1 one per token (``wkv``); C2 one per
+    pair, each channel a softmax-of-``wgate``-weighted sum (float32) of the pair's ``wkv``."""
+
+    def __init__(self, hidden: int, dim: int, ratio: int, eps: float) -> None:
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = Linear(hidden, dim)
+        if ratio == 2:
+            self.wgate = Linear(hidden, dim)
+        self.norm = RMSNorm(dim, eps, fp32_weight=True)
+
+    @staticmethod
+    def pool_pairs(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """[2c, dim] rows of c complete pairs -> [c, dim]."""
+        c = kv.shape[0] // 2
+        weights = gate.view(c, 2, -1).float().softmax(1)
+        return (kv.view(c, 2, -1).float() * weights).sum(1).to(kv.dtype)
+
+
+class V41Indexer(nn.Module):
+    """Per query ``index_n_heads`` scores ``relu(q_h . k_j)`` weighted by ``weights_proj``;
+    an index-K source also makes the keys: ``k_norm(wk(entry before RoPE))``, roped."""
+
+    def __init__(self, arch: ArchConfig, v41: V41Arch, makes_keys: bool) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.topk = v41.index_heads, v41.index_head_dim, v41.index_topk
+        self.wq_b = Linear(v41.q_lora_rank, self.num_heads * self.head_dim)
+        self.weights_proj = Linear(arch.hidden_size, self.num_heads)
+        if makes_keys:
+            self.wk = Linear(arch.head_dim, self.head_dim)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, fp32_weight=True)
+
+
+class V41Attention(nn.Module):
+    """Tensor parallel as V4's: heads, sinks and output groups split; the one K = V head,
+    the entries and the indexer whole on every rank."""
+
+    def __init__(self, arch: ArchConfig, v41: V41Arch, layer: int, ropes: dict[str, V4Rope]) -> None:
+        super().__init__()
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
+        tp = get_tp()
+        self.layer, self.window = layer, v41.window
+        self.ratio = v41.compress_ratios[layer]
+        self.kv_source, self.index_k_source = v41.kv_source[layer], v41.index_k_source[layer]
+        self.index_source = v41.index_source[layer]
+        self.consumer = layer >= v41.first_consumer
+        self.num_heads = tp.split(arch.num_heads, "num_attention_heads")  # this rank's
+        self.head_dim = arch.head_dim
+        self.rope = ropes["compress" if self.ratio else "main"]
+        self.wq_a = Linear(hidden, v41.q_lora_rank)
+        self.q_norm = RMSNorm(v41.q_lora_rank, eps, fp32_weight=True)
+        self.wq_b = ColumnParallelLinear(v41.q_lora_rank, arch.num_heads * self.head_dim,
+                                         what="num_attention_heads x head_dim")
+        self.wkv = Linear(hidden, self.head_dim)
+        self.kv_norm = RMSNorm(self.head_dim, eps, fp32_weight=True)
+        self.groups, self.group_rank = tp.split(v41.o_groups, "o_groups"), v41.o_lora_rank
+        self.wo_a = nn.Module()  # grouped: [groups * rank, heads * head_dim / groups]
+        self.wo_a.weight = nn.Parameter(
+            torch.empty(self.groups * self.group_rank, self.num_heads * self.head_dim // self.groups),
+            requires_grad=False)
+        self.wo_a.weight.weight_loader = _rank_rows(tp.rank)
+        self.wo_b = RowParallelLinear(v41.o_groups * self.group_rank, hidden)
+        self.attn_sink = _fp32_param(self.num_heads)
+        self.attn_sink.weight_loader = _rank_rows(tp.rank)
+        if self.ratio and self.kv_source == layer:
+            self.compressor = V41Compressor(hidden, self.head_dim, self.ratio, eps)
+        if self.ratio and self.index_source == layer:
+            self.indexer = V41Indexer(arch, v41, makes_keys=self.index_k_source == layer)
+
+    # ---- the layer's own KV slots ---------------------------------------------------------
+
+    def own_slots(self) -> list[str]:
+        """Window keys; a C2 KV source's raw rows (kv and gate of the last pair); a KV
+        source's entries; an index-K source's index keys."""
+        names = ["window"]
+        if self.ratio and self.kv_source == self.layer:
+            names += ["raw", "entries"] if self.ratio == 2 else ["entries"]
+        if self.ratio and self.index_k_source == self.layer:
+            names.append("index_keys")
+        return names
+
+    def slot_spec(self, name: str, block_size: int, dtype: str) -> KVSpec:
+        if name == "window":
+            return SlidingWindowSpec(block_size, 1, self.head_dim, dtype, self.window, shared_kv=True)
+        if name == "raw":
+            return SlidingWindowSpec(block_size, 1, self.head_dim, dtype, self.ratio)
+        dim = self.head_dim if name == "entries" else self.indexer.head_dim
+        return CompressedSpec(block_size, self.ratio, dim, dtype)
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, slots: dict[str, Slot],
+                step: V41Step) -> torch.Tensor:
+        T, H, D = x.shape[0], self.num_heads, self.head_dim
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.rope(self.wq_b(qr).view(T, H, D), cos, sin)
+        kv = self.rope(self.kv_norm(self.wkv(x)), cos, sin)
+        window_cache, meta = slots["window"]
+        write_kv(window_cache, kv[:, None], kv[:, None], meta.slot_mapping)
+        if self.ratio and self.kv_source == self.layer:
+            self._make_entries(step.shared_hidden if self.consumer else x, positions, slots, step)
+        if self.ratio and self.index_k_source == self.layer:
+            self._make_index_keys(slots, step)
+        out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._attend_decodes(q[:nd], qr[:nd], x[:nd], slots, step)
+        starts = meta.query_start_loc.tolist()
+        for b in range(nd, meta.num_seqs):  # prefill chunks, one sequence at a time
+            s, n, end = starts[b], meta.query_lens_list[b], meta.seq_lens_list[b]
+            if n:
+                out[s:s + n] = self._attend(b, q[s:s + n], qr[s:s + n], x[s:s + n], end - n, end,
+                                            slots, step)
+        out = self.rope(out, cos, -sin).view(T, self.groups, -1)
+        wa = self.wo_a.weight.view(self.groups, self.group_rank, -1)
+        return self.wo_b(torch.einsum("tgi,gri->tgr", out, wa).flatten(1))
+
+    def _make_entries(self, h: torch.Tensor, positions: torch.Tensor, slots: dict[str, Slot],
+                      step: V41Step) -> None:
+        """The entries whose tokens complete in this step, stored (roped) and published to
+        ``step.fresh`` (before RoPE) for the index keys."""
+        c, m = self.compressor, self.ratio
+        entry_cache, entry_meta = slots["entries"]
+        meta = slots["window"][1]
+        starts = meta.query_start_loc.tolist()
+        if m == 1:
+            pre = c.norm(c.wkv(h))
+            roped = self.rope(pre, *self.rope.cos_sin(positions, pre.dtype))
+            # One entry per token: the token's own slot (a padded decode graph's rows are -1).
+            written = entry_meta.slot_mapping >= 0
+            slot = entry_meta.slot_mapping[written].long()
+            bs = entry_meta.block_size
+            entry_cache[slot // bs, slot % bs] = roped[written]
+            fresh = [(meta.seq_lens_list[b] - meta.query_lens_list[b],
+                      pre[starts[b]:starts[b] + meta.query_lens_list[b]])
+                     for b in range(meta.num_seqs)]
+        else:
+            raw_cache, raw_meta = slots["raw"]
+            write_kv(raw_cache, c.wkv(h)[:, None], c.wgate(h)[:, None], raw_meta.slot_mapping)
+            fresh = []
+            for b in range(meta.num_seqs):
+                end = meta.seq_lens_list[b]
+                first, last = (end - meta.query_lens_list[b]) // m, end // m
+                if last <= first:
+                    fresh.append(None)
+                    continue
+                table = raw_meta.block_tables[b].tolist()
+                rows = range(first * m, last * m)
+                pooled = c.pool_pairs(compressed.paged_rows(raw_cache[0], table, rows, raw_meta.block_size),
+                                      compressed.paged_rows(raw_cache[1], table, rows, raw_meta.block_size))
+                pre = c.norm(pooled)
+                at = torch.arange(first, last, device=h.device) * m
+                compressed.store_entries(entry_cache, entry_meta.block_tables[b].tolist(), first,
+                                         self.rope(pre, *self.rope.cos_sin(at, pre.dtype)), m,
+                                         entry_meta.block_size)
+                fresh.append((first, pre))
+        step.fresh[self.layer] = fresh
+
+    def _make_index_keys(self, slots: dict[str, Slot], step: V41Step) -> None:
+        ix, m = self.indexer, self.ratio
+        key_cache, key_meta = slots["index_keys"]
+        for b, new in enumerate(step.fresh[self.kv_source]):
+            if new is None or not new[1].shape[0]:
+                continue
+            first, pre = new
+            keys = ix.k_norm(ix.wk(pre))
+            at = torch.arange(first, first + keys.shape[0], device=pre.device) * m
+            compressed.store_entries(key_cache, key_meta.block_tables[b].tolist(), first,
+                                     self.rope(keys, *self.rope.cos_sin(at, keys.dtype)), m,
+                                     key_meta.block_size)
+
+    def _attend(self, b: int, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor, ctx: int,
+                end: int, slots: dict[str, Slot], step: V41Step) -> torch.Tensor:
+        """One sequence's queries (positions ctx .. end - 1): [n, H, D]."""
+        window_cache, meta = slots["window"]
+        keys, allowed, t = compressed.sequence_window(window_cache, meta, b, ctx, end, self.window)
+        if self.ratio and end // self.ratio:
+            entry_cache, entry_meta = slots["entries"]
+            entries = compressed.sequence_entries(entry_cache, entry_meta, b, self.ratio, end)
+            visible = (torch.arange(entries.shape[0], device=q.device)[None, :]
+                       < ((t + 1) // self.ratio)[:, None])
+            if self.index_source == self.layer:
+                key_cache, key_meta = slots["index_keys"]
+                index_keys = compressed.sequence_entries(key_cache, key_meta, b, self.ratio, end)
+                visible = self._select(qr, x, t, index_keys, visible)
+                step.choices.setdefault(self.layer, {})[b] = visible
+            else:
+                visible = step.choices[self.index_source][b]
+            keys = torch.cat([keys, entries], 0)
+            allowed = torch.cat([allowed, visible], 1)
+        return compressed.attend_with_sinks(q, keys, allowed, self.attn_sink, self.head_dim**-0.5)
+
+    def _attend_decodes(self, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
+                        slots: dict[str, Slot], step: V41Step) -> torch.Tensor:
+        """The step's decodes together, padded to the longest window and entry count: [B, H, D]."""
+        nd = q.shape[0]
+        window_cache, meta = slots["window"]
+        keys, allowed, pos = compressed.decode_window(window_cache, meta, nd, self.window)
+        if self.ratio:
+            counts = (pos + 1) // self.ratio
+            count = int(counts.max())
+            if count:
+                entry_cache, entry_meta = slots["entries"]
+                entries = compressed.decode_entries(entry_cache, entry_meta, nd, self.ratio, count)
+                visible = torch.arange(count, device=q.device)[None, :] < counts[:, None]
+                if self.index_source == self.layer:
+                    key_cache, key_meta = slots["index_keys"]
+                    index_keys = compressed.decode_entries(key_cache, key_meta, nd, self.ratio, count)
+                    visible = self._select(qr, x, pos, index_keys, visible)
+                    step.choices.setdefault(self.layer, {})["decodes"] = visible
+                else:
+                    visible = step.choices[self.index_source]["decodes"]
+                keys = torch.cat([keys, entries], 1)
+                allowed = torch.cat([allowed, visible], 1)
+        return compressed.attend_with_sinks(q, keys, allowed, self.attn_sink, self.head_dim**-0.5)
+
+    def _select(self, qr: torch.Tensor, x: torch.Tensor, t: torch.Tensor, index_keys: torch.Tensor,
+                visible: torch.Tensor) -> torch.Tensor:
+        """The visible entries each query's indexer scores put in its top ``index_topk``.
+        ``index_keys``: [L, DI] shared by one sequence's queries, or [n, L, DI] per query."""
+        ix = self.indexer
+        n = qr.shape[0]
+        qi = self.rope(ix.wq_b(qr).view(n, ix.num_heads, ix.head_dim), *self.rope.cos_sin(t, qr.dtype))
+        keys = index_keys.float() if index_keys.dim() == 3 else index_keys.float().expand(n, -1, -1)
+        scores = F.relu(torch.einsum("nhd,nld->nhl", qi.float(), keys))
+        score = (scores * ix.weights_proj(x).float()[..., None]).sum(1).masked_fill(~visible, float("-inf"))
+        # Ties (ReLU zeros) go to the earlier entry (a stable sort): the choice never depends
+        # on how many entries the step scores (its chunking, a prefix hit).
+        order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+        top = order[:, :min(ix.topk, score.shape[1])]
+        return torch.zeros_like(visible).scatter_(1, top, True) & visible
+
+
+class V41DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, v41: V41Arch, layer: int, ropes: dict[str, V4Rope]) -> None:
+        super().__init__()
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
+        streams, iters, hc_eps = v41.hc_mult, v41.hc_sinkhorn_iters, v41.hc_eps
+        self.shifted = v41.hc_shifted
+        self.shares_hidden = layer == v41.first_consumer
+        self.hc_attn = HyperConnection(streams, hidden, iters, hc_eps, eps)
+        self.attn_norm = RMSNorm(hidden, eps, fp32_weight=True)
+        self.attn = V41Attention(arch, v41, layer, ropes)
+        self.hc_ffn = HyperConnection(streams, hidden, iters, hc_eps, eps)
+        self.ffn_norm = RMSNorm(hidden, eps, fp32_weight=True)
+        self.ffn = V4MoE(arch, v41.routed_scaling_factor, v41.swiglu_limit,
+                         shared_experts=arch.moe.num_shared_experts, vision_bias=True)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, pre: torch.Tensor | None,
+                input_ids: torch.Tensor, slots: dict[str, Slot],
+                step: V41Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """(streams, this layer's last mix: the next sublayer's ``pre`` when shifted).
+        ``pre`` None: the first layer, whose input is stream 0 (the embedding)."""
+        mix, post, comb = self.hc_attn.mixes(h)
+        x = self._input(h, pre, mix)
+        xn = self.attn_norm(x)
+        if self.shares_hidden:
+            step.shared_hidden = xn
+        h = HyperConnection.write_back(h, post, comb, self.attn(positions, xn, slots, step))
+        mix_ffn, post, comb = self.hc_ffn.mixes(h)
+        x = self._input(h, mix, mix_ffn)
+        h = HyperConnection.write_back(h, post, comb, self.ffn(self.ffn_norm(x), input_ids))
+        return h, mix_ffn
+
+    def _input(self, h: torch.Tensor, previous: torch.Tensor | None, own: torch.Tensor) -> torch.Tensor:
+        if not self.shifted:
+            return HyperConnection.collapse(own, h)
+        return h[:, 0] if previous is None else HyperConnection.collapse(previous, h)
+
+
+class DeepseekV41ForCausalLM(CausalLM):
+    """Module names are the release checkpoint's (``embed``, ``layers.<l>.attn.wq_a``,
+    ``layers.<l>.ffn.experts.<e>.w1``, ``hc_attn_fn``, ``norm``, ``head``); a leading
+    ``model.`` is read past. DSpark's ``mtp.*`` and the vision tower's tensors are not
+    loaded (the loader names them in its log)."""
+
+    supports_tensor_parallel = True
+    supports_fp8_kv_cache = False  # entries and index keys are read in torch, unscaled
+
+    expert_weights = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)}
+    packed_modules = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1)}
+    checkpoint_renames = {
+        "shared_experts.w2": "shared_experts.down_proj",
+        **{f"hc_{part}_{p}": f"hc_{part}.{p}" for part in ("attn", "ffn") for p in ("fn", "base", "scale")},
+    }
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        v41 = arch.deepseek_v41()
+        hidden, eps, max_position = arch.hidden_size, arch.rms_norm_eps, arch.rope.max_position
+        ropes = {"main": V4Rope(v41.rope_dim, v41.rope_theta, None, max_position),
+                 "compress": V4Rope(v41.rope_dim, v41.compress_rope_theta, v41.compress_rope_scaling,
+                                    max_position)}
+        self.checkpoint_prefixes = {"model.": ""}
+        self.streams, self.shifted = v41.hc_mult, v41.hc_shifted
+        self.embed = VocabEmbedding(arch.vocab_size, hidden)
+        self.layers = nn.ModuleList(V41DecoderLayer(arch, v41, i, ropes) for i in range(arch.num_layers))
+        if not self.shifted:
+            self.hc_head = HyperHead(self.streams, hidden, v41.hc_eps, eps)
+        self.norm = RMSNorm(hidden, eps, fp32_weight=True)
+        self.head = LMHead(arch.vocab_size, hidden, None)
+        self._owners: list[tuple[int, str]] = []
+        """(layer, slot name) of each cache slot, in order."""
+        self._slots: list[dict[str, int]] = []
+        """Per layer, the cache slot it reads for each name: its own, or its source's."""
+        for layer in self.layers:
+            attn, slots = layer.attn, {}
+            for name in attn.own_slots():
+                slots[name] = len(self._owners)
+                self._owners.append((attn.layer, name))
+            if attn.ratio:
+                for name, source in (("entries", attn.kv_source), ("index_keys", attn.index_k_source)):
+                    if name not in slots:
+                        slots[name] = self._slots[source][name]
+            self._slots.append(slots)
+
+    def kv_cache_specs(self, block_size: int, dtype: str) -> list[KVSpec | None]:
+        """Every layer's own slots in layer order (see the module docstring)."""
+        return [self.layers[layer].attn.slot_spec(name, block_size, dtype)
+                for layer, name in self._owners]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
+        x = self.embed(input_ids)
+        h = x.unsqueeze(1).expand(-1, self.streams, -1).contiguous()
+        step, pre = V41Step(), None
+        for layer, slots in zip(self.layers, self._slots, strict=True):
+            views = {name: (kv_caches[i], metas[i]) for name, i in slots.items()}
+            h, pre = layer(positions, h, pre, input_ids, views, step)
+        if self.shifted:
+            return self.norm(HyperConnection.collapse(pre, h))
+        return self.norm(self.hc_head(h))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)

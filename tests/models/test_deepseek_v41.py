@@ -1,0 +1,138 @@
+"""DeepSeek-V4.1 (DeepInfer's model) from a checkpoint in DeepInfer's release format: the
+engine's paged, chunked, batched forward gives the plain float64 reference's logits
+(tests/models/v41_reference.py: one sequence, no cache, everything recomputed), and its
+greedy tokens with and without prefix hits. Window, C2 and C1 layers; a KV source, layers
+reading its entries, index keys or top-k choice; the YOCO consumers' shared hidden state;
+shifted hyper-connections; FP8 projections and MXFP4 experts as stored. The file store,
+disaggregation and speculation run in tests/models/test_deepseek_v4.py (``v4_family``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_hf_parity import PagedModel, _prompts
+from v41_reference import TEXT, V41Reference, build_v41_checkpoint, v41_config
+
+from openinfer import LLM, SamplingParams
+from openinfer.config import ModelConfig
+from openinfer.models.arch import ArchConfig
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory):
+    return build_v41_checkpoint(tmp_path_factory.mktemp("v41"))
+
+
+def test_prompt_chunks_and_decodes_match_the_reference(v41):
+    ours, ref = PagedModel(v41, attention="torch", dtype="float32"), V41Reference(v41)
+    assert ours.config.architecture == "DeepseekV41ForCausalLM"
+    a, b = _prompts(ours.config.vocab_size, [45, 29])
+    first = ours.step([(0, a[:14], 0), (1, b, 0)])  # a chunk of a (odd length: a C2 pair split), all of b
+    torch.testing.assert_close(first[14:], ref.logits(b).float(), atol=2e-5, rtol=1e-4)
+    second = ours.step([(0, a[14:37], 14)])         # a continuation over its cached context
+    rest = [ours.step([(0, a[i:i + 1], i)]) for i in range(37, 45)]  # decodes
+    got = torch.cat([first[:14], second, *rest])
+    torch.testing.assert_close(got, ref.logits(a).float(), atol=2e-5, rtol=1e-4)
+
+
+def test_the_reference_exercises_every_part(v41):
+    """The check above means something: top-k drops entries in every compressed layer, and
+    computing the consumers' entries from their own hidden state, or a layer's index keys
+    from its source's, changes the answer."""
+    ref = V41Reference(v41)
+    prompt = _prompts(1024, [40], seed=5)[0]
+    want = ref.logits(prompt)
+    for layer in range(1, 7):
+        last_visible = len(prompt) // TEXT["compress_ratios"][layer]
+        assert len(ref.state[layer]["choice"][-1]) == TEXT["index_topk"] < last_visible
+    changes = {"every entry chosen": lambda r: r.cfg.update(index_topk=10_000),
+               "consumers' own hidden states": lambda r: setattr(r, "first_consumer", 99),
+               "layer 4 reading layer 3's index keys": lambda r: r.ik_src.__setitem__(4, 3)}
+    for what, change in changes.items():
+        other = V41Reference(v41)
+        change(other)
+        assert (other.logits(prompt) - want).abs().max() > 1e-3, what
+
+
+def test_engine_greedy_tokens_match_the_reference_with_and_without_prefix_caching(v41):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    options = dict(block_size=4, max_num_batched_tokens=16, window_snapshot_interval=16,
+                   dtype="float32", progress=False)
+    prompts = _prompts(1024, [37, 5, 26], seed=3)
+    llm = LLM(str(v41), **options)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    ref = V41Reference(v41)
+    for prompt, tokens in zip(prompts, outs, strict=True):  # the reference's argmax after each prefix
+        assert tokens == ref.logits(prompt + tokens)[len(prompt) - 1:-1].argmax(-1).tolist()
+    again = llm.generate(prompts + [prompts[0][:30] + [5, 6, 7]], params)
+    assert [o.outputs[0].token_ids for o in again[:3]] == outs
+    assert again[0].num_cached_tokens > 0 and again[3].num_cached_tokens > 0
+    plain = LLM(str(v41), enable_prefix_caching=False, **options)
+    assert again[3].outputs[0].token_ids == \
+        plain.generate([prompts[0][:30] + [5, 6, 7]], params)[0].outputs[0].token_ids
+    llm.engine.check_integrity()
+
+
+def test_bfloat16_stays_near_the_exact_answer(tmp_path):
+    """bf16 compute (mHC, norms, sinks, gate biases kept in float32): the mean error against
+    the float64 reference stays a small fraction of the logits' spread (2% measured) and the
+    top tokens agree. Measured with every entry chosen: top-k is discontinuous, so near a tie
+    a bf16-rounded score picks another entry (with index_topk 4 the error is 11%, all of it
+    after the first flip; DeepInfer scores in FP4, further still). float32 is within 2e-5."""
+    path = build_v41_checkpoint(tmp_path / "v41", index_topk=10_000)
+    ours = PagedModel(path, attention="torch", dtype="bfloat16")
+    prompt = _prompts(1024, [33], seed=7)[0]
+    got, want = ours.step([(0, prompt, 0)]).double(), V41Reference(path).logits(prompt)
+    assert (got - want).abs().mean() < 0.04 * want.std()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(engram_layer_ids=[1]), "engram_layer_ids"),
+    (dict(candidate_source_layer_id=3), "candidate_source_layer_id"),
+    (dict(scoring_func="sigmoid"), "scoring_func"),
+    (dict(compress_ratios=[0, 2, 2, 0, 0, 0, 0, 0]), "no ratio-1 layer"),
+    (dict(compress_ratios=[0, 2, 2, 1, 2, 1, 1, 0]), "ratio-2 layer after"),
+    (dict(compress_ratios=[0, 2, 1, 1]), "num_hidden_layers"),
+    (dict(kv_source_layer_ids=[1, 4]), "makes layer 3 .* read layer 1's"),  # across the split
+    (dict(index_k_source_layer_ids=[1, 3, 4]), "every KV source must be an index-K source"),
+    (dict(kv_source_layer_ids=[0, 3]), "only a compressed layer of the same ratio"),
+])
+def test_configs_it_cannot_serve_are_refused_by_name(tmp_path, change, message):
+    (tmp_path / "config.json").write_text(json.dumps(v41_config(**change)))
+    config = ModelConfig.from_pretrained(tmp_path, dtype="float32")
+    with pytest.raises(ValueError, match=message):
+        ArchConfig.from_hf(config.hf_config).deepseek_v41()
+
+
+def test_the_release_config_reads_as_deepinfer_reads_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(v41_config()))
+    config = ModelConfig.from_pretrained(tmp_path)
+    arch = ArchConfig.from_hf(config.hf_config)
+    v41 = arch.deepseek_v41()
+    assert (arch.num_layers, arch.num_heads, arch.head_dim, config.eos_token_ids) == (7, 4, 32, (1,))
+    assert v41.first_consumer == 3 and v41.compress_ratios == (0, 2, 2, 1, 1, 1, 1)
+    assert v41.kv_source == (0, 1, 1, 3, 3, 5, 5)
+    assert v41.index_k_source == (0, 1, 1, 3, 4, 5, 5)
+    assert v41.index_source == (0, 1, 2, 3, 4, 5, 5)
+    assert config.dtype in (torch.float32, torch.bfloat16)  # "dtype": "bfloat16", as this CPU runs it
+
+
+def test_two_ranks_give_the_tokens_and_logprobs_of_one(v41):
+    """Heads, sinks and output groups split over two ranks (the one K = V head, entries and
+    indexers whole on each); fp8 projections sliced by rows or columns as loaded."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = _prompts(1024, [5, 37, 12], seed=7)
+    options = dict(progress=False, max_num_batched_tokens=24, dtype="float32")
+    expected = LLM(str(v41), **options).generate(prompts, params)
+    two = LLM(str(v41), tensor_parallel_size=2, **options)
+    try:
+        for want, got in zip(expected, two.generate(prompts, params), strict=True):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            for step_want, step_got in zip(want.outputs[0].logprobs, got.outputs[0].logprobs, strict=True):
+                for token, lp in step_want.items():
+                    assert step_got[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+    finally:
+        two.engine.core.shutdown()

@@ -1,0 +1,389 @@
+"""A tiny DeepSeek-V4.1 checkpoint in DeepInfer's release format, and a plain reference
+forward for it (transformers has no V4.1).
+
+The builder writes what DeepInfer's loader reads (docs/research/deepinfer_v41.md, section 2):
+config.json with ``text_config``/``vision_config``/``quantization_config``, tensors under the
+release names, fp8 e4m3 projections with a power-of-two (e8m0) scale per 32 x 32 tile named
+``<module>.scale``, MXFP4 routed experts, bf16 norms and small weights, fp32 mHC and sink
+tensors; plus tensors the text model does not read (a DSpark layer, the vision aligner).
+
+The reference runs one sequence in float64 with no cache: every key, entry and top-k choice
+recomputed from the whole prefix, written from the reading notes (not from the engine's
+model code), with its own dequantization of the stored bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from conftest import quantize_blocks
+from safetensors.torch import load_file, save_file
+
+from openinfer.demo import build_demo_tokenizer
+
+TEXT = dict(
+    hidden_act="silu", attention_bias=False, attention_dropout=0.0, num_key_value_heads=1,
+    num_hidden_layers=7, num_nextn_predict_layers=1,
+    # 0 window; 1 C2 source; 2 C2 reading 1's entries and index keys, choosing its own top-k;
+    # C1: 3 the first consumer; 4 reading 3's entries, its own index keys and choice; 5 a
+    # source again (from 3's hidden state); 6 reading everything of 5.
+    compress_ratios=[0, 2, 2, 1, 1, 1, 1, 0],
+    kv_source_layer_ids=[1, 3, 5], index_k_source_layer_ids=[1, 3, 4, 5],
+    index_source_layer_ids=[1, 2, 3, 4, 5], candidate_source_layer_id=None,
+    hidden_size=64, num_attention_heads=4, head_dim=32, qk_rope_head_dim=8,
+    q_lora_rank=32, o_lora_rank=16, o_groups=2, vocab_size=1024, max_position_embeddings=2048,
+    rms_norm_eps=1e-6, sliding_window=4, rope_theta=10000.0, compress_rope_theta=160000.0,
+    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                  "beta_fast": 32, "beta_slow": 1},
+    index_topk=4, index_n_heads=2, index_head_dim=16,
+    hc_mult=4, hc_eps=1e-6, hc_sinkhorn_iters=20, hc_shifted=True,
+    moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+    routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", norm_topk_prob=True,
+    topk_method="noaux_tc", swiglu_limit=1.0, tie_word_embeddings=False,
+    dspark_block_size=4, dspark_target_layer_ids=[0, 2], dspark_markov_rank=8,
+    dspark_noise_token_id=4, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2,
+    engram_layer_ids=[],
+)
+QUANTIZATION = {"quant_method": "fp8", "expert_dtype": "fp4", "activation_scheme": "dynamic",
+                "weight_block_size": [32, 32], "scale_fmt": "ue8m0"}
+BLOCK = 32
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP8_MODULES = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b",
+               "attn.indexer.wq_b", "shared_experts.w1", "shared_experts.w2", "shared_experts.w3")
+
+
+# ---- the checkpoint --------------------------------------------------------------------------
+
+def _mxfp4(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (int8 [N, K/2]: element 2j in byte j's low nibble, e8m0 [N, K/32])."""
+    n, k = t.shape
+    groups = t.float().reshape(n, k // 32, 32)
+    scale = torch.exp2(torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-12) / 6)))
+    x = groups / scale[..., None]
+    codes = (x.abs()[..., None] - torch.tensor(E2M1)).abs().argmin(-1) | ((x < 0).long() << 3)
+    codes = codes.reshape(n, k)
+    return ((codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8),
+            scale.to(torch.float8_e8m0fnu))
+
+
+def v41_config(**text: object) -> dict:
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+        "dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
+        "image_token_id": 3, "quantization_config": QUANTIZATION,
+        "vision_config": {"hidden_size": 64, "downsample_ratio": 2, "patch_size": 14,
+                          "max_image_tokens": 256, "min_pixels": 3136, "max_wh_ratio": None},
+        "text_config": {**TEXT, **text},
+    }
+
+
+def _layer_tensors(cfg: dict, layer: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    H, D, nh, m = cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"], cfg["hc_mult"]
+    rq, G, ro = cfg["q_lora_rank"], cfg["o_groups"], cfg["o_lora_rank"]
+    E, inter, S = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["n_shared_experts"]
+    hi, di = cfg["index_n_heads"], cfg["index_head_dim"]
+
+    def w(out: int, inp: int) -> torch.Tensor:
+        return torch.randn(out, inp, generator=g) * inp**-0.5
+
+    def norm(n: int) -> torch.Tensor:
+        return 1 + 0.2 * torch.randn(n, generator=g)
+
+    t: dict[str, torch.Tensor] = {"attn_norm.weight": norm(H), "ffn_norm.weight": norm(H)}
+    for part in ("attn", "ffn"):
+        t[f"hc_{part}_fn"] = torch.randn((2 + m) * m, m * H, generator=g) * 0.05
+        t[f"hc_{part}_base"] = torch.randn((2 + m) * m, generator=g) * 0.5
+        t[f"hc_{part}_scale"] = torch.rand(3, generator=g) * 1.5 + 0.5
+    t |= {"attn.wq_a.weight": w(rq, H), "attn.q_norm.weight": norm(rq),
+          "attn.wq_b.weight": w(nh * D, rq), "attn.wkv.weight": w(D, H),
+          "attn.kv_norm.weight": norm(D), "attn.wo_a.weight": w(G * ro, nh // G * D),
+          "attn.wo_b.weight": w(H, G * ro), "attn.attn_sink": torch.randn(nh, generator=g) * 0.5}
+    ratio = cfg["compress_ratios"][layer]
+    sources = {key: _source(cfg[key], layer) for key in
+               ("kv_source_layer_ids", "index_k_source_layer_ids", "index_source_layer_ids")}
+    if ratio and sources["kv_source_layer_ids"] == layer:
+        t["attn.compressor.wkv.weight"] = w(D, H)
+        if ratio == 2:
+            t["attn.compressor.wgate.weight"] = w(D, H) * 4
+        t["attn.compressor.norm.weight"] = norm(D)
+    if ratio and sources["index_source_layer_ids"] == layer:
+        t["attn.indexer.wq_b.weight"] = w(hi * di, rq)
+        t["attn.indexer.weights_proj.weight"] = w(hi, H)
+    if ratio and sources["index_k_source_layer_ids"] == layer:
+        t["attn.indexer.wk.weight"] = w(di, D)
+        t["attn.indexer.k_norm.weight"] = norm(di)
+    t |= {"ffn.gate.weight": w(E, H), "ffn.gate.bias": torch.randn(E, generator=g) * 0.1,
+          "ffn.gate.bias_vl": torch.randn(E, generator=g) * 0.1,
+          "ffn.shared_experts.w1.weight": w(S * inter, H),
+          "ffn.shared_experts.w3.weight": w(S * inter, H),
+          "ffn.shared_experts.w2.weight": w(H, S * inter)}
+    for e in range(E):
+        t |= {f"ffn.experts.{e}.w1.weight": w(inter, H), f"ffn.experts.{e}.w3.weight": w(inter, H),
+              f"ffn.experts.{e}.w2.weight": w(H, inter)}
+    return {f"layers.{layer}.{k}": v for k, v in t.items()}
+
+
+def _source(ids: list[int], layer: int) -> int:
+    return max((s for s in ids if s <= layer), default=layer)
+
+
+def build_v41_checkpoint(path: Path, seed: int = 0, **text: object) -> Path:
+    """A random tiny V4.1 in the release format (see the module docstring), with the demo
+    tokenizer; ``text``: ``text_config`` fields to change."""
+    config = v41_config(**text)
+    cfg = config["text_config"]
+    g = torch.Generator().manual_seed(seed)
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    plain: dict[str, torch.Tensor] = {
+        "embed.weight": torch.randn(V, H, generator=g),
+        "head.weight": torch.randn(V, H, generator=g) * H**-0.5,
+        "norm.weight": 1 + 0.2 * torch.randn(H, generator=g)}
+    for layer in range(cfg["num_hidden_layers"]):
+        plain |= _layer_tensors(cfg, layer, g)
+    # Not read by the text model: a DSpark layer's projection, the vision side.
+    plain |= {"mtp.0.main_proj.weight": torch.randn(H, 2 * H, generator=g),
+              "mtp.0.main_norm.weight": torch.ones(H), "image_newline": torch.zeros(H),
+              "vision_pipeline.aligner.aligner.w1.weight": torch.randn(H, 64, generator=g)}
+    stored: dict[str, torch.Tensor] = {}
+    for name, t in plain.items():
+        module = name.removesuffix(".weight")
+        if ".experts." in name and ".shared_experts." not in name:
+            stored[name], stored[f"{module}.scale"] = _mxfp4(t)
+        elif name.endswith(".weight") and module.endswith(FP8_MODULES):
+            stored[name], stored[f"{module}.scale"] = quantize_blocks(t, BLOCK, ue8m0=True)
+        elif name.endswith(("attn_sink", "_fn", "_base", "_scale", "gate.bias", "gate.bias_vl")):
+            stored[name] = t.float()
+        else:
+            stored[name] = t.to(torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(stored, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    build_demo_tokenizer(V).save_pretrained(path)
+    return path
+
+
+# ---- the reference ---------------------------------------------------------------------------
+
+def _dequantize(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """float64 values of every tensor: fp8 x 2^(e - 127) per 32 x 32 tile; MXFP4 nibbles
+    (low first) x 2^(e - 127) per 32 inputs of a row."""
+    out = {}
+    for name, t in stored.items():
+        if name.endswith(".scale"):
+            continue
+        scale_name = name.removesuffix(".weight") + ".scale"
+        if scale_name not in stored:
+            out[name] = t.double()
+            continue
+        exponent = stored[scale_name].view(torch.uint8).long() - 127
+        factor = torch.pow(2.0, exponent.double())
+        if t.dtype == torch.int8:
+            b = t.view(torch.uint8).long()
+            codes = torch.stack([b & 15, b >> 4], -1).flatten(-2)
+            value = torch.tensor(E2M1, dtype=torch.float64)[codes & 7] * (1 - 2 * (codes >> 3))
+            out[name] = value * factor.repeat_interleave(32, 1)
+        else:
+            n, k = t.shape
+            tiles = factor.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+            out[name] = t.double() * tiles
+    return out
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
+def _inv_freq(d: int, theta: float, yarn: dict | None) -> torch.Tensor:
+    """RoPE frequencies; YaRN's blend of interpolated and extrapolated ones (DeepInfer's
+    YaRNScalingRotaryEmbedding, magnitude factor 1)."""
+    freqs = theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    if not yarn:
+        return 1 / freqs
+    orig, factor = yarn["original_max_position_embeddings"], yarn["factor"]
+
+    def dim_of(rotations: float) -> float:
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_of(yarn["beta_fast"])), 0)
+    high = min(math.ceil(dim_of(yarn["beta_slow"])), d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequencies kept), 0: interpolate
+    return (1 / (factor * freqs)) * (1 - keep) + (1 / freqs) * keep
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+          inverse: bool = False) -> torch.Tensor:
+    """Interleaved pairs of the last 2 * len(inv_freq) dims rotated by position x frequency."""
+    d = 2 * inv_freq.shape[0]
+    angle = positions.double()[:, None] * inv_freq[None, :]
+    if inverse:
+        angle = -angle
+    shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
+    cos, sin = angle.cos().view(shape), angle.sin().view(shape)
+    a, b = x[..., -d:][..., 0::2], x[..., -d:][..., 1::2]
+    rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2)
+    return torch.cat([x[..., :-d], rotated], -1)
+
+
+def _mixes(R: torch.Tensor, fn, base, scale, m: int, iters: int, eps: float, norm_eps: float):
+    flat = _rms(R.flatten(1), None, norm_eps)
+    mix = flat @ fn.T
+    pre = torch.sigmoid(mix[:, :m] * scale[0] + base[:m]) + eps
+    post = 2 * torch.sigmoid(mix[:, m:2 * m] * scale[1] + base[m:2 * m])
+    comb = torch.softmax(mix[:, 2 * m:].view(-1, m, m) * scale[2] + base[2 * m:].view(m, m), -1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+class V41Reference:
+    """``logits(ids)``: [T, vocab] float64 for one sequence."""
+
+    def __init__(self, path: Path) -> None:
+        config = json.loads((path / "config.json").read_text())
+        self.cfg = c = config["text_config"]
+        self.w = _dequantize(load_file(path / "model.safetensors"))
+        self.n = c["num_hidden_layers"]
+        self.ratios = c["compress_ratios"][:self.n]
+        self.first_consumer = self.ratios.index(1)
+        self.kv_src = [_source(c["kv_source_layer_ids"], i) for i in range(self.n)]
+        self.ik_src = [_source(c.get("index_k_source_layer_ids") or c["kv_source_layer_ids"], i)
+                       for i in range(self.n)]
+        self.ix_src = [_source(c["index_source_layer_ids"], i) for i in range(self.n)]
+        d_r = c["qk_rope_head_dim"]
+        yarn = c.get("rope_scaling")
+        self.freq_window = _inv_freq(d_r, c["rope_theta"], None)
+        self.freq_compressed = _inv_freq(d_r, c["compress_rope_theta"], yarn)
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        c, w, eps = self.cfg, self.w, self.cfg["rms_norm_eps"]
+        m = c["hc_mult"]
+        T = len(ids)
+        pos = torch.arange(T)
+        R = w["embed.weight"][torch.tensor(ids)][:, None, :].repeat(1, m, 1)
+        pre = None
+        self.state: dict[int, dict] = {}
+        self.shared = None
+        for layer in range(self.n):
+            p = f"layers.{layer}."
+            mix_a, post, comb = self._hc(R, p + "hc_attn")
+            x = R[:, 0] if pre is None else (pre[..., None] * R).sum(1)
+            xn = _rms(x, w[p + "attn_norm.weight"], eps)
+            if layer == self.first_consumer:
+                self.shared = xn
+            y = self._attention(layer, xn, pos)
+            R = post[..., None] * y[:, None] + torch.einsum("tjk,tjh->tkh", comb, R)
+            mix_f, post, comb = self._hc(R, p + "hc_ffn")
+            x = (mix_a[..., None] * R).sum(1)
+            y = self._moe(layer, _rms(x, w[p + "ffn_norm.weight"], eps))
+            R = post[..., None] * y[:, None] + torch.einsum("tjk,tjh->tkh", comb, R)
+            pre = mix_f
+        h = _rms((pre[..., None] * R).sum(1), w["norm.weight"], eps)
+        return h @ w["head.weight"].T
+
+    def _hc(self, R: torch.Tensor, prefix: str):
+        c, w = self.cfg, self.w
+        return _mixes(R, w[prefix + "_fn"], w[prefix + "_base"], w[prefix + "_scale"], c["hc_mult"],
+                      c["hc_sinkhorn_iters"], c["hc_eps"], c["rms_norm_eps"])
+
+    def _attention(self, layer: int, xn: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        c, w, eps = self.cfg, self.w, self.cfg["rms_norm_eps"]
+        p = f"layers.{layer}.attn."
+        T, H, D, W = xn.shape[0], c["num_attention_heads"], c["head_dim"], c["sliding_window"]
+        ratio = self.ratios[layer]
+        freq = self.freq_compressed if ratio else self.freq_window
+        qa = _rms(xn @ w[p + "wq_a.weight"].T, w[p + "q_norm.weight"], eps)
+        q = _rope((qa @ w[p + "wq_b.weight"].T).view(T, H, D), pos, freq)
+        kv = _rope(_rms(xn @ w[p + "wkv.weight"].T, w[p + "kv_norm.weight"], eps), pos, freq)
+        state: dict = {}
+        if ratio:
+            state = self._entries(layer, xn, ratio, freq)
+            self.state[layer] = state
+        out = torch.zeros(T, H, D, dtype=torch.float64)
+        sink = w[p + "attn_sink"]
+        for t in range(T):
+            keys = [kv[max(0, t - W + 1):t + 1]]
+            if ratio and (t + 1) // ratio:
+                keys.append(state["entries"][state["choice"][t]])
+            k = torch.cat(keys, 0)
+            logits = torch.einsum("hd,ld->hl", q[t], k) * D**-0.5
+            probs = torch.cat([logits, sink[:, None]], 1).softmax(-1)[:, :-1]
+            out[t] = probs @ k
+        out = _rope(out, pos, freq, inverse=True)
+        G = c["o_groups"]
+        wa = w[p + "wo_a.weight"].view(G, c["o_lora_rank"], -1)
+        o = torch.einsum("tgi,gri->tgr", out.reshape(T, G, -1), wa).flatten(1)
+        return o @ w[p + "wo_b.weight"].T
+
+    def _entries(self, layer: int, xn: torch.Tensor, ratio: int, freq: torch.Tensor) -> dict:
+        """The layer's entries (roped), index keys and every query's top-k choice."""
+        c, w, eps = self.cfg, self.w, self.cfg["rms_norm_eps"]
+        p = f"layers.{layer}.attn."
+        T = xn.shape[0]
+        if self.kv_src[layer] == layer:
+            h = self.shared if layer >= self.first_consumer else xn
+            lat = h @ w[p + "compressor.wkv.weight"].T
+            if ratio == 2:
+                count = T // 2
+                score = (h @ w[p + "compressor.wgate.weight"].T)[:2 * count].view(count, 2, -1)
+                c_pre = (lat[:2 * count].view(count, 2, -1) * score.softmax(1)).sum(1)
+            else:
+                c_pre = lat
+            pre_rope = _rms(c_pre, w[p + "compressor.norm.weight"], eps)
+            at = torch.arange(pre_rope.shape[0]) * ratio
+            entries = _rope(pre_rope, at, freq)
+        else:
+            source = self.state[self.kv_src[layer]]
+            pre_rope, entries = source["pre_rope"], source["entries"]
+        count = entries.shape[0]
+        at = torch.arange(count) * ratio
+        if self.ik_src[layer] == layer:
+            index_keys = _rope(_rms(pre_rope @ w[p + "indexer.wk.weight"].T,
+                                    w[p + "indexer.k_norm.weight"], eps), at, freq)
+        else:
+            index_keys = self.state[self.ik_src[layer]]["index_keys"]
+        if self.ix_src[layer] == layer:
+            hi, di, k = c["index_n_heads"], c["index_head_dim"], c["index_topk"]
+            qa = _rms(xn @ w[p + "wq_a.weight"].T, w[p + "q_norm.weight"], eps)
+            qi = _rope((qa @ w[p + "indexer.wq_b.weight"].T).view(T, hi, di), torch.arange(T), freq)
+            weights = xn @ w[p + "indexer.weights_proj.weight"].T
+            choice = []
+            for t in range(T):
+                visible = (t + 1) // ratio
+                score = (weights[t][:, None] * F.relu(qi[t] @ index_keys[:visible].T)).sum(0)
+                # ties to the earlier entry
+                order = sorted(range(visible), key=lambda j: (-float(score[j]), j))
+                choice.append(torch.tensor(sorted(order[:k]), dtype=torch.long))
+        else:
+            choice = self.state[self.ix_src[layer]]["choice"]
+        return {"pre_rope": pre_rope, "entries": entries, "index_keys": index_keys, "choice": choice}
+
+    def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        c, w = self.cfg, self.w
+        p = f"layers.{layer}.ffn."
+        L = c["swiglu_limit"]
+
+        def mlp(x, w1, w3, w2):
+            return (F.silu((x @ w1.T).clamp(max=L)) * (x @ w3.T).clamp(-L, L)) @ w2.T
+
+        s = torch.sqrt(F.softplus(x @ w[p + "gate.weight"].T))
+        top = torch.topk(s + w[p + "gate.bias"], c["num_experts_per_tok"], -1).indices
+        weights = s.gather(1, top)
+        weights = weights / weights.sum(-1, keepdim=True) * c["routed_scaling_factor"]
+        y = mlp(x, w[p + "shared_experts.w1.weight"], w[p + "shared_experts.w3.weight"],
+                w[p + "shared_experts.w2.weight"])
+        for t in range(x.shape[0]):
+            for e, weight in zip(top[t].tolist(), weights[t], strict=True):
+                e_ = f"{p}experts.{e}."
+                y[t] += weight * mlp(x[t:t + 1], w[e_ + "w1.weight"], w[e_ + "w3.weight"],
+                                     w[e_ + "w2.weight"])[0]
+        return y
