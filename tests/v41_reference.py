@@ -5,7 +5,8 @@ The builder writes what DeepInfer's loader reads (docs/research/deepinfer_v41.md
 config.json with ``text_config``/``vision_config``/``quantization_config``, tensors under the
 release names, fp8 e4m3 projections with a power-of-two (e8m0) scale per 32 x 32 tile named
 ``<module>.scale``, MXFP4 routed experts, bf16 norms and small weights, fp32 mHC and sink
-tensors; plus tensors the text model does not read (a DSpark layer, the vision aligner).
+tensors, Engram's n-gram tables as fp8 rows with a scale per 32 of a row; plus tensors the
+text model does not read (a DSpark layer, the vision aligner).
 
 The reference runs one sequence in float64 with no cache: every key, entry and top-k choice
 recomputed from the whole prefix, written from the reading notes (not from the engine's
@@ -16,8 +17,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import unicodedata
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from conftest import quantize_blocks
@@ -46,13 +50,15 @@ TEXT = dict(
     topk_method="noaux_tc", swiglu_limit=1.0, tie_word_embeddings=False,
     dspark_block_size=4, dspark_target_layer_ids=[0, 2], dspark_markov_rank=8,
     dspark_noise_token_id=4, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2,
-    engram_layer_ids=[],
+    # Engram on a window layer and a C2 layer
+    engram_layer_ids=[0, 2], engram_max_ngram_size=3, engram_vocab_size=61, engram_n_heads=2,
+    engram_head_dim=32, engram_pad_token_id=2, engram_compressed_vocab_size=900,
 )
 QUANTIZATION = {"quant_method": "fp8", "expert_dtype": "fp4", "activation_scheme": "dynamic",
                 "weight_block_size": [32, 32], "scale_fmt": "ue8m0"}
 BLOCK = 32
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-FP8_MODULES = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b",
+FP8_MODULES = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "engram.wkv",
                "attn.indexer.wq_b", "shared_experts.w1", "shared_experts.w2", "shared_experts.w3")
 
 
@@ -68,6 +74,61 @@ def _mxfp4(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = codes.reshape(n, k)
     return ((codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8),
             scale.to(torch.float8_e8m0fnu))
+
+
+def _fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = t.shape
+    groups = t.reshape(n, k // 32, 32)
+    scale = torch.exp2(torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-12) / 448)))
+    q = (groups / scale[..., None]).reshape(n, k).to(torch.float8_e4m3fn)
+    return q, scale.to(torch.float8_e8m0fnu)
+
+
+def _is_prime(n: int) -> bool:
+    return n > 1 and all(n % d for d in range(2, math.isqrt(n) + 1))
+
+
+def _engram_primes(cfg: dict) -> dict[int, list[int]]:
+    """Per Engram layer, the table sizes in (n-gram size, head) order: from
+    ``engram_vocab_size - 1``, each the next prime above the last, none used twice."""
+    seen, out = set(), {}
+    for layer in cfg["engram_layer_ids"]:
+        sizes = []
+        for _ in range(cfg["engram_max_ngram_size"] - 1):
+            p = cfg["engram_vocab_size"] - 1
+            for _ in range(cfg["engram_n_heads"]):
+                p += 1
+                while not _is_prime(p) or p in seen:
+                    p += 1
+                seen.add(p)
+                sizes.append(p)
+        out[layer] = sizes
+    return out
+
+
+def _engram_rows(cfg: dict) -> dict[int, int]:
+    return {layer: sum(sizes) for layer, sizes in _engram_primes(cfg).items()}
+
+
+def _compressed_ids(tokenizer_file: Path) -> list[int]:
+    """Each id's compressed id (tokens equal after NFKC, NFD, accents dropped, lowercase,
+    whitespace runs as one space and stripped, a lone space kept, share one)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    keys: dict[str, int] = {}
+    out = []
+    for i in range(tok.get_vocab_size()):
+        text = tok.decode([i], skip_special_tokens=False)
+        if "\ufffd" in text:
+            key = tok.id_to_token(i)
+        else:
+            folded = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+            folded = "".join(c for c in folded if unicodedata.category(c) != "Mn").lower()
+            folded = re.sub(r"[ \t\r\n]+", " ", folded)
+            key = (folded if folded == " " else folded.strip()) or text
+        out.append(keys.setdefault(key, len(keys)))
+    return out
 
 
 def v41_config(**text: object) -> dict:
@@ -144,6 +205,15 @@ def build_v41_checkpoint(path: Path, seed: int = 0, **text: object) -> Path:
         "norm.weight": 1 + 0.2 * torch.randn(H, generator=g)}
     for layer in range(cfg["num_hidden_layers"]):
         plain |= _layer_tensors(cfg, layer, g)
+    rows = _engram_rows(cfg)
+    m, d_e = cfg["hc_mult"], cfg["engram_head_dim"]
+    width = (cfg["engram_max_ngram_size"] - 1) * cfg["engram_n_heads"] * d_e
+    for layer in cfg["engram_layer_ids"]:
+        p = f"layers.{layer}.engram."
+        plain |= {p + "embed.weight": torch.randn(rows[layer], d_e, generator=g),
+                  p + "wkv.weight": torch.randn((m + 1) * H, width, generator=g) * width**-0.5,
+                  p + "q_weight": 1 + 0.2 * torch.randn(m, H, generator=g),
+                  p + "k_weight": 1 + 0.2 * torch.randn(m, H, generator=g)}
     # Not read by the text model: a DSpark layer's projection, the vision side.
     plain |= {"mtp.0.main_proj.weight": torch.randn(H, 2 * H, generator=g),
               "mtp.0.main_norm.weight": torch.ones(H), "image_newline": torch.zeros(H),
@@ -153,6 +223,8 @@ def build_v41_checkpoint(path: Path, seed: int = 0, **text: object) -> Path:
         module = name.removesuffix(".weight")
         if ".experts." in name and ".shared_experts." not in name:
             stored[name], stored[f"{module}.scale"] = _mxfp4(t)
+        elif name.endswith("engram.embed.weight"):  # fp8 rows, a scale per 32 of a row
+            stored[name], stored[f"{module}.scale"] = _fp8_rows(t)
         elif name.endswith(".weight") and module.endswith(FP8_MODULES):
             stored[name], stored[f"{module}.scale"] = quantize_blocks(t, BLOCK, ue8m0=True)
         elif name.endswith(("attn_sink", "_fn", "_base", "_scale", "gate.bias", "gate.bias_vl")):
@@ -188,7 +260,8 @@ def _dequantize(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[name] = value * factor.repeat_interleave(32, 1)
         else:
             n, k = t.shape
-            tiles = factor.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+            rows = 1 if factor.shape[0] == n and n > BLOCK else BLOCK  # per-row: Engram tables
+            tiles = factor.repeat_interleave(rows, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
             out[name] = t.double() * tiles
     return out
 
@@ -259,6 +332,14 @@ class V41Reference:
         self.ik_src = [_source(c.get("index_k_source_layer_ids") or c["kv_source_layer_ids"], i)
                        for i in range(self.n)]
         self.ix_src = [_source(c["index_source_layer_ids"], i) for i in range(self.n)]
+        if c.get("engram_layer_ids"):
+            self.compressed = _compressed_ids(path / "tokenizer.json")
+            vocab = max(self.compressed) + 1
+            bound = (np.iinfo(np.int64).max // vocab) // 2
+            self.mult = {layer: [int(a) * 2 + 1 for a in np.random.default_rng(10007 * layer).integers(
+                0, bound, size=(c["engram_max_ngram_size"],), dtype=np.int64)]
+                for layer in c["engram_layer_ids"]}
+            self.primes = _engram_primes(c)
         d_r = c["qk_rope_head_dim"]
         yarn = c.get("rope_scaling")
         self.freq_window = _inv_freq(d_r, c["rope_theta"], None)
@@ -275,6 +356,8 @@ class V41Reference:
         self.shared = None
         for layer in range(self.n):
             p = f"layers.{layer}."
+            if layer in c.get("engram_layer_ids", []):
+                R = self._engram(layer, R, ids)
             mix_a, post, comb = self._hc(R, p + "hc_attn")
             x = R[:, 0] if pre is None else (pre[..., None] * R).sum(1)
             xn = _rms(x, w[p + "attn_norm.weight"], eps)
@@ -289,6 +372,31 @@ class V41Reference:
             pre = mix_f
         h = _rms((pre[..., None] * R).sum(1), w["norm.weight"], eps)
         return h @ w["head.weight"].T
+
+    def _engram(self, layer: int, R: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        c, w = self.cfg, self.w
+        p = f"layers.{layer}.engram."
+        N, heads = c["engram_max_ngram_size"], c["engram_n_heads"]
+        pad = self.compressed[c["engram_pad_token_id"]]
+        table, rows = w[p + "embed.weight"], []
+        for t in range(len(ids)):
+            grams = [self.compressed[ids[t - r]] if t >= r else pad for r in range(N)]
+            row, offset, digest = [], 0, grams[0] * self.mult[layer][0]
+            for n in range(1, N):
+                digest ^= grams[n] * self.mult[layer][n]
+                for j in range(heads):
+                    prime = self.primes[layer][(n - 1) * heads + j]
+                    row.append(table[offset + digest % prime])
+                    offset += prime
+            rows.append(torch.cat(row))
+        T, m, H = R.shape
+        kv = (torch.stack(rows) @ w[p + "wkv.weight"].T).view(T, m + 1, H)
+        key, value = kv[:, :m], kv[:, m]
+        eps = c["rms_norm_eps"]
+        d = (R * w[p + "q_weight"] * key * w[p + "k_weight"]).sum(-1) / H**0.5
+        d = d / torch.sqrt(R.square().mean(-1) + eps) / torch.sqrt(key.square().mean(-1) + eps)
+        gate = torch.sigmoid(torch.sign(d) * torch.sqrt(d.abs().clamp(min=1e-6)))
+        return R + gate[..., None] * value[:, None]
 
     def _hc(self, R: torch.Tensor, prefix: str):
         c, w = self.cfg, self.w

@@ -121,6 +121,27 @@ class V4Arch:
 
 
 @dataclass(frozen=True)
+class EngramArch:
+    """DeepSeek-V4.1's Engram (openinfer/models/engram.py): hashed n-gram embeddings gated
+    into the residual streams of ``layer_ids``."""
+
+    layer_ids: tuple[int, ...]
+    max_ngram: int
+    """``engram_max_ngram_size``: n-grams of 2 .. this many tokens, one table set each ..."""
+    heads: int
+    """... of ``engram_n_heads`` hashed tables ..."""
+    head_dim: int
+    """... of ``engram_head_dim``-wide rows ..."""
+    table_size: int
+    """... each about ``engram_vocab_size`` rows (the next unused prime above it)."""
+    pad_token: int
+    """The token id (before compression) that stands for positions before the sequence."""
+    tokenizer_file: str
+    """The checkpoint's tokenizer.json: its vocabulary compressed (case, accents, spacing
+    folded) is what the n-grams are made of."""
+
+
+@dataclass(frozen=True)
 class V41Arch:
     """DeepSeek-V4.1's own parts (openinfer/models/deepseek_v41.py), from its config.json's
     ``text_config`` (openinfer/config.py lifts it to the top level).
@@ -164,12 +185,10 @@ class V41Arch:
     swiglu_limit: float
     num_draft_layers: int
     """``num_nextn_predict_layers``: DSpark's draft layers (``mtp.<i>``), not run here."""
+    engram: EngramArch | None = None
 
 
-V41_UNSUPPORTED = {
-    "engram_layer_ids": "Engram n-gram embeddings",
-    "candidate_source_layer_id": "candidate-block top-k",
-}
+V41_UNSUPPORTED = {"candidate_source_layer_id": "candidate-block top-k"}
 """V4.1 options openinfer does not implement yet: a config that turns one on is refused
 by name rather than served without it."""
 
@@ -242,9 +261,12 @@ class ArchConfig:
     moe: MoEArch
     raw: dict[str, Any] = field(repr=False, compare=False)
     """config.json as read, for the rare key one model alone reads."""
+    source_dir: str | None = field(default=None, compare=False)
+    """The checkpoint directory, for a model that reads more than weights there (V4.1's
+    Engram reads the tokenizer)."""
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ArchConfig:
+    def from_hf(cls, hf: dict[str, Any], source_dir: str | None = None) -> ArchConfig:
         heads = hf["num_attention_heads"]
         params = hf.get("rope_parameters") or {}
         layers = hf["num_hidden_layers"]
@@ -267,6 +289,7 @@ class ArchConfig:
                 partial_rotary_factor=hf.get("partial_rotary_factor", 1.0)),
             moe=_moe(hf),
             raw=hf,
+            source_dir=source_dir,
         )
 
     def mla(self) -> MLAConfig:
@@ -348,9 +371,24 @@ class ArchConfig:
             hc_shifted=hf.get("hc_shifted", True),
             routed_scaling_factor=float(hf["routed_scaling_factor"]),
             swiglu_limit=float(hf["swiglu_limit"]), num_draft_layers=drafts,
+            engram=self._engram() if hf.get("engram_layer_ids") else None,
         )
         _check_v41_topology(arch, arch.index_topk)
         return arch
+
+    def _engram(self) -> EngramArch:
+        hf = self.raw
+        if not hf.get("engram_compressed_vocab_size"):
+            raise ValueError("DeepSeek-V4.1 config: Engram without engram_compressed_vocab_size "
+                             "(n-grams of the uncompressed vocabulary) is not supported")
+        if self.source_dir is None:
+            raise ValueError("DeepSeek-V4.1 with Engram: its tokenizer.json is needed and the "
+                             "checkpoint has no directory")
+        return EngramArch(
+            layer_ids=tuple(hf["engram_layer_ids"]), max_ngram=hf["engram_max_ngram_size"],
+            heads=hf["engram_n_heads"], head_dim=hf["engram_head_dim"],
+            table_size=hf["engram_vocab_size"], pad_token=hf.get("engram_pad_token_id", 2),
+            tokenizer_file=f"{self.source_dir}/tokenizer.json")
 
 
 def _moe(hf: dict[str, Any]) -> MoEArch:

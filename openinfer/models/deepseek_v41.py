@@ -27,8 +27,11 @@ the *previous* sublayer computed (the first: stream 0), and the last mix collaps
 Cache slots (``kv_cache_specs``), per layer in order: its window keys; a C2 KV source's raw
 rows (its last pair's projections and gates); a KV source's entries; an index-K source's
 index keys. Prefix caching, tiers and preemption see ordinary sliding-window and compressed
-pages. Not implemented (refused by name when a config turns them on): Engram, candidate
-blocks; images, and DSpark's draft layers (``mtp.*``), are not loaded.
+pages; with Engram, the first slot keeps each sequence's last ``engram_max_ngram_size``
+compressed tokens (openinfer/models/engram.py), so a step's n-grams reach back into
+earlier steps, prefix hits and transferred blocks alike. Not implemented (refused by name
+when a config turns it on): candidate blocks; images, and DSpark's draft layers (``mtp.*``),
+are not loaded.
 """
 
 from __future__ import annotations
@@ -51,17 +54,24 @@ from openinfer.layers.norm import RMSNorm
 from openinfer.models.arch import ArchConfig, V41Arch
 from openinfer.models.base import CausalLM
 from openinfer.models.deepseek_v4 import V4MoE, V4Rope, _fp32_param, _rank_rows
+from openinfer.models.engram import Engram, compressed_vocabulary, table_primes
 
 Slot = tuple[torch.Tensor, AttentionMetadata]
+GRAM_SHIFTS = (16, 8, 0)
+GRAM_DIGITS = len(GRAM_SHIFTS)
+"""Engram's token history pages hold each compressed token id as base-256 digits."""
 
 
 @dataclass
 class V41Step:
-    """What one forward step's layers hand each other: the consumers' shared hidden state,
+    """What one forward step's layers hand each other: the Engram n-grams, the consumers'
+    shared hidden state,
     each KV source's new entries before RoPE (per sequence: first entry, rows) for the layers
     that index them, and each index source's top-k choice for the layers that reuse it."""
 
     shared_hidden: torch.Tensor | None = None
+    grams: torch.Tensor | None = None
+    """Engram: [T, N] the compressed tokens at t, t - 1, .. t - N + 1 of each step token."""
     fresh: dict[int, list[tuple[int, torch.Tensor] | None]] = field(default_factory=dict)
     choices: dict[int, dict[int | str, torch.Tensor]] = field(default_factory=dict)
     """index source -> {sequence b: [n, entries] of a prefill, "decodes": [B, entries]}."""
@@ -316,12 +326,15 @@ class V41DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(hidden, eps, fp32_weight=True)
         self.ffn = V4MoE(arch, v41.routed_scaling_factor, v41.swiglu_limit,
                          shared_experts=arch.moe.num_shared_experts, vision_bias=True)
+        self.engram: Engram | None = None  # set by the model on Engram layers
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, pre: torch.Tensor | None,
                 input_ids: torch.Tensor, slots: dict[str, Slot],
                 step: V41Step) -> tuple[torch.Tensor, torch.Tensor]:
         """(streams, this layer's last mix: the next sublayer's ``pre`` when shifted).
         ``pre`` None: the first layer, whose input is stream 0 (the embedding)."""
+        if self.engram is not None:
+            h = self.engram(h, step.grams)
         mix, post, comb = self.hc_attn.mixes(h)
         x = self._input(h, pre, mix)
         xn = self.attn_norm(x)
@@ -370,8 +383,12 @@ class DeepseekV41ForCausalLM(CausalLM):
             self.hc_head = HyperHead(self.streams, hidden, v41.hc_eps, eps)
         self.norm = RMSNorm(hidden, eps, fp32_weight=True)
         self.head = LMHead(arch.vocab_size, hidden, None)
+        self.engram = v41.engram
         self._owners: list[tuple[int, str]] = []
-        """(layer, slot name) of each cache slot, in order."""
+        """(layer, slot name) of each cache slot, in order; layer -1: the model's."""
+        if self.engram is not None:
+            self._add_engram(arch, v41)
+            self._owners.append((-1, "grams"))
         self._slots: list[dict[str, int]] = []
         """Per layer, the cache slot it reads for each name: its own, or its source's."""
         for layer in self.layers:
@@ -385,16 +402,51 @@ class DeepseekV41ForCausalLM(CausalLM):
                         slots[name] = self._slots[source][name]
             self._slots.append(slots)
 
+    def _add_engram(self, arch: ArchConfig, v41: V41Arch) -> None:
+        """Engram modules on their layers, and the compressed vocabulary they read."""
+        engram = v41.engram
+        table = compressed_vocabulary(engram.tokenizer_file)
+        vocab = max(table) + 1
+        table += [table[engram.pad_token]] * (arch.vocab_size - len(table))  # padded embedding rows
+        self.register_buffer("compressed", torch.tensor(table, dtype=torch.long), persistent=False)
+        self.compressed_pad = table[engram.pad_token]
+        primes = table_primes(engram)
+        for layer in engram.layer_ids:
+            self.layers[layer].engram = Engram(engram, layer, primes[layer], vocab, arch.hidden_size,
+                                               v41.hc_mult, arch.rms_norm_eps)
+
     def kv_cache_specs(self, block_size: int, dtype: str) -> list[KVSpec | None]:
-        """Every layer's own slots in layer order (see the module docstring)."""
-        return [self.layers[layer].attn.slot_spec(name, block_size, dtype)
+        """The Engram token history (if any), then every layer's own slots in layer order
+        (see the module docstring)."""
+        return [SlidingWindowSpec(block_size, 1, GRAM_DIGITS, dtype, self.engram.max_ngram, shared_kv=True)
+                if layer < 0 else self.layers[layer].attn.slot_spec(name, block_size, dtype)
                 for layer, name in self._owners]
+
+    def _grams(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """[T, N]: each step token's compressed token and those of the N - 1 before it (the
+        pad token before the sequence), read back from the history pages, where the step's
+        own are written first (as base-256 digits: exact in any float dtype)."""
+        ids = self.compressed[input_ids]
+        digits = torch.stack([(ids >> s) & 255 for s in GRAM_SHIFTS], -1).to(cache.dtype)
+        write_kv(cache, digits[:, None], digits[:, None], meta.slot_mapping)
+        lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+        tables = meta.block_tables.long()[torch.repeat_interleave(
+            torch.arange(len(lens), device=lens.device), lens.long())]
+        back = positions[:, None].long() - torch.arange(self.engram.max_ngram, device=ids.device)
+        bs = meta.block_size
+        pages = tables.gather(1, back.clamp(min=0) // bs)
+        read = cache[0][pages, back.clamp(min=0) % bs, 0].long()
+        grams = sum(read[..., i] << s for i, s in enumerate(GRAM_SHIFTS))
+        return torch.where(back >= 0, grams, self.compressed_pad)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
         x = self.embed(input_ids)
         h = x.unsqueeze(1).expand(-1, self.streams, -1).contiguous()
         step, pre = V41Step(), None
+        if self.engram is not None:
+            step.grams = self._grams(input_ids, positions, kv_caches[0], metas[0])
         for layer, slots in zip(self.layers, self._slots, strict=True):
             views = {name: (kv_caches[i], metas[i]) for name, i in slots.items()}
             h, pre = layer(positions, h, pre, input_ids, views, step)

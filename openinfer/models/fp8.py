@@ -96,6 +96,10 @@ def _dequantize_any(weight: torch.Tensor, scale: torch.Tensor,
                     block: tuple[int, int]) -> torch.Tensor:
     if weight.dtype in (torch.int8, torch.uint8):  # MXFP4: fp8 weights are float8_e4m3fn
         return dequantize_fp4(weight, scale)
+    rows = weight.shape[0]
+    if scale.shape[0] == rows != -(-rows // block[0]):
+        # A scale per row and ``block[1]`` inputs (V4.1's Engram tables: 1 x 32 blocks).
+        return dequantize(weight, scale, (1, block[1]))
     return dequantize(weight, scale, block)
 
 

@@ -44,7 +44,7 @@ def load_model(config: ModelConfig, device: str | torch.device = "cpu",
     with ``config.batch_invariant``, a batch-invariant one (openinfer.kernels.invariant_gemm)."""
     cls = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(config.dtype):
-        model = cls(ArchConfig.from_hf(config.hf_config))
+        model = cls(ArchConfig.from_hf(config.hf_config, source_dir=config.path))
     # (batch-invariant plans are made for plain weights: fp8 ones are multiplied out for them)
     load_weights(model, Path(config.path), progress=progress, hf_config=config.hf_config,
                  keep_fp8=not config.batch_invariant and fp8.keeps_fp8())

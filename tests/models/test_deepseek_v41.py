@@ -3,7 +3,8 @@ engine's paged, chunked, batched forward gives the plain float64 reference's log
 (tests/models/v41_reference.py: one sequence, no cache, everything recomputed), and its
 greedy tokens with and without prefix hits. Window, C2 and C1 layers; a KV source, layers
 reading its entries, index keys or top-k choice; the YOCO consumers' shared hidden state;
-shifted hyper-connections; FP8 projections and MXFP4 experts as stored. The file store,
+shifted hyper-connections; Engram's hashed n-grams (reaching back across steps and prefix
+hits); FP8 projections and MXFP4 experts as stored. The file store,
 disaggregation and speculation run in tests/models/test_deepseek_v4.py (``v4_family``)."""
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import json
 import pytest
 import torch
 from test_hf_parity import PagedModel, _prompts
-from v41_reference import TEXT, V41Reference, build_v41_checkpoint, v41_config
+from v41_reference import TEXT, V41Reference, _compressed_ids, build_v41_checkpoint, v41_config
 
 from openinfer import LLM, SamplingParams
 from openinfer.config import ModelConfig
 from openinfer.models.arch import ArchConfig
+from openinfer.models.engram import compressed_vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +41,8 @@ def test_prompt_chunks_and_decodes_match_the_reference(v41):
 
 def test_the_reference_exercises_every_part(v41):
     """The check above means something: top-k drops entries in every compressed layer, and
-    computing the consumers' entries from their own hidden state, or a layer's index keys
-    from its source's, changes the answer."""
+    computing the consumers' entries from their own hidden state, a layer's index keys from
+    its source's, or leaving Engram or the vocabulary's compression out changes the answer."""
     ref = V41Reference(v41)
     prompt = _prompts(1024, [40], seed=5)[0]
     want = ref.logits(prompt)
@@ -49,7 +51,9 @@ def test_the_reference_exercises_every_part(v41):
         assert len(ref.state[layer]["choice"][-1]) == TEXT["index_topk"] < last_visible
     changes = {"every entry chosen": lambda r: r.cfg.update(index_topk=10_000),
                "consumers' own hidden states": lambda r: setattr(r, "first_consumer", 99),
-               "layer 4 reading layer 3's index keys": lambda r: r.ik_src.__setitem__(4, 3)}
+               "layer 4 reading layer 3's index keys": lambda r: r.ik_src.__setitem__(4, 3),
+               "no Engram": lambda r: r.cfg.update(engram_layer_ids=[]),
+               "an uncompressed vocabulary": lambda r: setattr(r, "compressed", list(range(1024)))}
     for what, change in changes.items():
         other = V41Reference(v41)
         change(other)
@@ -90,7 +94,7 @@ def test_bfloat16_stays_near_the_exact_answer(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(engram_layer_ids=[1]), "engram_layer_ids"),
+    (dict(engram_compressed_vocab_size=None), "engram_compressed_vocab_size"),
     (dict(candidate_source_layer_id=3), "candidate_source_layer_id"),
     (dict(scoring_func="sigmoid"), "scoring_func"),
     (dict(compress_ratios=[0, 2, 2, 0, 0, 0, 0, 0]), "no ratio-1 layer"),
@@ -104,19 +108,20 @@ def test_configs_it_cannot_serve_are_refused_by_name(tmp_path, change, message):
     (tmp_path / "config.json").write_text(json.dumps(v41_config(**change)))
     config = ModelConfig.from_pretrained(tmp_path, dtype="float32")
     with pytest.raises(ValueError, match=message):
-        ArchConfig.from_hf(config.hf_config).deepseek_v41()
+        ArchConfig.from_hf(config.hf_config, source_dir=str(tmp_path)).deepseek_v41()
 
 
 def test_the_release_config_reads_as_deepinfer_reads_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(v41_config()))
     config = ModelConfig.from_pretrained(tmp_path)
-    arch = ArchConfig.from_hf(config.hf_config)
+    arch = ArchConfig.from_hf(config.hf_config, source_dir=str(tmp_path))
     v41 = arch.deepseek_v41()
     assert (arch.num_layers, arch.num_heads, arch.head_dim, config.eos_token_ids) == (7, 4, 32, (1,))
     assert v41.first_consumer == 3 and v41.compress_ratios == (0, 2, 2, 1, 1, 1, 1)
     assert v41.kv_source == (0, 1, 1, 3, 3, 5, 5)
     assert v41.index_k_source == (0, 1, 1, 3, 4, 5, 5)
     assert v41.index_source == (0, 1, 2, 3, 4, 5, 5)
+    assert v41.engram.layer_ids == (0, 2) and v41.engram.max_ngram == 3
     assert config.dtype in (torch.float32, torch.bfloat16)  # "dtype": "bfloat16", as this CPU runs it
 
 
@@ -136,3 +141,11 @@ def test_two_ranks_give_the_tokens_and_logprobs_of_one(v41):
                     assert step_got[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
     finally:
         two.engine.core.shutdown()
+
+
+def test_the_compressed_vocabulary_folds_case_accents_and_spacing(v41):
+    """Engram's n-grams are of compressed tokens: the engine's table (tokenizers' normalizers,
+    as DeepInfer builds it) is the reference's (unicodedata), and it merges ids."""
+    table = compressed_vocabulary(str(v41 / "tokenizer.json"))
+    assert table == _compressed_ids(v41 / "tokenizer.json")
+    assert len(set(table)) < len(table)
