@@ -37,7 +37,9 @@ TEXT = dict(
     # source again (from 3's hidden state); 6 reading everything of 5.
     compress_ratios=[0, 2, 2, 1, 1, 1, 1, 0],
     kv_source_layer_ids=[1, 3, 5], index_k_source_layer_ids=[1, 3, 4, 5],
-    index_source_layer_ids=[1, 2, 3, 4, 5], candidate_source_layer_id=None,
+    index_source_layer_ids=[1, 2, 3, 4, 5],
+    # 3's indexer also picks 8 blocks of 2 entries per query; 4 and 5 choose within them
+    candidate_source_layer_id=3, candidate_topk_blocks=8, candidate_block_size=2,
     hidden_size=64, num_attention_heads=4, head_dim=32, qk_rope_head_dim=8,
     q_lora_rank=32, o_lora_rank=16, o_groups=2, vocab_size=1024, max_position_embeddings=2048,
     rms_norm_eps=1e-6, sliding_window=4, rope_theta=10000.0, compress_rope_theta=160000.0,
@@ -353,6 +355,7 @@ class V41Reference:
         R = w["embed.weight"][torch.tensor(ids)][:, None, :].repeat(1, m, 1)
         pre = None
         self.state: dict[int, dict] = {}
+        self.candidates: dict[int, set[int]] = {}
         self.shared = None
         for layer in range(self.n):
             p = f"layers.{layer}."
@@ -464,16 +467,33 @@ class V41Reference:
             qa = _rms(xn @ w[p + "wq_a.weight"].T, w[p + "q_norm.weight"], eps)
             qi = _rope((qa @ w[p + "indexer.wq_b.weight"].T).view(T, hi, di), torch.arange(T), freq)
             weights = xn @ w[p + "indexer.weights_proj.weight"].T
+            source = c.get("candidate_source_layer_id")
             choice = []
             for t in range(T):
                 visible = (t + 1) // ratio
                 score = (weights[t][:, None] * F.relu(qi[t] @ index_keys[:visible].T)).sum(0)
+                pool = range(visible)
+                if layer == source:
+                    self.candidates[t] = self._candidate_blocks(score)
+                elif source is not None and layer > source:
+                    pool = [j for j in pool if j // c["candidate_block_size"] in self.candidates[t]]
                 # ties to the earlier entry
-                order = sorted(range(visible), key=lambda j: (-float(score[j]), j))
+                order = sorted(pool, key=lambda j: (-float(score[j]), j))
                 choice.append(torch.tensor(sorted(order[:k]), dtype=torch.long))
         else:
             choice = self.state[self.ix_src[layer]]["choice"]
         return {"pre_rope": pre_rope, "entries": entries, "index_keys": index_keys, "choice": choice}
+
+    def _candidate_blocks(self, score: torch.Tensor) -> set[int]:
+        """The blocks whose best score, rounded to bf16 (capped at its largest finite value),
+        is among the ``candidate_topk_blocks`` highest; the last block always."""
+        size, count = self.cfg["candidate_block_size"], self.cfg["candidate_topk_blocks"]
+        rounded = score.to(torch.bfloat16).double().tolist()
+        blocks = [rounded[i:i + size] for i in range(0, len(rounded), size)]
+        best = [min(max(b), float(torch.finfo(torch.bfloat16).max)) for b in blocks]
+        if best:
+            best[-1] = math.inf
+        return set(sorted(range(len(best)), key=lambda i: (-best[i], i))[:count])
 
     def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         c, w = self.cfg, self.w

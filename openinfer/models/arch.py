@@ -142,6 +142,17 @@ class EngramArch:
 
 
 @dataclass(frozen=True)
+class CandidateArch:
+    """DeepSeek-V4.1's candidate blocks: layer ``source``'s indexer scores also pick, per
+    query, the ``topk_blocks`` blocks of ``block_size`` entries with the highest best score
+    (the last block always), and every later indexer chooses among those blocks' entries."""
+
+    source: int
+    topk_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True)
 class V41Arch:
     """DeepSeek-V4.1's own parts (openinfer/models/deepseek_v41.py), from its config.json's
     ``text_config`` (openinfer/config.py lifts it to the top level).
@@ -186,11 +197,9 @@ class V41Arch:
     num_draft_layers: int
     """``num_nextn_predict_layers``: DSpark's draft layers (``mtp.<i>``), not run here."""
     engram: EngramArch | None = None
+    candidate: CandidateArch | None = None
 
 
-V41_UNSUPPORTED = {"candidate_source_layer_id": "candidate-block top-k"}
-"""V4.1 options openinfer does not implement yet: a config that turns one on is refused
-by name rather than served without it."""
 
 
 def _source_map(ids: list[int], num_layers: int) -> tuple[int, ...]:
@@ -227,6 +236,23 @@ def _check_v41_topology(arch: V41Arch, topk: int) -> None:
                              "source an index source")
     if any(r for r in ratios) and topk <= 0:
         raise ValueError("DeepSeek-V4.1 config: compressed layers need index_topk > 0")
+
+
+def _check_candidates(arch: V41Arch) -> None:
+    """DeepInfer's rules: the source is an index source; it and every later layer have its
+    compress ratio (so, consumers being C1, blocks of entries are blocks of tokens); enough
+    blocks for the top-k."""
+    c, ratios = arch.candidate, arch.compress_ratios
+    if not 0 <= c.source < len(ratios) or arch.index_source[c.source] != c.source:
+        raise ValueError(f"DeepSeek-V4.1 config: candidate_source_layer_id {c.source} is not an "
+                         "index source layer")
+    if any(r != ratios[c.source] for r in ratios[c.source:]):
+        raise ValueError("DeepSeek-V4.1 config: every layer from candidate_source_layer_id "
+                         f"{c.source} on must have its compress ratio ({ratios[c.source]})")
+    if not 0 < c.block_size <= 16 or c.topk_blocks % 8 or c.topk_blocks * c.block_size < arch.index_topk:
+        raise ValueError(f"DeepSeek-V4.1 config: candidate_topk_blocks {c.topk_blocks} x "
+                         f"candidate_block_size {c.block_size}: the size must be 1..16, the count a "
+                         f"multiple of 8, and together at least index_topk ({arch.index_topk})")
 
 
 @dataclass(frozen=True)
@@ -331,10 +357,6 @@ class ArchConfig:
         """The parts of a DeepSeek-V4.1 config that no other model has, checked as DeepInfer
         checks them; options openinfer does not implement are refused by name."""
         hf = self.raw
-        for key, what in V41_UNSUPPORTED.items():
-            if hf.get(key):
-                raise ValueError(f"DeepSeek-V4.1 config: {key}={hf[key]!r} ({what}) is not "
-                                 "supported yet")
         routing = {"scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True}
         for key, want in routing.items():
             if hf.get(key) != want:
@@ -372,8 +394,13 @@ class ArchConfig:
             routed_scaling_factor=float(hf["routed_scaling_factor"]),
             swiglu_limit=float(hf["swiglu_limit"]), num_draft_layers=drafts,
             engram=self._engram() if hf.get("engram_layer_ids") else None,
+            candidate=None if hf.get("candidate_source_layer_id") is None else CandidateArch(
+                source=hf["candidate_source_layer_id"], topk_blocks=hf["candidate_topk_blocks"],
+                block_size=hf["candidate_block_size"]),
         )
         _check_v41_topology(arch, arch.index_topk)
+        if arch.candidate is not None:
+            _check_candidates(arch)
         return arch
 
     def _engram(self) -> EngramArch:

@@ -27,11 +27,12 @@ the *previous* sublayer computed (the first: stream 0), and the last mix collaps
 Cache slots (``kv_cache_specs``), per layer in order: its window keys; a C2 KV source's raw
 rows (its last pair's projections and gates); a KV source's entries; an index-K source's
 index keys. Prefix caching, tiers and preemption see ordinary sliding-window and compressed
-pages; with Engram, the first slot keeps each sequence's last ``engram_max_ngram_size``
+pages. Candidate blocks (``candidate_source_layer_id``): that layer's indexer scores also
+pick each query's best blocks of entries, and later indexers choose only among them. With
+Engram, the first slot keeps each sequence's last ``engram_max_ngram_size``
 compressed tokens (openinfer/models/engram.py), so a step's n-grams reach back into
-earlier steps, prefix hits and transferred blocks alike. Not implemented (refused by name
-when a config turns it on): candidate blocks; images, and DSpark's draft layers (``mtp.*``),
-are not loaded.
+earlier steps, prefix hits and transferred blocks alike. Images and DSpark's draft layers
+(``mtp.*``) are not loaded.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class V41Step:
     fresh: dict[int, list[tuple[int, torch.Tensor] | None]] = field(default_factory=dict)
     choices: dict[int, dict[int | str, torch.Tensor]] = field(default_factory=dict)
     """index source -> {sequence b: [n, entries] of a prefill, "decodes": [B, entries]}."""
+    candidates: dict[int | str, torch.Tensor] = field(default_factory=dict)
+    """The candidate source's blocks as entries: {sequence b or "decodes": [n, entries]}."""
 
 
 class V41Compressor(nn.Module):
@@ -124,6 +127,8 @@ class V41Attention(nn.Module):
         self.kv_source, self.index_k_source = v41.kv_source[layer], v41.index_k_source[layer]
         self.index_source = v41.index_source[layer]
         self.consumer = layer >= v41.first_consumer
+        self.candidate = v41.candidate
+        """Candidate blocks: the source layer picks them, later indexers choose within them."""
         self.num_heads = tp.split(arch.num_heads, "num_attention_heads")  # this rank's
         self.head_dim = arch.head_dim
         self.rope = ropes["compress" if self.ratio else "main"]
@@ -263,7 +268,7 @@ class V41Attention(nn.Module):
             if self.index_source == self.layer:
                 key_cache, key_meta = slots["index_keys"]
                 index_keys = compressed.sequence_entries(key_cache, key_meta, b, self.ratio, end)
-                visible = self._select(qr, x, t, index_keys, visible)
+                visible = self._select(qr, x, t, index_keys, visible, step, b)
                 step.choices.setdefault(self.layer, {})[b] = visible
             else:
                 visible = step.choices[self.index_source][b]
@@ -287,7 +292,7 @@ class V41Attention(nn.Module):
                 if self.index_source == self.layer:
                     key_cache, key_meta = slots["index_keys"]
                     index_keys = compressed.decode_entries(key_cache, key_meta, nd, self.ratio, count)
-                    visible = self._select(qr, x, pos, index_keys, visible)
+                    visible = self._select(qr, x, pos, index_keys, visible, step, "decodes")
                     step.choices.setdefault(self.layer, {})["decodes"] = visible
                 else:
                     visible = step.choices[self.index_source]["decodes"]
@@ -296,20 +301,48 @@ class V41Attention(nn.Module):
         return compressed.attend_with_sinks(q, keys, allowed, self.attn_sink, self.head_dim**-0.5)
 
     def _select(self, qr: torch.Tensor, x: torch.Tensor, t: torch.Tensor, index_keys: torch.Tensor,
-                visible: torch.Tensor) -> torch.Tensor:
-        """The visible entries each query's indexer scores put in its top ``index_topk``.
-        ``index_keys``: [L, DI] shared by one sequence's queries, or [n, L, DI] per query."""
+                visible: torch.Tensor, step: V41Step, key: int | str) -> torch.Tensor:
+        """The visible entries each query's indexer scores put in its top ``index_topk``
+        (after the candidate source: among its candidate blocks' entries). ``index_keys``:
+        [L, DI] shared by one sequence's queries, or [n, L, DI] per query; ``key``: the
+        sequence (or "decodes") the queries are, for the candidates."""
         ix = self.indexer
         n = qr.shape[0]
         qi = self.rope(ix.wq_b(qr).view(n, ix.num_heads, ix.head_dim), *self.rope.cos_sin(t, qr.dtype))
         keys = index_keys.float() if index_keys.dim() == 3 else index_keys.float().expand(n, -1, -1)
         scores = F.relu(torch.einsum("nhd,nld->nhl", qi.float(), keys))
         score = (scores * ix.weights_proj(x).float()[..., None]).sum(1).masked_fill(~visible, float("-inf"))
+        if self.candidate is not None and self.layer == self.candidate.source:
+            step.candidates[key] = self._candidate_entries(score, visible)
+        elif self.candidate is not None and self.layer > self.candidate.source:
+            visible = visible & step.candidates[key]
+            score = score.masked_fill(~visible, float("-inf"))
         # Ties (ReLU zeros) go to the earlier entry (a stable sort): the choice never depends
         # on how many entries the step scores (its chunking, a prefix hit).
         order = torch.sort(score, dim=-1, descending=True, stable=True).indices
         top = order[:, :min(ix.topk, score.shape[1])]
         return torch.zeros_like(visible).scatter_(1, top, True) & visible
+
+    def _candidate_entries(self, score: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """[n, L]: the entries of each query's candidate blocks: the ``topk_blocks`` blocks
+        whose best score (rounded to bf16, as DeepInfer's block maximum) is highest, the last
+        visible block always among them (earlier blocks first on ties)."""
+        c = self.candidate
+        n, length = score.shape
+        blocks = -(-length // c.block_size)
+        padded = score.new_full((n, blocks * c.block_size), float("-inf"))
+        padded[:, :length] = score.to(torch.bfloat16).float()
+        best = padded.view(n, blocks, c.block_size).amax(-1).clamp(max=torch.finfo(torch.bfloat16).max)
+        valid = -(-visible.sum(1) // c.block_size)  # blocks holding a visible entry
+        last = (valid - 1).clamp(min=0)
+        forced = torch.where(valid[:, None] > 0, float("inf"), best.gather(1, last[:, None]))
+        best.scatter_(1, last[:, None], forced)
+        in_range = torch.arange(blocks, device=score.device)[None, :] < valid[:, None]
+        best = best.masked_fill(~in_range, float("-inf"))
+        order = torch.sort(best, dim=-1, descending=True, stable=True).indices[:, :c.topk_blocks]
+        chosen = torch.zeros(n, blocks, dtype=torch.bool, device=score.device)
+        chosen = chosen.scatter_(1, order, True) & in_range
+        return chosen.repeat_interleave(c.block_size, 1)[:, :length]
 
 
 class V41DecoderLayer(nn.Module):

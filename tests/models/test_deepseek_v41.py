@@ -3,7 +3,7 @@ engine's paged, chunked, batched forward gives the plain float64 reference's log
 (tests/models/v41_reference.py: one sequence, no cache, everything recomputed), and its
 greedy tokens with and without prefix hits. Window, C2 and C1 layers; a KV source, layers
 reading its entries, index keys or top-k choice; the YOCO consumers' shared hidden state;
-shifted hyper-connections; Engram's hashed n-grams (reaching back across steps and prefix
+candidate blocks; shifted hyper-connections; Engram's hashed n-grams (reaching back across steps and prefix
 hits); FP8 projections and MXFP4 experts as stored. The file store,
 disaggregation and speculation run in tests/models/test_deepseek_v4.py (``v4_family``)."""
 
@@ -42,7 +42,8 @@ def test_prompt_chunks_and_decodes_match_the_reference(v41):
 def test_the_reference_exercises_every_part(v41):
     """The check above means something: top-k drops entries in every compressed layer, and
     computing the consumers' entries from their own hidden state, a layer's index keys from
-    its source's, or leaving Engram or the vocabulary's compression out changes the answer."""
+    its source's, or leaving Engram, the vocabulary's compression or the candidate blocks
+    out changes the answer."""
     ref = V41Reference(v41)
     prompt = _prompts(1024, [40], seed=5)[0]
     want = ref.logits(prompt)
@@ -53,6 +54,7 @@ def test_the_reference_exercises_every_part(v41):
                "consumers' own hidden states": lambda r: setattr(r, "first_consumer", 99),
                "layer 4 reading layer 3's index keys": lambda r: r.ik_src.__setitem__(4, 3),
                "no Engram": lambda r: r.cfg.update(engram_layer_ids=[]),
+               "no candidate blocks": lambda r: r.cfg.update(candidate_source_layer_id=None),
                "an uncompressed vocabulary": lambda r: setattr(r, "compressed", list(range(1024)))}
     for what, change in changes.items():
         other = V41Reference(v41)
@@ -84,8 +86,9 @@ def test_bfloat16_stays_near_the_exact_answer(tmp_path):
     the float64 reference stays a small fraction of the logits' spread (2% measured) and the
     top tokens agree. Measured with every entry chosen: top-k is discontinuous, so near a tie
     a bf16-rounded score picks another entry (with index_topk 4 the error is 11%, all of it
-    after the first flip; DeepInfer scores in FP4, further still). float32 is within 2e-5."""
-    path = build_v41_checkpoint(tmp_path / "v41", index_topk=10_000)
+    after the first flip; DeepInfer scores in FP4, further still); no candidate blocks, for
+    the same reason. float32 is within 2e-5."""
+    path = build_v41_checkpoint(tmp_path / "v41", index_topk=10_000, candidate_source_layer_id=None)
     ours = PagedModel(path, attention="torch", dtype="bfloat16")
     prompt = _prompts(1024, [33], seed=7)[0]
     got, want = ours.step([(0, prompt, 0)]).double(), V41Reference(path).logits(prompt)
@@ -95,7 +98,9 @@ def test_bfloat16_stays_near_the_exact_answer(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     (dict(engram_compressed_vocab_size=None), "engram_compressed_vocab_size"),
-    (dict(candidate_source_layer_id=3), "candidate_source_layer_id"),
+    (dict(candidate_source_layer_id=2), "every layer from candidate_source_layer_id 2"),
+    (dict(candidate_source_layer_id=6), "candidate_source_layer_id 6 is not an index source"),
+    (dict(candidate_topk_blocks=4), "a multiple of 8"),
     (dict(scoring_func="sigmoid"), "scoring_func"),
     (dict(compress_ratios=[0, 2, 2, 0, 0, 0, 0, 0]), "no ratio-1 layer"),
     (dict(compress_ratios=[0, 2, 2, 1, 2, 1, 1, 0]), "ratio-2 layer after"),
