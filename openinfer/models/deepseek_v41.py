@@ -52,7 +52,7 @@ from openinfer.layers.embedding import LMHead, VocabEmbedding
 from openinfer.layers.hyper_connections import HyperConnection, HyperHead
 from openinfer.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from openinfer.layers.norm import RMSNorm
-from openinfer.models.arch import ArchConfig, V41Arch
+from openinfer.models.arch import ArchConfig, CandidateArch, V41Arch
 from openinfer.models.base import CausalLM
 from openinfer.models.deepseek_v4 import V4MoE, V4Rope, _fp32_param, _rank_rows
 from openinfer.models.engram import Engram, compressed_vocabulary, table_primes
@@ -311,38 +311,45 @@ class V41Attention(nn.Module):
         qi = self.rope(ix.wq_b(qr).view(n, ix.num_heads, ix.head_dim), *self.rope.cos_sin(t, qr.dtype))
         keys = index_keys.float() if index_keys.dim() == 3 else index_keys.float().expand(n, -1, -1)
         scores = F.relu(torch.einsum("nhd,nld->nhl", qi.float(), keys))
-        score = (scores * ix.weights_proj(x).float()[..., None]).sum(1).masked_fill(~visible, float("-inf"))
+        score = (scores * ix.weights_proj(x).float()[..., None]).sum(1)
         if self.candidate is not None and self.layer == self.candidate.source:
-            step.candidates[key] = self._candidate_entries(score, visible)
+            step.candidates[key] = candidate_entries(score, visible, self.candidate)
         elif self.candidate is not None and self.layer > self.candidate.source:
             visible = visible & step.candidates[key]
-            score = score.masked_fill(~visible, float("-inf"))
-        # Ties (ReLU zeros) go to the earlier entry (a stable sort): the choice never depends
-        # on how many entries the step scores (its chunking, a prefix hit).
-        order = torch.sort(score, dim=-1, descending=True, stable=True).indices
-        top = order[:, :min(ix.topk, score.shape[1])]
-        return torch.zeros_like(visible).scatter_(1, top, True) & visible
+        return top_k_entries(score, visible, ix.topk)
 
-    def _candidate_entries(self, score: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """[n, L]: the entries of each query's candidate blocks: the ``topk_blocks`` blocks
-        whose best score (rounded to bf16, as DeepInfer's block maximum) is highest, the last
-        visible block always among them (earlier blocks first on ties)."""
-        c = self.candidate
-        n, length = score.shape
-        blocks = -(-length // c.block_size)
-        padded = score.new_full((n, blocks * c.block_size), float("-inf"))
-        padded[:, :length] = score.to(torch.bfloat16).float()
-        best = padded.view(n, blocks, c.block_size).amax(-1).clamp(max=torch.finfo(torch.bfloat16).max)
-        valid = -(-visible.sum(1) // c.block_size)  # blocks holding a visible entry
-        last = (valid - 1).clamp(min=0)
-        forced = torch.where(valid[:, None] > 0, float("inf"), best.gather(1, last[:, None]))
-        best.scatter_(1, last[:, None], forced)
-        in_range = torch.arange(blocks, device=score.device)[None, :] < valid[:, None]
-        best = best.masked_fill(~in_range, float("-inf"))
-        order = torch.sort(best, dim=-1, descending=True, stable=True).indices[:, :c.topk_blocks]
-        chosen = torch.zeros(n, blocks, dtype=torch.bool, device=score.device)
-        chosen = chosen.scatter_(1, order, True) & in_range
-        return chosen.repeat_interleave(c.block_size, 1)[:, :length]
+
+def top_k_entries(score: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
+    """[n, L] bool: each row's ``k`` highest-scoring allowed entries (all, if fewer). Ties
+    (ReLU zeros) go to the earlier entry (a stable sort): the choice never depends on how
+    many entries a step scores (its chunking, a prefix hit)."""
+    score = score.masked_fill(~allowed, float("-inf"))
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :min(k, score.shape[1])]
+    return torch.zeros_like(allowed).scatter_(1, order, True) & allowed
+
+
+def candidate_block_scores(score: torch.Tensor, visible: torch.Tensor,
+                           block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(best [n, blocks], valid [n]): each block's highest score over its visible entries,
+    rounded to bf16 and capped at bf16's largest finite value, the last block holding a
+    visible entry set to +inf; and how many blocks hold one (DeepInfer's block maximum)."""
+    n, length = score.shape
+    blocks = -(-length // block_size)
+    padded = score.new_full((n, blocks * block_size), float("-inf"))
+    padded[:, :length] = score.masked_fill(~visible, float("-inf")).to(torch.bfloat16).float()
+    best = padded.view(n, blocks, block_size).amax(-1).clamp(max=torch.finfo(torch.bfloat16).max)
+    valid = -(-visible.sum(1) // block_size)
+    last = (valid - 1).clamp(min=0)[:, None]
+    best.scatter_(1, last, torch.where(valid[:, None] > 0, float("inf"), best.gather(1, last)))
+    return best, valid
+
+
+def candidate_entries(score: torch.Tensor, visible: torch.Tensor, c: CandidateArch) -> torch.Tensor:
+    """[n, L] bool: the entries of each query's ``topk_blocks`` best blocks."""
+    best, valid = candidate_block_scores(score, visible, c.block_size)
+    in_range = torch.arange(best.shape[1], device=score.device)[None, :] < valid[:, None]
+    chosen = top_k_entries(best, in_range, c.topk_blocks)
+    return chosen.repeat_interleave(c.block_size, 1)[:, :score.shape[1]]
 
 
 class V41DecoderLayer(nn.Module):
