@@ -194,10 +194,13 @@ def _source(ids: list[int], layer: int) -> int:
     return max((s for s in ids if s <= layer), default=layer)
 
 
-def build_v41_checkpoint(path: Path, seed: int = 0, **text: object) -> Path:
+def build_v41_checkpoint(path: Path, seed: int = 0, release: bool = True, **text: object) -> Path:
     """A random tiny V4.1 in the release format (see the module docstring), with the demo
-    tokenizer; ``text``: ``text_config`` fields to change."""
+    tokenizer; ``text``: ``text_config`` fields to change. ``release=False``: the same
+    weights unquantized (float32, no ``quantization_config``)."""
     config = v41_config(**text)
+    if not release:
+        del config["quantization_config"]
     cfg = config["text_config"]
     g = torch.Generator().manual_seed(seed)
     H, V = cfg["hidden_size"], cfg["vocab_size"]
@@ -223,7 +226,9 @@ def build_v41_checkpoint(path: Path, seed: int = 0, **text: object) -> Path:
     stored: dict[str, torch.Tensor] = {}
     for name, t in plain.items():
         module = name.removesuffix(".weight")
-        if ".experts." in name and ".shared_experts." not in name:
+        if not release:
+            stored[name] = t.float()
+        elif ".experts." in name and ".shared_experts." not in name:
             stored[name], stored[f"{module}.scale"] = _mxfp4(t)
         elif name.endswith("engram.embed.weight"):  # fp8 rows, a scale per 32 of a row
             stored[name], stored[f"{module}.scale"] = _fp8_rows(t)

@@ -100,8 +100,9 @@ class Engram(nn.Module):
         self.register_buffer("multipliers", torch.tensor(multipliers(layer, arch.max_ngram, vocab)),
                              persistent=False)
         self.embed = nn.Module()  # the tables, one after another
-        self.embed.weight = nn.Parameter(torch.empty(int(flat.sum()), arch.head_dim), requires_grad=False)
-        self.wkv = Linear(flat.numel() * arch.head_dim, (streams + 1) * hidden)
+        tables = [size for sizes in primes for size in sizes]
+        self.embed.weight = nn.Parameter(torch.empty(sum(tables), arch.head_dim), requires_grad=False)
+        self.wkv = Linear(len(tables) * arch.head_dim, (streams + 1) * hidden)
         self.q_weight = nn.Parameter(torch.empty(streams, hidden), requires_grad=False)
         self.k_weight = nn.Parameter(torch.empty(streams, hidden), requires_grad=False)
 
