@@ -144,6 +144,11 @@ class AttentionMetadata:
     context_parallel: Any = None
     """Prefill context parallelism: the step's split (a ContextParallelStep), whose K/V
     exchange each attention layer runs before attending; None otherwise."""
+    prefill_ends: list[int] | None = None
+    """Per sequence: the position its prefill ends at (all its known tokens: a prompt, or a
+    preempted request's prompt and output), or -1 where every prefill row must be computed
+    (prompt logprobs); None: not given. A model whose upper layers need only a prefill's last
+    rows (DeepSeek-V4.1's bounded replay) skips the others."""
 
     @property
     def num_seqs(self) -> int:

@@ -122,8 +122,10 @@ class Admission:
         slots = hit.num_tokens + n
         if slots == req.num_tokens:  # it samples: a model drafter writes past it
             slots = min(slots + self.num_lookahead_tokens, req.max_num_tokens)
+        # Every prefill row is computed for prompt logprobs (the runner's prefill_ends agree).
+        end = req.num_tokens if req.sampling_params.prompt_logprobs is None else None
         new_blocks = self.kv.allocate_slots(req.request_id, slots, hit,
-                                            num_prompt_tokens=req.num_prompt_tokens)
+                                            num_prompt_tokens=req.num_prompt_tokens, prefill_end=end)
         if new_blocks is None:
             return Verdict.BLOCKED
         return Admit(hit, n, new_blocks)

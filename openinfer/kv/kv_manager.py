@@ -4,8 +4,7 @@ Pure Python: no tensors.
 All layer groups share one pool of ``num_blocks`` blocks (each group's cache tensor on
 the device is a view of one buffer of pages, so a page serves whichever group takes it);
 a request holds one block table per group, and admission counts every group's need
-against the one pool. A request's tables grow as
-its tokens are scheduled:
+against the one pool. A request's tables grow as its tokens are scheduled:
 
     tokens:  | cached prefix | computed   | scheduled this step | not yet scheduled |
     blocks:  [ b0 ][ b1 ][ b2 ][ b3 ][ b4 ]
@@ -115,9 +114,11 @@ class KVCacheManager:
         """Tokens of full-group prefix hits recomputed because the window state at their end
         was not cached (a hit resumes at the latest snapshot behind it)."""
         self._first_live: dict[str, list[int]] = {}
+        """Per request, per window group (in ``windows`` order): entries before it are released."""
         self._prompt_point: dict[str, int] = {}
         """Per request: the furthest block-aligned hit point of its prompt (a snapshot)."""
-        """Per request, per window group (in ``windows`` order): entries before it are released."""
+        self._replayed_from: dict[str, dict[int, int]] = {}
+        """Per request, per bounded-replay group: where its prefill's computed rows start."""
         self._num_cached_blocks: dict[str, int] = {}
         """Per request: how many of its leading blocks are already in the cache index."""
         self.events: list[KVEvent] = []
@@ -219,13 +220,15 @@ class KVCacheManager:
         if self.windows:
             # Blocks from the tiers bring their window pages; device blocks need theirs cached.
             anchored = i + len(hit.store_hashes)
-            end = self._window_hit(limit, anchored, tiered_from=l1)
+            end = self._window_hit(limit, anchored, tiered_from=l1, num_tokens=num_tokens)
             hit.num_replayed_tokens = (anchored - end) * self.block_size
             del hit.host_slots[max(0, end - l1):]
             del hit.store_hashes[max(0, end - l1 - len(hit.host_slots)):]
             l1 = min(l1, end)
         for g, (table, pool) in enumerate(zip(hit.blocks, self.pools)):
-            if g in windowed:
+            if g in windowed and not self._needs_window(g, end, num_tokens):
+                first = l1  # (bounded replay: recomputed behind the request's own last rows)
+            elif g in windowed:
                 first = min(self._spec(g).first_needed_block(end * self.block_size), l1)
             else:
                 first = 0
@@ -236,18 +239,28 @@ class KVCacheManager:
     def _spec(self, group: int) -> SlidingWindowSpec:
         return self.groups[group].spec  # type: ignore[return-value]
 
-    def _window_hit(self, hashes: list[BlockHash], limit: int, tiered_from: int) -> int:
+    def _window_hit(self, hashes: list[BlockHash], limit: int, tiered_from: int,
+                    num_tokens: int) -> int:
         """The longest hit of at most ``limit`` blocks after which every window group has
         the pages its next query reads (the blocks of the window behind the hit point):
         cached on the device, or (blocks from ``tiered_from`` on) loaded from a tier with
-        the rest of their block."""
+        the rest of their block. A bounded-replay group needs them only where the request
+        recomputes it from the hit point on, and from the device (``_needs_window``)."""
         valid = [True] * (limit + 1)  # valid[m]: a hit of m blocks may resume
         for g, spec in self.windows:
             pool, run = self.pools[g], 0  # run: available pages ending at block m - 1
             for m in range(1, limit + 1):
-                run = run + 1 if m > tiered_from or hashes[m - 1] in pool else 0
-                valid[m] = valid[m] and m - spec.first_needed_block(m * self.block_size) <= run
+                tiered = m > tiered_from and spec.replay_rows is None
+                run = run + 1 if tiered or hashes[m - 1] in pool else 0
+                if self._needs_window(g, m, num_tokens):
+                    valid[m] = valid[m] and m - spec.first_needed_block(m * self.block_size) <= run
         return max(m for m in range(limit + 1) if valid[m])
+
+    def _needs_window(self, group: int, blocks: int, num_tokens: int) -> bool:
+        """Whether window group ``group`` needs its pages behind a hit of ``blocks`` blocks
+        (not where bounded replay recomputes that layer from further back)."""
+        rows = self._spec(group).replay_rows
+        return rows is None or blocks * self.block_size > num_tokens - rows
 
     def start_load(self, request_id: str, block_hashes: list[BlockHash],
                    source: KVTransferParams | None = None) -> bool:
@@ -295,14 +308,15 @@ class KVCacheManager:
 
     def allocate_slots(self, request_id: str, num_tokens: int, hit: PrefixHit | None = None,
                        num_computed_tokens: int | None = None,
-                       num_prompt_tokens: int | None = None) -> list[list[int]] | None:
+                       num_prompt_tokens: int | None = None,
+                       prefill_end: int | None = None) -> list[list[int]] | None:
         """Grow the request's tables to cover ``num_tokens`` tokens, starting with a new
         request's cached prefix when given: its device blocks by reference, then fresh
         blocks that its host-tier blocks are copied into before the step runs. A running
         request passes ``num_computed_tokens``: window groups first release the blocks no
         query from there on reads. A new request may pass ``num_prompt_tokens``: the window
         behind the furthest hit point of its prompt is a snapshot too (the same prompt sent
-        again replays nothing).
+        again replays nothing); ``prefill_end``: where its prefill ends (bounded replay).
 
         Returns the block ids added per group (hit blocks first), or None (changing
         nothing but the release) when the pool lacks room.
@@ -317,9 +331,12 @@ class KVCacheManager:
                        if b != SKIPPED and self.pool.ref_count(b) == 0)
         if sum(wanted) + reviving > self.pool.num_free:
             return None
+        # Every group's hits are taken before any group allocates: an allocation from the
+        # shared pool would evict a later group's free cached hit, and hand it out twice.
+        for hits, pool in zip(cached, self.pools):
+            pool.touch([b for b in hits if b != SKIPPED])
         added = []
         for table, hits, n, pool in zip(tables, cached, wanted, self.pools):
-            pool.touch([b for b in hits if b != SKIPPED])
             blocks = hits + pool.allocate(n)
             table.extend(blocks)
             added.append(blocks)
@@ -329,13 +346,17 @@ class KVCacheManager:
                 for g, _ in self.windows]
             if num_prompt_tokens:
                 self._prompt_point[request_id] = (num_prompt_tokens - 1) // self.block_size
+            if prefill_end is not None:
+                self._replayed_from[request_id] = {g: prefill_end - spec.replay_rows
+                                                   for g, spec in self.windows if spec.replay_rows}
         self._tables[request_id] = tables
         if hit is not None and (hit.blocks[0] or hit.host_slots):
             first = len(hit.blocks[0])
             for i, (block_hash, slot) in enumerate(hit.host_slots):
                 blocks = tuple(table[first + i] for table in tables)
-                for pool, block in zip(self.pools, blocks):
-                    pool.cache(block, block_hash)  # its bytes land before any read
+                for g, (pool, block) in enumerate(zip(self.pools, blocks)):
+                    if getattr(self.groups[g].spec, "replay_rows", None) is None:  # (a tier may
+                        pool.cache(block, block_hash)  # hold a replay page never computed)
                 self.plan.loads.append(BlockCopy(block_hash, blocks, slot))
             self._num_cached_blocks[request_id] = first + len(hit.host_slots)
         return added
@@ -392,9 +413,11 @@ class KVCacheManager:
         full = min(num_computed_tokens // self.block_size, len(block_hashes))
         stored = []
         tables = self._tables[request_id]
+        replayed_from = self._replayed_from.get(request_id, {})
         for i in range(done, full):
-            new = [table[i] != SKIPPED and pool.cache(table[i], block_hashes[i])
-                   for pool, table in zip(self.pools, tables)]
+            new = [table[i] != SKIPPED and i * self.block_size >= replayed_from.get(g, 0)
+                   and pool.cache(table[i], block_hashes[i])
+                   for g, (pool, table) in enumerate(zip(self.pools, tables))]
             if not all(new[g] for g in self.anchors):
                 continue
             stored.append(block_hashes[i])
@@ -419,6 +442,7 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request_id, None)
         self._first_live.pop(request_id, None)
         self._prompt_point.pop(request_id, None)
+        self._replayed_from.pop(request_id, None)
         if tables is None:
             return
         for pool, table in zip(self.pools, tables):

@@ -103,6 +103,11 @@ class SlidingWindowSpec(_PagedSpec):
     window: int
     shared_kv: bool = False
     """Keys are the values (DeepSeek-V4): one copy is stored, seen as both halves."""
+    replay_rows: int | None = None
+    """The layer computes only the last this many rows of a prefill (DeepSeek-V4.1's bounded
+    replay; every row after it): its pages before them are never written, so they are not
+    cached, and a prefix hit needs its pages behind the hit point only where the new
+    request's own last ``replay_rows`` reach behind it."""
 
     kind = "sliding_window"
 

@@ -37,6 +37,7 @@ earlier steps, prefix hits and transferred blocks alike. Images and DSpark's dra
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -52,10 +53,12 @@ from openinfer.layers.embedding import LMHead, VocabEmbedding
 from openinfer.layers.hyper_connections import HyperConnection, HyperHead
 from openinfer.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from openinfer.layers.norm import RMSNorm
-from openinfer.models.arch import ArchConfig, CandidateArch, V41Arch
+from openinfer.models.arch import ArchConfig, V41Arch
 from openinfer.models.base import CausalLM
 from openinfer.models.deepseek_v4 import V4MoE, V4Rope, _fp32_param, _rank_rows
 from openinfer.models.engram import Engram, compressed_vocabulary, table_primes
+from openinfer.models.v41_replay import REPLAYED_FROM, replay_rows, replayed_from, replayed_rows, rows_view
+from openinfer.models.v41_sparse import V41Compressor, V41Indexer, candidate_entries, top_k_entries
 
 Slot = tuple[torch.Tensor, AttentionMetadata]
 GRAM_SHIFTS = (16, 8, 0)
@@ -78,40 +81,6 @@ class V41Step:
     """index source -> {sequence b: [n, entries] of a prefill, "decodes": [B, entries]}."""
     candidates: dict[int | str, torch.Tensor] = field(default_factory=dict)
     """The candidate source's blocks as entries: {sequence b or "decodes": [n, entries]}."""
-
-
-class V41Compressor(nn.Module):
-    """A KV source's entries from its hidden rows: C1 one per token (``wkv``); C2 one per
-    pair, each channel a softmax-of-``wgate``-weighted sum (float32) of the pair's ``wkv``."""
-
-    def __init__(self, hidden: int, dim: int, ratio: int, eps: float) -> None:
-        super().__init__()
-        self.ratio = ratio
-        self.wkv = Linear(hidden, dim)
-        if ratio == 2:
-            self.wgate = Linear(hidden, dim)
-        self.norm = RMSNorm(dim, eps, fp32_weight=True)
-
-    @staticmethod
-    def pool_pairs(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """[2c, dim] rows of c complete pairs -> [c, dim]."""
-        c = kv.shape[0] // 2
-        weights = gate.view(c, 2, -1).float().softmax(1)
-        return (kv.view(c, 2, -1).float() * weights).sum(1).to(kv.dtype)
-
-
-class V41Indexer(nn.Module):
-    """Per query ``index_n_heads`` scores ``relu(q_h . k_j)`` weighted by ``weights_proj``;
-    an index-K source also makes the keys: ``k_norm(wk(entry before RoPE))``, roped."""
-
-    def __init__(self, arch: ArchConfig, v41: V41Arch, makes_keys: bool) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim, self.topk = v41.index_heads, v41.index_head_dim, v41.index_topk
-        self.wq_b = Linear(v41.q_lora_rank, self.num_heads * self.head_dim)
-        self.weights_proj = Linear(arch.hidden_size, self.num_heads)
-        if makes_keys:
-            self.wk = Linear(arch.head_dim, self.head_dim)
-            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, fp32_weight=True)
 
 
 class V41Attention(nn.Module):
@@ -175,7 +144,9 @@ class V41Attention(nn.Module):
     # ---- forward ---------------------------------------------------------------------------
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, slots: dict[str, Slot],
-                step: V41Step) -> torch.Tensor:
+                step: V41Step, published: bool = False) -> torch.Tensor:
+        """``published``: the step's entries and index keys are already made (``publish``:
+        a consumer running on the last rows of a prefill makes them for every row first)."""
         T, H, D = x.shape[0], self.num_heads, self.head_dim
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         qr = self.q_norm(self.wq_a(x))
@@ -183,10 +154,8 @@ class V41Attention(nn.Module):
         kv = self.rope(self.kv_norm(self.wkv(x)), cos, sin)
         window_cache, meta = slots["window"]
         write_kv(window_cache, kv[:, None], kv[:, None], meta.slot_mapping)
-        if self.ratio and self.kv_source == self.layer:
-            self._make_entries(step.shared_hidden if self.consumer else x, positions, slots, step)
-        if self.ratio and self.index_k_source == self.layer:
-            self._make_index_keys(slots, step)
+        if not published:
+            self.publish(positions, x, slots, step)
         out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
         nd = meta.num_decodes
         if nd:
@@ -200,6 +169,14 @@ class V41Attention(nn.Module):
         out = self.rope(out, cos, -sin).view(T, self.groups, -1)
         wa = self.wo_a.weight.view(self.groups, self.group_rank, -1)
         return self.wo_b(torch.einsum("tgi,gri->tgr", out, wa).flatten(1))
+
+    def publish(self, positions: torch.Tensor, x: torch.Tensor, slots: dict[str, Slot],
+                step: V41Step) -> None:
+        """A source's entries (a consumer's from the shared hidden state) and index keys."""
+        if self.ratio and self.kv_source == self.layer:
+            self._make_entries(step.shared_hidden if self.consumer else x, positions, slots, step)
+        if self.ratio and self.index_k_source == self.layer:
+            self._make_index_keys(slots, step)
 
     def _make_entries(self, h: torch.Tensor, positions: torch.Tensor, slots: dict[str, Slot],
                       step: V41Step) -> None:
@@ -260,6 +237,9 @@ class V41Attention(nn.Module):
         """One sequence's queries (positions ctx .. end - 1): [n, H, D]."""
         window_cache, meta = slots["window"]
         keys, allowed, t = compressed.sequence_window(window_cache, meta, b, ctx, end, self.window)
+        computed_from = meta.derived.get(REPLAYED_FROM)
+        if computed_from is not None:  # keys before the layer's first computed row: never written
+            allowed[:, :max(0, computed_from[b] - max(0, ctx - self.window + 1))] = False
         if self.ratio and end // self.ratio:
             entry_cache, entry_meta = slots["entries"]
             entries = compressed.sequence_entries(entry_cache, entry_meta, b, self.ratio, end)
@@ -270,8 +250,8 @@ class V41Attention(nn.Module):
                 index_keys = compressed.sequence_entries(key_cache, key_meta, b, self.ratio, end)
                 visible = self._select(qr, x, t, index_keys, visible, step, b)
                 step.choices.setdefault(self.layer, {})[b] = visible
-            else:
-                visible = step.choices[self.index_source][b]
+            else:  # the source's rows for b end with these (a consumer's rows are a suffix)
+                visible = step.choices[self.index_source][b][-q.shape[0]:]
             keys = torch.cat([keys, entries], 0)
             allowed = torch.cat([allowed, visible], 1)
         return compressed.attend_with_sinks(q, keys, allowed, self.attn_sink, self.head_dim**-0.5)
@@ -315,41 +295,8 @@ class V41Attention(nn.Module):
         if self.candidate is not None and self.layer == self.candidate.source:
             step.candidates[key] = candidate_entries(score, visible, self.candidate)
         elif self.candidate is not None and self.layer > self.candidate.source:
-            visible = visible & step.candidates[key]
+            visible = visible & step.candidates[key][-n:]
         return top_k_entries(score, visible, ix.topk)
-
-
-def top_k_entries(score: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
-    """[n, L] bool: each row's ``k`` highest-scoring allowed entries (all, if fewer). Ties
-    (ReLU zeros) go to the earlier entry (a stable sort): the choice never depends on how
-    many entries a step scores (its chunking, a prefix hit)."""
-    score = score.masked_fill(~allowed, float("-inf"))
-    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :min(k, score.shape[1])]
-    return torch.zeros_like(allowed).scatter_(1, order, True) & allowed
-
-
-def candidate_block_scores(score: torch.Tensor, visible: torch.Tensor,
-                           block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(best [n, blocks], valid [n]): each block's highest score over its visible entries,
-    rounded to bf16 and capped at bf16's largest finite value, the last block holding a
-    visible entry set to +inf; and how many blocks hold one (DeepInfer's block maximum)."""
-    n, length = score.shape
-    blocks = -(-length // block_size)
-    padded = score.new_full((n, blocks * block_size), float("-inf"))
-    padded[:, :length] = score.masked_fill(~visible, float("-inf")).to(torch.bfloat16).float()
-    best = padded.view(n, blocks, block_size).amax(-1).clamp(max=torch.finfo(torch.bfloat16).max)
-    valid = -(-visible.sum(1) // block_size)
-    last = (valid - 1).clamp(min=0)[:, None]
-    best.scatter_(1, last, torch.where(valid[:, None] > 0, float("inf"), best.gather(1, last)))
-    return best, valid
-
-
-def candidate_entries(score: torch.Tensor, visible: torch.Tensor, c: CandidateArch) -> torch.Tensor:
-    """[n, L] bool: the entries of each query's ``topk_blocks`` best blocks."""
-    best, valid = candidate_block_scores(score, visible, c.block_size)
-    in_range = torch.arange(best.shape[1], device=score.device)[None, :] < valid[:, None]
-    chosen = top_k_entries(best, in_range, c.topk_blocks)
-    return chosen.repeat_interleave(c.block_size, 1)[:, :score.shape[1]]
 
 
 class V41DecoderLayer(nn.Module):
@@ -369,22 +316,31 @@ class V41DecoderLayer(nn.Module):
         self.engram: Engram | None = None  # set by the model on Engram layers
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, pre: torch.Tensor | None,
-                input_ids: torch.Tensor, slots: dict[str, Slot],
-                step: V41Step) -> tuple[torch.Tensor, torch.Tensor]:
+                input_ids: torch.Tensor, slots: dict[str, Slot], step: V41Step,
+                grams: torch.Tensor | None, published: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(streams, this layer's last mix: the next sublayer's ``pre`` when shifted).
-        ``pre`` None: the first layer, whose input is stream 0 (the embedding)."""
+        ``pre`` None: the first layer, whose input is stream 0 (the embedding). ``grams``:
+        the rows' Engram n-grams. ``published``: the step's shared hidden state, entries and
+        index keys are already made (for every row, by the model)."""
         if self.engram is not None:
-            h = self.engram(h, step.grams)
+            h = self.engram(h, grams)
         mix, post, comb = self.hc_attn.mixes(h)
         x = self._input(h, pre, mix)
         xn = self.attn_norm(x)
-        if self.shares_hidden:
+        if self.shares_hidden and not published:
             step.shared_hidden = xn
-        h = HyperConnection.write_back(h, post, comb, self.attn(positions, xn, slots, step))
+        h = HyperConnection.write_back(h, post, comb, self.attn(positions, xn, slots, step, published))
         mix_ffn, post, comb = self.hc_ffn.mixes(h)
         x = self._input(h, mix, mix_ffn)
         h = HyperConnection.write_back(h, post, comb, self.ffn(self.ffn_norm(x), input_ids))
         return h, mix_ffn
+
+    def normed_input(self, h: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
+        """The attention's normed input of every row (the consumers' shared hidden state)."""
+        if self.engram is not None:
+            raise ValueError("an Engram layer cannot start the YOCO consumers")
+        mix = None if self.shifted else self.hc_attn.mixes(h)[0]
+        return self.attn_norm(self._input(h, pre, mix))
 
     def _input(self, h: torch.Tensor, previous: torch.Tensor | None, own: torch.Tensor) -> torch.Tensor:
         if not self.shifted:
@@ -429,6 +385,10 @@ class DeepseekV41ForCausalLM(CausalLM):
         if self.engram is not None:
             self._add_engram(arch, v41)
             self._owners.append((-1, "grams"))
+        self.replay_rows = replay_rows(v41)
+        """Consumer layer -> the last rows of a prefill it computes (bounded replay); empty: off."""
+        self.num_rows_skipped = 0
+        """Consumer-layer rows bounded replay did not compute (summed over layers)."""
         self._slots: list[dict[str, int]] = []
         """Per layer, the cache slot it reads for each name: its own, or its source's."""
         for layer in self.layers:
@@ -458,9 +418,17 @@ class DeepseekV41ForCausalLM(CausalLM):
     def kv_cache_specs(self, block_size: int, dtype: str) -> list[KVSpec | None]:
         """The Engram token history (if any), then every layer's own slots in layer order
         (see the module docstring)."""
-        return [SlidingWindowSpec(block_size, 1, GRAM_DIGITS, dtype, self.engram.max_ngram, shared_kv=True)
-                if layer < 0 else self.layers[layer].attn.slot_spec(name, block_size, dtype)
-                for layer, name in self._owners]
+        specs = []
+        for layer, name in self._owners:
+            if layer < 0:
+                specs.append(SlidingWindowSpec(block_size, 1, GRAM_DIGITS, dtype, self.engram.max_ngram,
+                                               shared_kv=True))
+                continue
+            spec = self.layers[layer].attn.slot_spec(name, block_size, dtype)
+            if name == "window" and layer in self.replay_rows:
+                spec = dataclasses.replace(spec, replay_rows=self.replay_rows[layer])
+            specs.append(spec)
+        return specs
 
     def _grams(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
@@ -487,9 +455,30 @@ class DeepseekV41ForCausalLM(CausalLM):
         step, pre = V41Step(), None
         if self.engram is not None:
             step.grams = self._grams(input_ids, positions, kv_caches[0], metas[0])
-        for layer, slots in zip(self.layers, self._slots, strict=True):
+        for index, (layer, slots) in enumerate(zip(self.layers, self._slots, strict=True)):
             views = {name: (kv_caches[i], metas[i]) for name, i in slots.items()}
-            h, pre = layer(positions, h, pre, input_ids, views, step)
+            rows = replayed_rows(self.replay_rows.get(index), positions, views["window"][1])
+            if rows is None:
+                h, pre = layer(positions, h, pre, input_ids, views, step, step.grams)
+                continue
+            # A consumer on the last rows of each prefill: what the rows it skips feed into
+            # other rows' queries (the shared hidden state, entries, index keys) first, for all.
+            if layer.shares_hidden:
+                step.shared_hidden = layer.normed_input(h, pre)
+            layer.attn.publish(positions, step.shared_hidden, views, step)
+            self.num_rows_skipped += positions.shape[0] - rows.numel()
+            if not rows.numel():
+                continue
+            window_cache, meta = views["window"]
+            computed_from = replayed_from(self.replay_rows[index], meta)
+            views["window"] = (window_cache, rows_view(meta, rows, computed_from))
+            grams = None if step.grams is None else step.grams[rows]
+            out, mix = layer(positions[rows], h[rows], None if pre is None else pre[rows],
+                             input_ids[rows], views, step, grams, published=True)
+            h = h.index_copy(0, rows, out)
+            if pre is None:  # (the first layer a consumer: no mix before it)
+                pre = mix.new_zeros(h.shape[0], mix.shape[1])
+            pre = pre.index_copy(0, rows, mix)
         if self.shifted:
             return self.norm(HyperConnection.collapse(pre, h))
         return self.norm(self.hc_head(h))

@@ -162,6 +162,9 @@ class ModelRunner:
                 query_lens=query_lens, seq_lens=seq_lens,
                 block_tables=[r.block_ids[g] for r in batch],
                 block_size=self.block_size, device=self.device) for g in range(len(self.groups))]
+            ends = [-1 if r.params.prompt_logprobs is not None else len(r.token_ids) for r in batch]
+            for meta in group_metas:
+                meta.prefill_ends = ends
             metas = [group_metas[g] for g in self.layer_group]
             graph_size = self._graph_size(query_lens, drafts, group_metas)
             if graph_size is not None:

@@ -229,3 +229,27 @@ def test_rollback_keeps_the_window_of_the_kept_tokens():
     kv.free("a")
     kv.check_integrity()
     assert kv.usage == 0
+
+
+def test_a_hit_is_taken_in_every_group_before_any_group_allocates():
+    """The groups share one pool, where free cached blocks wait oldest first: a new request's
+    hit blocks of a later group may stand before anything else free. They are taken first,
+    so no block serves two groups (it did: the full group's new block was the window group's
+    hit, the prefill overwrote those keys, and a request resumed after preemption got other
+    tokens)."""
+    kv = _manager(40)
+    a, d = list(range(8)), list(range(100, 108))
+    for rid, tokens in (("a", a), ("d", d)):
+        assert kv.allocate_slots(rid, 8) is not None
+        kv.cache_blocks(rid, _hashes(tokens), tokens, 8)
+    assert kv.allocate_slots("b", 4 * (kv.pool.num_free // 2)) is not None  # every unused block
+    kv.free("a")
+    kv.free("d")  # free, oldest first: a's group-0 blocks, a's group-1 blocks, then d's
+    tokens = a + [7, 7, 7, 7]
+    hit = kv.find_cached_prefix(_hashes(tokens), len(tokens))
+    assert hit.num_tokens == 8
+    assert kv.allocate_slots("c", 12, hit) is not None
+    tables = kv.block_table("c")
+    used = [b for table in tables for b in table if b != SKIPPED]
+    assert len(used) == len(set(used)), tables
+    kv.check_integrity()

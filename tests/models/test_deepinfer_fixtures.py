@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from openinfer.models.arch import CandidateArch
-from openinfer.models.deepseek_v41 import (
+from openinfer.models.v41_sparse import (
     V41Compressor,
     candidate_block_scores,
     candidate_entries,

@@ -18,8 +18,10 @@ from v41_reference import TEXT, V41Reference, _compressed_ids, build_v41_checkpo
 
 from openinfer import LLM, SamplingParams
 from openinfer.config import ModelConfig
+from openinfer.kv.spec import page_bytes
 from openinfer.models.arch import ArchConfig
 from openinfer.models.engram import compressed_vocabulary
+from openinfer.models.v41_replay import REPLAY_ROWS_ENV
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +156,64 @@ def test_the_compressed_vocabulary_folds_case_accents_and_spacing(v41):
     table = compressed_vocabulary(str(v41 / "tokenizer.json"))
     assert table == _compressed_ids(v41 / "tokenizer.json")
     assert len(set(table)) < len(table)
+
+
+def _replay_runs(path, monkeypatch, prompts, params, **options):
+    """(outputs with bounded replay off, outputs and engine with it on)."""
+    runs = []
+    for rows in ("0", ""):
+        monkeypatch.setenv(REPLAY_ROWS_ENV, rows)
+        llm = LLM(str(path), block_size=4, dtype="float32", progress=False, **options)
+        runs.append((llm.generate(prompts, params), llm))
+    return runs[0][0], runs[1][0], runs[1][1]
+
+
+def _assert_same(plain, replayed) -> None:
+    for want, got in zip(plain, replayed, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for step_want, step_got in zip(want.outputs[0].logprobs, got.outputs[0].logprobs, strict=True):
+            for token, lp in step_want.items():
+                assert step_got[token].logprob == pytest.approx(lp.logprob, abs=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [16, 48])
+def test_bounded_replay_gives_the_logprobs_of_every_row(v41, monkeypatch, chunk):
+    """The consumers compute only each prefill's last rows (the last one its last window, each
+    before it a window more): the sampled tokens' logprobs equal a run computing every row,
+    whatever the chunking, with decodes and prefills in one step."""
+    prompts = _prompts(1024, [60, 37, 9, 50], seed=11)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    plain, replayed, llm = _replay_runs(v41, monkeypatch, prompts, params,
+                                        max_num_batched_tokens=chunk, enable_prefix_caching=False)
+    _assert_same(plain, replayed)
+    model = llm.engine.core.executor.worker.model
+    assert model.replay_rows == {3: 13, 4: 10, 5: 7, 6: 4}  # window 4: 4 + 3 per layer behind
+    assert model.num_rows_skipped > 0
+
+
+def test_bounded_replay_with_prefix_hits_and_preemption(v41, monkeypatch):
+    """A returning conversation hits up to its last turn (the consumers' windows there were
+    computed); a prompt sharing only the start of a longer one resumes where its own last
+    rows begin (the longer one's consumers never computed that far back); a pool too small
+    for every request preempts and recomputes. Tokens and logprobs as with every row."""
+    first = _prompts(1024, [70], seed=12)[0]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    monkeypatch.setenv(REPLAY_ROWS_ENV, "")
+    llm = LLM(str(v41), block_size=4, dtype="float32", progress=False, max_num_batched_tokens=32,
+              window_snapshot_interval=16)
+    reply = llm.generate([first], params)[0].outputs[0].token_ids
+    turn = first + reply + [7, 8, 9, 10, 11, 12]
+    shared = first[:40] + [13, 14, 15, 16, 17]
+    again = llm.generate([turn, shared], params)
+    assert again[0].num_cached_tokens >= 72 and again[1].num_cached_tokens > 0
+    monkeypatch.setenv(REPLAY_ROWS_ENV, "0")
+    plain = LLM(str(v41), block_size=4, dtype="float32", progress=False, enable_prefix_caching=False)
+    _assert_same(plain.generate([turn, shared], params), again)
+    llm.engine.check_integrity()
+
+    prompts = _prompts(1024, [60, 55, 50, 45], seed=13)
+    page = llm.engine.core.kv.num_blocks and page_bytes(llm.engine.core.kv.groups)
+    plain_out, replayed, small = _replay_runs(v41, monkeypatch, prompts, params, kv_cache_memory=240 * page,
+                                              max_model_len=72, max_num_batched_tokens=32)
+    _assert_same(plain_out, replayed)
+    assert small.engine.core.scheduler.num_preemptions > 0
