@@ -1,6 +1,7 @@
 """A mixture-of-experts layer's routed experts held as a block-scaled fp8 checkpoint stores them
 (one byte per weight, a scale per 128x128 tile, openinfer/kernels/fused_moe.py), beside the same
-experts held dequantized in bf16 and fp32, all in the fused CPU kernel.
+experts held dequantized in bf16 and fp32, and experts of that shape held as MXFP4 (DeepSeek-V4's
+release: half a byte per weight, a scale per 32 inputs of a row), all in the fused CPU kernel.
 
 DeepSeek-V2-Lite's expert shape (hidden 2048, 64 routed experts of 1408, top-6) at decode's and
 prefill's token counts. Every round times the three in rotating order (interleaved, so other
@@ -58,7 +59,14 @@ def _experts(kernels) -> dict[str, FusedExperts]:
             q, s = _quantize(torch.randn(HIDDEN, INTER) * 0.02)
             fp8.w2[e], fp8.w2_scale_inv[e] = q, s
             dense.w2[e] = dequantize(q, s, BLOCK)
-    held = {"fp8": fp8, "bf16": copy.deepcopy(dense).bfloat16(), "fp32": dense}
+    fp4 = FusedExperts(EXPERTS, HIDDEN, INTER)
+    assert fp4.keep_fp4()
+    with torch.no_grad():  # (random bytes and unit-ish scales: the timing does not read values)
+        fp4.w13.copy_(torch.randint(0, 256, fp4.w13.shape, dtype=torch.uint8))
+        fp4.w2.copy_(torch.randint(0, 256, fp4.w2.shape, dtype=torch.uint8))
+        fp4.w13_scale_inv.fill_(2.0 ** -8)
+        fp4.w2_scale_inv.fill_(2.0 ** -8)
+    held = {"fp8": fp8, "fp4": fp4, "bf16": copy.deepcopy(dense).bfloat16(), "fp32": dense}
     for experts in held.values():
         bind_platform(experts, Platform("cpu", kernels))
         assert experts.forward_path == "forward_cpu"
@@ -82,14 +90,14 @@ def _seconds(fn) -> float:
 
 def table(rounds: int) -> tuple[list[str], dict[str, int]]:
     held = _experts(load_cpu_attention())
-    lines = ["| tokens | experts hit | fp8 | bf16 held | fp32 held |", "|---|---|---|---|---|"]
+    lines = ["| tokens | experts hit | fp8 | MXFP4 | bf16 held | fp32 held |", "|---|---|---|---|---|---|"]
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for tokens in TOKENS:
             ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(tokens)])
             weights = torch.rand(tokens, TOP_K, generator=g)
             x = torch.randn(tokens, HIDDEN, generator=g).bfloat16()
-            xs = {"fp8": x, "bf16": x, "fp32": x.float()}  # (a layer's input is in its dtype)
+            xs = {"fp8": x, "fp4": x, "bf16": x, "fp32": x.float()}  # (a layer's input is in its dtype)
             fns = {name: (lambda e=e, x=xs[name], w=weights, i=ids: e(x, w, i)) for name, e in held.items()}
             times: dict[str, list[float]] = {name: [] for name in fns}
             for r in range(rounds):
@@ -114,8 +122,8 @@ def main() -> None:
     body = [f"`benchmarks/bench_fp8_moe.py --rounds {args.rounds}`: the routed experts of a "
             f"DeepSeek-V2-Lite-shaped MoE layer ({EXPERTS} experts of {INTER}, hidden {HIDDEN}, "
             f"top-{TOP_K}) in the fused CPU kernel, held as block-scaled fp8 ({BLOCK[0]}x{BLOCK[1]} "
-            "tiles, as loaded) beside the same experts dequantized to bf16 and fp32 (x in bf16, "
-            "fp32 for fp32; "
+            "tiles, as loaded) beside the same experts dequantized to bf16 and fp32, and as "
+            "MXFP4 (x in bf16, fp32 for fp32; "
             "median of interleaved rounds; (Nx) = that time over fp8's). Resident expert bytes: "
             f"{size}. CPU: {cpu_model_name()}, {cpu_capability()}, {torch.get_num_threads()} threads.",
             "", *lines]

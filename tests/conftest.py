@@ -304,6 +304,23 @@ def quantize_blocks(t: torch.Tensor, block: int, ue8m0: bool = False) -> tuple[t
     return q, scale.to(torch.float8_e8m0fnu) if ue8m0 else scale
 
 
+E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def mxfp4(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (int8 [N, K / 2], float8_e8m0fnu [N, K / 32]): each run of 32 inputs scaled by
+    the power of two that brings its largest magnitude to at most 6, then rounded to the
+    nearest e2m1 value; element 2j in byte j's low nibble."""
+    n, k = t.shape
+    groups = t.float().reshape(n, k // 32, 32)
+    scale = torch.exp2(torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-12) / 6)))
+    x = groups / scale[..., None]
+    codes = ((x.abs()[..., None] - E2M1_MAGNITUDES).abs().argmin(-1) | ((x < 0).long() << 3))
+    codes = codes.reshape(n, k)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, scale.to(torch.float8_e8m0fnu)
+
+
 def fp8_checkpoint(src: Path, dst: Path, block: int) -> Path:
     """A copy of the checkpoint at ``src`` in DeepSeek-V3's FP8 release format: every
     projection (experts' included) as e4m3 with a weight_scale_inv per ``block`` tile."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from conftest import quantize_blocks
+from conftest import mxfp4, quantize_blocks
 from safetensors.torch import load_file, save_file
 
 from openinfer.demo import build_demo_tokenizer
@@ -65,18 +65,6 @@ FP8_MODULES = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "
 
 
 # ---- the checkpoint --------------------------------------------------------------------------
-
-def _mxfp4(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (int8 [N, K/2]: element 2j in byte j's low nibble, e8m0 [N, K/32])."""
-    n, k = t.shape
-    groups = t.float().reshape(n, k // 32, 32)
-    scale = torch.exp2(torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-12) / 6)))
-    x = groups / scale[..., None]
-    codes = (x.abs()[..., None] - torch.tensor(E2M1)).abs().argmin(-1) | ((x < 0).long() << 3)
-    codes = codes.reshape(n, k)
-    return ((codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8),
-            scale.to(torch.float8_e8m0fnu))
-
 
 def _fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = t.shape
@@ -229,7 +217,7 @@ def build_v41_checkpoint(path: Path, seed: int = 0, release: bool = True, **text
         if not release:
             stored[name] = t.float()
         elif ".experts." in name and ".shared_experts." not in name:
-            stored[name], stored[f"{module}.scale"] = _mxfp4(t)
+            stored[name], stored[f"{module}.scale"] = mxfp4(t)
         elif name.endswith("engram.embed.weight"):  # fp8 rows, a scale per 32 of a row
             stored[name], stored[f"{module}.scale"] = _fp8_rows(t)
         elif name.endswith(".weight") and module.endswith(FP8_MODULES):

@@ -27,6 +27,22 @@ DEQUANT_SLAB_BYTES = 32 << 20
 """The most bytes of dequantized weight the F.linear path holds at once."""
 
 
+FP4_GROUP = 32
+"""Inputs per scale of an MXFP4 weight row (DeepSeek-V4's FP4 experts)."""
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The float4 e2m1 value of each 4-bit code (bit 3: the sign)."""
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """MXFP4 ``packed`` [N, K / 2] (int8 or uint8; element 2j in byte j's low nibble, 2j + 1
+    in its high one) and its scales [N, K / 32] (powers of two) -> float32 [N, K]."""
+    codes = packed.view(torch.uint8)
+    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2).long()
+    values = torch.tensor(E2M1_VALUES)[nibbles]
+    return values * scale.float().repeat_interleave(FP4_GROUP, -1)[..., :values.shape[-1]]
+
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """fp8 [N, K] and its per-tile scales [ceil(N / bn), ceil(K / bk)] -> ``dtype`` [N, K]

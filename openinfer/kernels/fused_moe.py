@@ -21,6 +21,12 @@ tile, one scale per ``block_k`` inputs for each half of its columns (a gate and 
 w13; two runs of H in w2), ``[E, N / tile, ceil(K / block_k), 2]`` float32. A half lies within
 one block of ``block_n`` rows (``block_n`` a multiple of ``tile / 2``). The kernel multiplies each
 weight by its scale in registers: the values of ``fp8_gemm.dequantize``.
+
+MXFP4 experts (DeepSeek-V4's release: ``[N, K / 2]`` bytes, two e2m1 values each, the low nibble
+first; one power-of-two scale per 32 inputs of each row) pack their bytes as they are, per
+tile ``[E, N / tile, K / 2, tile]`` (a byte: inputs 2j and 2j + 1 of one column), and their
+scales as float32 beside them, ``[E, N / tile, K / 32, tile]``: a scale per column. The kernel
+turns a tile into float32 once per task (``fp8_gemm.dequantize_fp4``'s values).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from openinfer.kernels.fp8_gemm import FP4_GROUP
 
 ACTIVATIONS = {"silu": 0, "clamped_silu": 1, "clamped_swiglu": 2}
 """The kernel's activations, as FusedExperts (openinfer/layers/moe.py) names its own."""
@@ -46,6 +54,16 @@ class Fp8Experts:
 
 
 @dataclass(frozen=True)
+class Fp4Experts:
+    """Stacked MXFP4 experts' scales as the checkpoint gives them (float32 powers of two)."""
+
+    w13_scale: torch.Tensor
+    """[E, 2I, H / 32]: the gate's rows, then the up projection's."""
+    w2_scale: torch.Tensor
+    """[E, H, I / 32]"""
+
+
+@dataclass(frozen=True)
 class PackedExperts:
     w13: torch.Tensor
     w2: torch.Tensor
@@ -59,10 +77,10 @@ class PackedExperts:
     block_k: int = 0
 
 
-def _pad_rows(t: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
-    """``t`` zero-padded along ``dim`` to ``rows``."""
+def _pad_rows(t: torch.Tensor, rows: int, dim: int, fill: float = 0.0) -> torch.Tensor:
+    """``t`` padded with ``fill`` along ``dim`` to ``rows``."""
     pad = [0, 0] * (t.dim() - 1 - dim) + [0, rows - t.shape[dim]]
-    return F.pad(t, pad) if rows > t.shape[dim] else t
+    return F.pad(t, pad, value=fill) if rows > t.shape[dim] else t
 
 
 def _tiles(w: torch.Tensor, tile: int) -> torch.Tensor:
@@ -76,24 +94,19 @@ def _tiles(w: torch.Tensor, tile: int) -> torch.Tensor:
 
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None,
                  tile: int, activation: str, alpha: float = 0.0, limit: float = 0.0,
-                 fp8: Fp8Experts | None = None) -> PackedExperts:
+                 fp8: Fp8Experts | None = None, fp4: Fp4Experts | None = None) -> PackedExperts:
     """The packed copy of stacked experts (w13 [E, 2I, H], w2 [E, H, I]; float8_e4m3fn with
-    ``fp8``'s scales), one expert at a time so that the extra memory while packing is one
-    expert's."""
-    num, two_i, hidden = w13.shape
+    ``fp8``'s scales; or MXFP4 bytes [E, 2I, H / 2], [E, H, I / 2] with ``fp4``'s), one expert
+    at a time so that the extra memory while packing is one expert's."""
+    num, two_i, _ = w13.shape
     inter, half = two_i // 2, tile // 2
+    hidden = w2.shape[1]
     ip, hp = -(-inter // half) * half, -(-hidden // tile) * tile
-    bytes13, bytes2 = (w13.view(torch.uint8), w2.view(torch.uint8)) if fp8 else (w13, w2)
-    packed13 = packed2 = None
-    for e in range(num):
-        gate = _pad_rows(bytes13[e, :inter], ip, 0).view(ip // half, half, hidden)
-        up = _pad_rows(bytes13[e, inter:], ip, 0).view(ip // half, half, hidden)
-        t13 = _tiles(torch.cat([gate, up], dim=1).view(2 * ip, hidden), tile)
-        t2 = _tiles(_pad_rows(_pad_rows(bytes2[e], ip, 1), hp, 0), tile)
-        if packed13 is None:
-            packed13 = t13.new_empty(num, *t13.shape)
-            packed2 = t2.new_empty(num, *t2.shape)
-        packed13[e], packed2[e] = t13, t2
+    if fp4 is not None and (hidden % FP4_GROUP or ip % FP4_GROUP):
+        raise ValueError(f"MXFP4 experts: hidden {hidden} and intermediate {ip} sizes must be "
+                         f"multiples of {FP4_GROUP}")
+    bytes13, bytes2 = (w13.view(torch.uint8), w2.view(torch.uint8)) if fp8 or fp4 else (w13, w2)
+    packed13, packed2 = _pack(bytes13, bytes2, inter, ip, hp, half, tile, 2 if fp4 else 1)
     biases = None, None
     if b13 is not None:
         halves = _pad_rows(b13.float().view(num, 2, inter), ip, 2).contiguous()
@@ -102,7 +115,29 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None, 
     if fp8:
         packed13, packed2 = packed13.view(w13.dtype), packed2.view(w2.dtype)
         scales = _pack_scales(fp8, half, ip, hp)
+    elif fp4:
+        s13, s2 = _pack(fp4.w13_scale.float(), fp4.w2_scale.float(), inter, ip, hp, half, tile,
+                        FP4_GROUP, fill=1.0)
+        scales = (s13, s2, FP4_GROUP)
     return PackedExperts(packed13, packed2, *biases, ACTIVATIONS[activation], alpha, limit, *scales)
+
+
+def _pack(w13: torch.Tensor, w2: torch.Tensor, inter: int, ip: int, hp: int, half: int, tile: int,
+          per_column: int, fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 [E, 2I, H / per_column] and w2 [E, H, I / per_column] (a column: that many inputs)
+    in tiles, gate and up features side by side in w13's; padding ``fill``."""
+    num, cols = w13.shape[0], w13.shape[2]
+    packed13 = packed2 = None
+    for e in range(num):
+        gate = _pad_rows(w13[e, :inter], ip, 0, fill).view(ip // half, half, cols)
+        up = _pad_rows(w13[e, inter:], ip, 0, fill).view(ip // half, half, cols)
+        t13 = _tiles(torch.cat([gate, up], dim=1).view(2 * ip, cols), tile)
+        t2 = _tiles(_pad_rows(_pad_rows(w2[e], -(-ip // per_column), 1, fill), hp, 0, fill), tile)
+        if packed13 is None:
+            packed13 = t13.new_empty(num, *t13.shape)
+            packed2 = t2.new_empty(num, *t2.shape)
+        packed13[e], packed2[e] = t13, t2
+    return packed13, packed2
 
 
 def _pack_scales(fp8: Fp8Experts, half: int, ip: int, hp: int,

@@ -44,8 +44,8 @@ from openinfer.distributed.eplb import Placement, initial_placement
 from openinfer.distributed.parallel_state import get_ep, get_tp
 from openinfer.kernels.cpu_attention import bf16_dot
 from openinfer.kernels.custom_op import CustomOp, Platform
-from openinfer.kernels.fp8_gemm import dequantize
-from openinfer.kernels.fused_moe import Fp8Experts, PackedExperts, fused_moe, pack_experts
+from openinfer.kernels.fp8_gemm import FP4_GROUP, dequantize, dequantize_fp4
+from openinfer.kernels.fused_moe import Fp4Experts, Fp8Experts, PackedExperts, fused_moe, pack_experts
 from openinfer.layers.linear import narrow, reads_slices
 from openinfer.layers.moe_router import Router, RoutingConfig
 
@@ -173,6 +173,9 @@ class FusedExperts(CustomOp):
         self.fp8_block: tuple[int, int] | None = None
         """Set by ``keep_fp8``: w13 and w2 are the checkpoint's float8_e4m3fn, with
         ``w13_scale_inv`` and ``w2_scale_inv`` per tile of this many rows x columns."""
+        self.fp4 = False
+        """Set by ``keep_fp4``: w13 and w2 are MXFP4 bytes [slots, 2I, H / 2], [slots, H, I / 2],
+        with float32 scales per 32 inputs of each row (``w13_scale_inv``, ``w2_scale_inv``)."""
 
     def keep_fp8(self, block: tuple[int, int]) -> bool:
         """Before loading: hold the experts as the checkpoint's block-scaled fp8 (one byte per
@@ -200,6 +203,37 @@ class FusedExperts(CustomOp):
         self.fp8_block = block
         return True
 
+    def keep_fp4(self) -> bool:
+        """Before loading: hold MXFP4 experts (DeepSeek-V4's release) as the checkpoint's bytes,
+        two weights each, and a power-of-two scale per 32 inputs of a row, which the fused CPU
+        kernel reads as they are. False, and nothing changed, under expert parallelism or
+        where a tensor-parallel rank's share is no whole number of runs of 32 inputs."""
+        if self.ep.enabled or self.intermediate_size % FP4_GROUP or self.w13.shape[2] % FP4_GROUP:
+            return False
+        self.dense_dtype = self.w13.dtype
+        slots, two_i, hidden = self.w13.shape
+        inter = two_i // 2
+        shapes = {"w13": (slots, two_i, hidden // 2), "w2": (slots, hidden, inter // 2),
+                  "w13_scale_inv": (slots, two_i, hidden // FP4_GROUP),
+                  "w2_scale_inv": (slots, hidden, inter // FP4_GROUP)}
+        loaders = {"w13": self._load_w13, "w2": self._load_w2_fp4, "w13_scale_inv": self._load_w13,
+                   "w2_scale_inv": self._load_w2_fp4}
+        for name, shape in shapes.items():
+            dtype = torch.uint8 if name in ("w13", "w2") else torch.float32
+            param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            param.weight_loader = loaders[name]
+            setattr(self, name, param)
+        self.fp4 = True
+        return True
+
+    @reads_slices
+    def _load_w2_fp4(self, param: torch.Tensor, tensor: torch.Tensor, shard: tuple[int, int]) -> None:
+        """w2's bytes (two inputs each) or its scales (one per 32 inputs): this rank's columns."""
+        per_column = self.intermediate_size // param.shape[2]
+        for slot in self.local_slots(shard[0]):
+            part = narrow(tensor, 1, self._first_row // per_column, param.shape[2])
+            param[slot].copy_(part.view(torch.uint8) if part.dtype == torch.int8 else part)
+
     def bind(self, platform: Platform) -> None:
         """On the cpu backend, the fused kernel where it computes these experts (not under
         expert parallelism; float32 or bfloat16 with an even hidden size, or fp8 weights; an
@@ -209,31 +243,37 @@ class FusedExperts(CustomOp):
         if self.packed is not None:
             return
         kernel_activation = _kernel_activation(self.activation)
-        dtype, hidden = self.dense_dtype if self.fp8_block else self.w13.dtype, self.w13.shape[2]
+        quantized = self.fp8_block is not None or self.fp4
+        dtype, hidden = self.dense_dtype if quantized else self.w13.dtype, self.w2.shape[1]
         if self.forward_path == "forward_cpu" and (
                 self.ep.enabled or kernel_activation is None or dtype not in (torch.float32, torch.bfloat16)
-                or (dtype == torch.bfloat16 and hidden % 2 and not self.fp8_block)):
+                or (dtype == torch.bfloat16 and hidden % 2 and not quantized)):
             self._forward_path = self.forward_native
         if self.forward_path == "forward_cuda" and importlib.util.find_spec("triton") is None:
             self._forward_path = self.forward_native
         if self.forward_path != "forward_cpu":
-            if self.fp8_block:
-                logger.info("fp8 experts multiplied out to %s: the %s path reads dense weights",
-                            dtype, self.forward_path)
+            if quantized:
+                logger.info("%s experts multiplied out to %s: the %s path reads dense weights",
+                            "MXFP4" if self.fp4 else "fp8", dtype, self.forward_path)
                 self._dequantize_fp8()
             return
         fp8 = (Fp8Experts(self.w13_scale_inv, self.w2_scale_inv, self.fp8_block)
                if self.fp8_block else None)
+        fp4 = Fp4Experts(self.w13_scale_inv, self.w2_scale_inv) if self.fp4 else None
         with torch.no_grad():
             self.packed = pack_experts(self.w13, self.w2, self.b13, self.b2,
-                                       self.cpu_kernels.fused_moe_tile(), *kernel_activation, fp8=fp8)
+                                       self.cpu_kernels.fused_moe_tile(), *kernel_activation,
+                                       fp8=fp8, fp4=fp4)
         for name in ("w13", "w2", "b13", "b2", "w13_scale_inv", "w2_scale_inv"):  # nothing reads them now
             if getattr(self, name, None) is not None:
                 setattr(self, name, nn.Parameter(torch.empty_like(getattr(self, name), device="meta"),
                                                  requires_grad=False))
 
     def _dense_expert(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A slot's w13 and w2 in the model's dtype (fp8 ones multiplied out for the call)."""
+        """A slot's w13 and w2 in the model's dtype (fp8 or MXFP4 ones multiplied out)."""
+        if self.fp4:
+            return (dequantize_fp4(self.w13[slot], self.w13_scale_inv[slot]).to(self.dense_dtype),
+                    dequantize_fp4(self.w2[slot], self.w2_scale_inv[slot]).to(self.dense_dtype))
         if not self.fp8_block:
             return self.w13[slot], self.w2[slot]
         block, dtype, inter = self.fp8_block, self.dense_dtype, self.intermediate_size
@@ -248,7 +288,7 @@ class FusedExperts(CustomOp):
         self.w13 = nn.Parameter(torch.stack(w13), requires_grad=False)
         self.w2 = nn.Parameter(torch.stack(w2), requires_grad=False)
         del self.w13_scale_inv, self.w2_scale_inv
-        self.fp8_block = None
+        self.fp8_block, self.fp4 = None, False
 
     def set_placement(self, placement: Placement) -> None:
         """Expert parallel: which expert each slot holds from now on (the caller moves the

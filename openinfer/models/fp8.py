@@ -18,8 +18,8 @@ DeepSeek-V4's release adds two things (transformers reads the same): a scale may
 ``<module>.scale`` instead of ``<module>.weight_scale_inv`` (read as the latter), and with
 ``"expert_dtype": "fp4"`` the routed experts are MXFP4: ``int8`` [N, K / 2], two e2m1 values
 per byte (the low nibble first), and one power-of-two scale per 32 inputs of a row
-([N, K / 32], float8_e8m0fnu). Those are multiplied out while loading, with a note in the log:
-no kernel here reads FP4 yet.
+([N, K / 32], float8_e8m0fnu). The fused CPU MoE kernel reads those as loaded
+(``FusedExperts.keep_fp4``); where it does not run they are multiplied out.
 """
 
 from __future__ import annotations
@@ -29,17 +29,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from openinfer.kernels.fp8_gemm import dequantize
+from openinfer.kernels.fp8_gemm import dequantize, dequantize_fp4
 
 SCALE_SUFFIX = "_scale_inv"
 RELEASE_SCALE_SUFFIX = ".scale"
 """DeepSeek-V4's name for a weight's scales: ``<module>.scale`` for ``<module>.weight_scale_inv``."""
 FP8_WEIGHTS_ENV = "OPENINFER_FP8_WEIGHTS"
 EXPERT_DTYPES = ("fp8", "fp4")
-FP4_GROUP = 32
-"""Inputs per scale of an MXFP4 weight row."""
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-"""The float4 e2m1 value of each 4-bit code (bit 3: the sign)."""
 
 
 def block_size_of(hf: dict) -> tuple[int, int] | None:
@@ -81,15 +77,6 @@ def canonical_name(name: str) -> str:
     if name.endswith(RELEASE_SCALE_SUFFIX):
         return name.removesuffix(RELEASE_SCALE_SUFFIX) + ".weight" + SCALE_SUFFIX
     return name
-
-
-def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """MXFP4 ``packed`` [N, K / 2] (int8 or uint8; element 2j in byte j's low nibble, 2j + 1
-    in its high one) and its scales [N, K / 32] (powers of two) -> float32 [N, K]."""
-    codes = packed.view(torch.uint8)
-    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2).long()
-    values = torch.tensor(E2M1_VALUES)[nibbles]
-    return values * scale.float().repeat_interleave(FP4_GROUP, -1)[..., :values.shape[-1]]
 
 
 def _dequantize_any(weight: torch.Tensor, scale: torch.Tensor,

@@ -90,11 +90,11 @@ def load_weights(model: CausalLM, path: Path, progress: bool = True,
         tensors = _iter_checkpoint(path, progress, slices=get_tp().size > 1 and fp8_block is None)
         if fp8_block is not None:
             fp4 = fp8.fp4_experts(hf_config or {})
-            if fp4:
-                logger.info("%s: its FP4 (MXFP4) routed experts are multiplied out to the "
-                            "model's dtype while loading: no kernel reads FP4 weights yet", path)
-            kept = (_keep_fp8_layers(model, path, names, fp8_block, experts=not fp4)
+            kept = (_keep_fp8_layers(model, path, names, fp8_block, fp4_experts=fp4)
                     if keep_fp8 else set())
+            if fp4 and not any(name.endswith(".w13") for name in kept):
+                logger.info("%s: its FP4 (MXFP4) routed experts are multiplied out to the "
+                            "model's dtype while loading", path)
             params = dict(model.named_parameters())  # with the layers' fp8 parameters
             tensors = fp8.dequantizing(((fp8.canonical_name(name), t) for name, t in tensors),
                                        fp8_block, lambda name: names.map(name)[0] in kept)
@@ -183,11 +183,11 @@ def _attention_at(model: nn.Module, path: str) -> Attention | MLAAttention | Non
 
 
 def _keep_fp8_layers(model: nn.Module, path: Path, names: CheckpointNames,
-                     block: tuple[int, int], experts: bool = True) -> set[str]:
-    """Makes each linear layer and (``experts``: fp8, not FP4 ones) each stack of experts whose
-    checkpoint tensors are all fp8 hold them as loaded (``GemmLayer.keep_fp8``,
-    ``FusedExperts.keep_fp8``); returns their weights' parameter names. A weight another
-    module shares (a tied LM head) stays dense."""
+                     block: tuple[int, int], fp4_experts: bool = False) -> set[str]:
+    """Makes each linear layer and each stack of experts whose checkpoint tensors are all
+    quantized (fp8; the experts MXFP4 with ``fp4_experts``) hold them as loaded
+    (``GemmLayer.keep_fp8``, ``FusedExperts.keep_fp8`` / ``keep_fp4``); returns their weights'
+    parameter names. A weight another module shares (a tied LM head) stays dense."""
     scaled: dict[str, int] = {}  # parameter -> how many of its checkpoint tensors have scales
     for name in map(fp8.canonical_name, _checkpoint_tensor_names(path)):
         if name.endswith(fp8.SCALE_SUFFIX):
@@ -199,9 +199,10 @@ def _keep_fp8_layers(model: nn.Module, path: Path, names: CheckpointNames,
         if (isinstance(m, GemmLayer) and owners[id(m.weight)] == 1
                 and scaled.get(f"{name}.weight") == len(m.checkpoint_parts()) and m.keep_fp8(block)):
             kept.add(f"{name}.weight")
-        elif (experts and isinstance(m, FusedExperts)
+        elif (isinstance(m, FusedExperts)
                 and scaled.get(f"{name}.w13") == 2 * m.num_experts
-                and scaled.get(f"{name}.w2") == m.num_experts and m.keep_fp8(block)):
+                and scaled.get(f"{name}.w2") == m.num_experts
+                and (m.keep_fp4() if fp4_experts else m.keep_fp8(block))):
             kept |= {f"{name}.w13", f"{name}.w2"}
     return kept
 

@@ -10,11 +10,11 @@ import copy
 
 import pytest
 import torch
-from conftest import quantize_blocks
+from conftest import mxfp4, quantize_blocks
 
 from openinfer.kernels.cpu_attention import bf16_dot_paths, build_lane_twin
 from openinfer.kernels.custom_op import Platform
-from openinfer.kernels.fp8_gemm import dequantize
+from openinfer.kernels.fp8_gemm import dequantize, dequantize_fp4
 from openinfer.kernels.fused_moe import fused_moe
 from openinfer.layers.moe import ClampedSiluAndMul, ClampedSwiGLU, FusedExperts, silu_and_mul
 from openinfer.models.platform import bind_platform
@@ -228,3 +228,57 @@ def test_fp8_experts_keep_only_what_a_tile_grid_fits():
     changed; the tensor-parallel case: tests/distributed/test_tensor_parallel.py)."""
     experts = _experts(4, 32, 16, torch.float32)
     assert not experts.keep_fp8((12, 12)) and experts.w13.dtype == torch.float32
+
+
+def _fp4_experts(dense: FusedExperts) -> FusedExperts:
+    """``dense`` as an MXFP4 checkpoint holds it (DeepSeek-V4's release: gate, up and down as
+    separate tensors), loaded into experts that keep the bytes; ``dense`` gets the values."""
+    fp4 = copy.deepcopy(dense)
+    assert fp4.keep_fp4()
+    inter = dense.intermediate_size
+    with torch.no_grad():
+        for e in range(dense.num_experts):
+            for part in (0, 1):
+                q, scale = mxfp4(dense.w13[e, part * inter:(part + 1) * inter])
+                fp4._load_w13(fp4.w13, q, (e, part))
+                fp4._load_w13(fp4.w13_scale_inv, scale, (e, part))
+                dense.w13[e, part * inter:(part + 1) * inter] = dequantize_fp4(q, scale)
+            q, scale = mxfp4(dense.w2[e])
+            fp4._load_w2_fp4(fp4.w2, q, (e, 0))
+            fp4._load_w2_fp4(fp4.w2_scale_inv, scale, (e, 0))
+            dense.w2[e] = dequantize_fp4(q, scale)
+    return fp4
+
+
+@pytest.mark.parametrize("build", ["this", "other lane width"])
+def test_fp4_experts_are_the_dequantized_experts(kernels, build):
+    """MXFP4 experts packed as loaded (half a byte per weight, a scale per 32 inputs of a
+    row) compute, with float32 activations, bitwise what the float32 kernel computes on the
+    dequantized weights (an intermediate size that pads to the tile included), on this CPU's
+    build and on the other lane width's; bfloat16 activations within bf16 rounding."""
+    ext = kernels if build == "this" else build_lane_twin(kernels)
+    for hidden, inter in ((64, 32), (96, 160)):
+        torch.manual_seed(hidden)
+        dense = _experts(6, hidden, inter, torch.float32, bias=True, activation=ACTIVATIONS["clamped_swiglu"])
+        fp4 = _bound(_fp4_experts(dense), ext)
+        assert fp4.packed.w13.dtype == torch.uint8 and fp4.w13_scale_inv.is_meta
+        assert fp4.packed.w13.numel() <= 0.5 * 1.25 * dense.w13.numel()  # half a byte per weight
+        fused = _bound(dense, ext)
+        for tokens in (1, 7, 40):
+            weights, ids = _routing(tokens, 6, 2, seed=tokens)
+            x = torch.randn(tokens, hidden)
+            got = fp4(x, weights, ids)
+            assert torch.equal(got, fused(x, weights, ids))
+            torch.testing.assert_close(got, dense(x, weights, ids), atol=2e-5, rtol=1e-5)
+            got16 = fp4(x.bfloat16(), weights, ids)
+            want = dense(x.bfloat16().float(), weights, ids)
+            assert (got16.float() - want).abs().max() <= 2 ** -6 * want.abs().max()
+
+
+def test_fp4_experts_another_path_reads_are_multiplied_out(kernels):
+    torch.manual_seed(7)
+    dense = _experts(4, 64, 32, torch.bfloat16, activation=lambda g, u: g * u)
+    fp4 = _fp4_experts(dense)
+    bind_platform(fp4, Platform("cpu", kernels))
+    assert fp4.forward_path == "forward_native" and fp4.w13.dtype == torch.bfloat16 and not fp4.fp4
+    assert torch.equal(fp4.w13, dense.w13) and torch.equal(fp4.w2, dense.w2)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEEPSEEK_V4, quantize_blocks, randomize_v4
+from conftest import DEEPSEEK_V4, mxfp4, quantize_blocks, randomize_v4
 from safetensors.torch import load_file, save_file
 from test_gemm_plans_every_arch import _V4, _assert_same_greedy, _greedy
 from test_hf_parity import _hf_logits, _prompts
@@ -21,28 +21,14 @@ from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 from openinfer import LLM, SamplingParams
 from openinfer.kernels import gemm_plan
 from openinfer.kernels.gemm_paths import PATHS
+from openinfer.layers.moe import FusedExperts
 from openinfer.models.fp8 import block_size_of, dequantize_fp4
 
-E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 FP8_PROJECTIONS = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight",
                    "attn.wo_b.weight", "shared_experts.w1.weight", "shared_experts.w2.weight",
                    "shared_experts.w3.weight")
 """The projections V4's release holds in fp8 (the routed experts are FP4)."""
 BLOCK = 32
-
-
-def mxfp4(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (int8 [N, K / 2], float8_e8m0fnu [N, K / 32]): each run of 32 inputs scaled by
-    the power of two that brings its largest magnitude to at most 6, then rounded to the
-    nearest e2m1 value; element 2j in byte j's low nibble."""
-    n, k = t.shape
-    groups = t.float().reshape(n, k // 32, 32)
-    scale = torch.exp2(torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-12) / 6)))
-    x = groups / scale[..., None]
-    codes = ((x.abs()[..., None] - E2M1_MAGNITUDES).abs().argmin(-1) | ((x < 0).long() << 3))
-    codes = codes.reshape(n, k)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
-    return packed, scale.to(torch.float8_e8m0fnu)
 
 
 def release_checkpoints(src: Path, tmp_path: Path) -> tuple[Path, Path]:
@@ -85,8 +71,7 @@ def test_mxfp4_dequantization_is_transformers():
     assert torch.equal(dequantize_fp4(packed.view(torch.uint8), scale), want)
 
 
-def test_release_format_gives_transformers_tokens(make_checkpoint, hf_model_loader, tmp_path,
-                                                  caplog):
+def test_release_format_gives_transformers_tokens(make_checkpoint, hf_model_loader, tmp_path):
     src = make_checkpoint("DeepseekV4ForCausalLM", extra_config=DEEPSEEK_V4, num_layers=4,
                           num_heads=4, num_kv_heads=1, head_dim=32, intermediate_size=32,
                           max_position_embeddings=4096)
@@ -98,9 +83,9 @@ def test_release_format_gives_transformers_tokens(make_checkpoint, hf_model_load
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = _prompts(1000, [23, 9], seed=5)
-    with caplog.at_level("INFO", logger="openinfer.models.loader"):
-        llm = LLM(str(release), block_size=4, progress=False)
-    assert "FP4 (MXFP4) routed experts are multiplied out" in caplog.text
+    llm = LLM(str(release), block_size=4, progress=False)
+    experts = [m for m in llm.engine.core.executor.worker.model.modules() if isinstance(m, FusedExperts)]
+    assert experts and all(m.packed.w13.dtype == torch.uint8 for m in experts)  # kept: half a byte each
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     hf = hf_model_loader(plain)
     for prompt, tokens in zip(prompts, outs):  # transformers' argmax after each prefix
@@ -118,7 +103,7 @@ def test_an_unknown_expert_dtype_is_refused_by_name():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_release_format_on_every_gemm_path(dtype, make_checkpoint, tmp_path, monkeypatch):
     """In fp32 and bf16, with the GEMM plan this CPU picks and each path forced (its fp8 linears
-    kept as loaded, its FP4 experts multiplied out), the release checkpoint gives the plain
+    and FP4 experts kept as loaded), the release checkpoint gives the plain
     path's greedy tokens on the float copy (no plans: F.linear), up to a tie there."""
     src = make_checkpoint("DeepseekV4ForCausalLM", **_V4)
     randomize_v4(src)

@@ -29,6 +29,11 @@
 // weight vector is read (fp8.h), multiplied by its scale and used as float32's are: every
 // weight is the reference's dequantized value (openinfer/kernels/fp8_gemm.py), so with float32
 // activations the result is the float32 kernel's on dequantized weights, bit for bit.
+// MXFP4 experts (DeepSeek-V4's release: two e2m1 values per byte, one power-of-two scale per 32
+// inputs of each output column): tiles [E][tiles][K/2][TN] of bytes (byte (k/2, n) holds inputs
+// k and k + 1 of column n, the low nibble first) and scales [E][tiles][K/32][TN]. A task turns
+// its tile into float32 once (the exact values: e2m1 times a power of two) and runs the float32
+// micro-kernel over it, so again the result is the float32 kernel's on dequantized weights.
 // Built into the CPU attention extension (openinfer/kernels/cpu_attention.py).
 
 #include <ATen/Parallel.h>
@@ -61,12 +66,26 @@ constexpr int64_t TILE_COST = 16;  // streaming a tile costs about as much as th
 #define OI_MOE_DPBF16 1
 #endif
 
-enum Path { F32, BF16_FMA, BF16_DP, FP8 };
+enum Path { F32, BF16_FMA, BF16_DP, FP8, FP4 };
 // What the micro-kernel reads: activations (float, or bf16 pairs as 32-bit words) and weights.
 template <Path P> struct Types { using A = float; using Wt = float; };
 template <> struct Types<BF16_FMA> { using A = float; using Wt = uint32_t; };
 template <> struct Types<BF16_DP> { using A = uint32_t; using Wt = uint32_t; };
 template <> struct Types<FP8> { using A = float; using Wt = uint8_t; };
+template <> struct Types<FP4> { using A = float; using Wt = uint8_t; };
+
+constexpr int64_t FP4_GROUP = 32;  // inputs per MXFP4 scale
+typedef uint8_t vbytes __attribute__((vector_size(W)));
+
+// e2m1 codes (bit 3 the sign, then 2 exponent bits biased by 1 and 1 mantissa bit:
+// 0, 0.5, 1, 1.5, 2, 3, 4, 6) as float32 bits: exponent 0 is the subnormal m * 0.5.
+inline vf e2m1(vu c) {
+  const vu e = (c >> 1) & 3u, m = c & 1u;
+  const vu bits = (e == 0u ? m * (126u << 23) : ((e + 126u) << 23) | (m << 22)) | ((c & 8u) << 28);
+  vf v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
 
 // An fp8 tile's scales: NT per run of bk inputs (unused by the other paths).
 struct Scales {
@@ -209,8 +228,8 @@ inline void rows(int64_t p, int64_t m, int64_t K, const typename Types<P>::Wt* w
 // one pass has its tile converted once into float32 (K x TN, L2-resident) and passed over as
 // the float32 path's: the same weights, without converting them again for every MT rows.
 template <Path P, typename Row, typename Epilogue>
-inline void task_rows(const Task& t, int64_t K, const typename Types<P>::Wt* w, const Scales& scales,
-                      const Row& row, const Epilogue& epilogue) {
+inline void task_rows_direct(const Task& t, int64_t K, const typename Types<P>::Wt* w,
+                             const Scales& scales, const Row& row, const Epilogue& epilogue) {
   if constexpr (P == FP8) {
     if (t.p1 - t.p0 > MT) {
       thread_local std::vector<float> tile32;
@@ -229,6 +248,31 @@ inline void task_rows(const Task& t, int64_t K, const typename Types<P>::Wt* w, 
   }
   for (int64_t p = t.p0; p < t.p1; p += MT)
     rows<P>(p, std::min<int64_t>(MT, t.p1 - p), K, w, scales, row, epilogue);
+}
+
+template <Path P, typename Row, typename Epilogue>
+inline void task_rows(const Task& t, int64_t K, const typename Types<P>::Wt* w, const Scales& scales,
+                      const Row& row, const Epilogue& epilogue) {
+  if constexpr (P == FP4) {  // (every task: the tile is read once either way)
+    thread_local std::vector<float> tile32;
+    tile32.resize(K * TN);
+    for (int64_t k2 = 0; k2 < K / 2; ++k2) {
+      const float* scale = scales.s + (2 * k2 / FP4_GROUP) * TN;
+      for (int n = 0; n < NT; ++n) {
+        vbytes b;
+        std::memcpy(&b, w + k2 * TN + n * W, sizeof(b));
+        const vu codes = __builtin_convertvector(b, vu);
+        const vf s = loadu(scale + n * W);
+        storeu(tile32.data() + 2 * k2 * TN + n * W, e2m1(codes & 15u) * s);
+        storeu(tile32.data() + (2 * k2 + 1) * TN + n * W, e2m1(codes >> 4) * s);
+      }
+    }
+    for (int64_t p = t.p0; p < t.p1; p += MT)
+      rows<F32>(p, std::min<int64_t>(MT, t.p1 - p), K, tile32.data(), scales, row, epilogue);
+    return;
+  } else {
+    task_rows_direct<P>(t, K, w, scales, row, epilogue);
+  }
 }
 
 struct Step {
@@ -275,7 +319,8 @@ void run(Out* out, const typename Types<P>::A* x, const typename Types<P>::Wt* w
          const typename Types<P>::Wt* w2, const float* b13, const float* b2, const Step& s,
          const Activation& act, const LayerScales& ls = {}) {
   using A = typename Types<P>::A;
-  constexpr int64_t per_word = P == BF16_FMA || P == BF16_DP ? 2 : 1;  // inputs per weight element
+  constexpr int64_t per_word = P == BF16_FMA || P == BF16_DP || P == FP4 ? 2 : 1;  // inputs per weight element
+  constexpr int64_t scale_cols = P == FP4 ? TN : NT;  // a tile's scales per run of inputs
   const int64_t H = s.H, Ip = s.Ip, Hp = s.Hp, pairs = s.start[s.E];
   const int64_t tiles13 = Ip / W, tiles2 = Hp / TN;
   const int64_t tile13 = H / per_word * TN, tile2 = Ip / per_word * TN;  // weight elements per tile
@@ -289,7 +334,7 @@ void run(Out* out, const typename Types<P>::A* x, const typename Types<P>::Wt* w
 
   run_tasks(make_tasks(s.start, tiles13), [&](const Task& t) {
     const auto* w = w13 + (t.slot * tiles13 + t.tile) * tile13;
-    const Scales scales{ls.s13 ? ls.s13 + (t.slot * tiles13 + t.tile) * kb13 * NT : nullptr, ls.bk};
+    const Scales scales{ls.s13 ? ls.s13 + (t.slot * tiles13 + t.tile) * kb13 * scale_cols : nullptr, ls.bk};
     const float* bg = b13 ? b13 + t.slot * 2 * Ip + t.tile * W : nullptr;
     auto row = [&](int64_t p) { return x + s.token[p] * (H / per_a); };
     auto store = [&](int64_t p, const vf* acc) {
@@ -306,7 +351,7 @@ void run(Out* out, const typename Types<P>::A* x, const typename Types<P>::Wt* w
 
   run_tasks(make_tasks(s.start, tiles2), [&](const Task& t) {
     const auto* w = w2 + (t.slot * tiles2 + t.tile) * tile2;
-    const Scales scales{ls.s2 ? ls.s2 + (t.slot * tiles2 + t.tile) * kb2 * NT : nullptr, ls.bk};
+    const Scales scales{ls.s2 ? ls.s2 + (t.slot * tiles2 + t.tile) * kb2 * scale_cols : nullptr, ls.bk};
     const float* bias = b2 ? b2 + t.slot * Hp + t.tile * TN : nullptr;
     auto row = [&](int64_t p) { return reinterpret_cast<const A*>(h) + p * (Ip / per_a); };
     auto store = [&](int64_t p, const vf* acc) {
@@ -345,10 +390,10 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
                      const std::string& bf16_dot, const std::optional<at::Tensor>& w13_scale,
                      const std::optional<at::Tensor>& w2_scale, int64_t block_k) {
   const auto dtype = x.scalar_type();
-  const bool fp8 = w13.scalar_type() == at::kFloat8_e4m3fn;
+  const bool fp8 = w13.scalar_type() == at::kFloat8_e4m3fn, fp4 = w13.scalar_type() == at::kByte;
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "fused_moe: float32 or bfloat16 x");
-  TORCH_CHECK((fp8 || w13.scalar_type() == dtype) && w2.scalar_type() == w13.scalar_type(),
-              "fused_moe: weights in x's dtype, or both float8_e4m3fn");
+  TORCH_CHECK((fp8 || fp4 || w13.scalar_type() == dtype) && w2.scalar_type() == w13.scalar_type(),
+              "fused_moe: weights in x's dtype, or both float8_e4m3fn, or both MXFP4 bytes (uint8)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w13.is_contiguous() && w2.is_contiguous(),
               "fused_moe: contiguous x [T, H] and packed weights");
   TORCH_CHECK(slots.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && slots.is_contiguous() &&
@@ -356,25 +401,27 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
                   slots.size(0) == x.size(0),
               "fused_moe: int64 slots and float32 weights, both [T, k]");
   TORCH_CHECK(activation >= SILU && activation <= CLAMPED_SWIGLU, "fused_moe: unknown activation ", activation);
-  const int64_t per_word = dtype == at::kFloat || fp8 ? 1 : 2;
+  const int64_t per_word = (dtype == at::kFloat || fp8) && !fp4 ? 1 : 2;  // inputs per row of a tile
+  const int64_t row_width = fp4 ? TN : TN * per_word;                    // elements per row of a tile
   Step s = sort_pairs(slots, weights, w13.size(0));
   s.H = x.size(1), s.Ip = w13.size(1) * W, s.Hp = w2.size(1) * TN;
-  TORCH_CHECK(w13.dim() == 4 && w13.size(2) * per_word == s.H && w13.size(3) == TN * per_word,
+  TORCH_CHECK(w13.dim() == 4 && w13.size(2) * per_word == s.H && w13.size(3) == row_width,
               "fused_moe: w13 is not packed for this hidden size and build (fused_moe_tile())");
-  TORCH_CHECK(w2.dim() == 4 && w2.size(0) == s.E && w2.size(2) * per_word == s.Ip && w2.size(3) == TN * per_word &&
+  TORCH_CHECK(w2.dim() == 4 && w2.size(0) == s.E && w2.size(2) * per_word == s.Ip && w2.size(3) == row_width &&
                   s.Hp >= s.H && s.Hp < s.H + TN,
               "fused_moe: w2 is not packed to match w13 and x");
   LayerScales ls;
-  TORCH_CHECK(fp8 == (w13_scale.has_value() && w2_scale.has_value()),
-              "fused_moe: fp8 weights, and only they, have scales");
-  if (fp8) {
-    TORCH_CHECK(block_k > 0, "fused_moe: fp8 weights need block_k");
+  TORCH_CHECK((fp8 || fp4) == (w13_scale.has_value() && w2_scale.has_value()),
+              "fused_moe: fp8 and MXFP4 weights, and only they, have scales");
+  if (fp8 || fp4) {
+    TORCH_CHECK(fp8 ? block_k > 0 : block_k == FP4_GROUP, "fused_moe: fp8 weights need block_k, MXFP4 32");
     const int64_t kb13 = (s.H + block_k - 1) / block_k, kb2 = (s.Ip + block_k - 1) / block_k;
+    const int64_t cols = fp4 ? TN : NT;  // scales per column (MXFP4), or per vector of columns
     TORCH_CHECK(w13_scale->scalar_type() == at::kFloat && w2_scale->scalar_type() == at::kFloat &&
                     w13_scale->is_contiguous() && w2_scale->is_contiguous() &&
-                    w13_scale->sizes() == at::IntArrayRef({s.E, w13.size(1), kb13, NT}) &&
-                    w2_scale->sizes() == at::IntArrayRef({s.E, w2.size(1), kb2, NT}),
-                "fused_moe: fp8 scales are float32 [E, tiles, ceil(K / block_k), ", NT, "], packed as the weights");
+                    w13_scale->sizes() == at::IntArrayRef({s.E, w13.size(1), kb13, cols}) &&
+                    w2_scale->sizes() == at::IntArrayRef({s.E, w2.size(1), kb2, cols}),
+                "fused_moe: scales are float32 [E, tiles, ceil(K / block_k), ", cols, "], packed as the weights");
     ls = {w13_scale->data_ptr<float>(), w2_scale->data_ptr<float>(), block_k};
   }
   const float* pb13 = nullptr;
@@ -389,15 +436,20 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   const Activation act{activation, float(alpha), float(limit)};
   at::Tensor out = at::empty({s.T, s.H}, x.options());
   if (s.T == 0) return out;
-  if (fp8) {
+  if (fp8 || fp4) {
     const auto* pw13 = static_cast<const uint8_t*>(w13.data_ptr());
     const auto* pw2 = static_cast<const uint8_t*>(w2.data_ptr());
-    if (dtype == at::kFloat) {
-      run<FP8>(out.data_ptr<float>(), x.data_ptr<float>(), pw13, pw2, pb13, pb2, s, act, ls);
-    } else {
-      const at::Tensor xf = x.to(at::kFloat);
-      run<FP8>(out.data_ptr<c10::BFloat16>(), xf.data_ptr<float>(), pw13, pw2, pb13, pb2, s, act, ls);
-    }
+    const at::Tensor xf = x.to(at::kFloat);
+    auto go = [&](auto* o) {
+      if (fp4)
+        run<FP4>(o, xf.data_ptr<float>(), pw13, pw2, pb13, pb2, s, act, ls);
+      else
+        run<FP8>(o, xf.data_ptr<float>(), pw13, pw2, pb13, pb2, s, act, ls);
+    };
+    if (dtype == at::kFloat)
+      go(out.data_ptr<float>());
+    else
+      go(out.data_ptr<c10::BFloat16>());
     return out;
   }
   if (dtype == at::kFloat) {
