@@ -75,16 +75,41 @@ template <> struct Types<FP8> { using A = float; using Wt = uint8_t; };
 template <> struct Types<FP4> { using A = float; using Wt = uint8_t; };
 
 constexpr int64_t FP4_GROUP = 32;  // inputs per MXFP4 scale
-typedef uint8_t vbytes __attribute__((vector_size(W)));
 
-// e2m1 codes (bit 3 the sign, then 2 exponent bits biased by 1 and 1 mantissa bit:
-// 0, 0.5, 1, 1.5, 2, 3, 4, 6) as float32 bits: exponent 0 is the subnormal m * 0.5.
-inline vf e2m1(vu c) {
-  const vu e = (c >> 1) & 3u, m = c & 1u;
-  const vu bits = (e == 0u ? m * (126u << 23) : ((e + 126u) << 23) | (m << 22)) | ((c & 8u) << 28);
-  vf v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
+// W bytes of an MXFP4 tile row (inputs k, k + 1 of W columns: the low nibble, the high one) as
+// two vectors of their e2m1 values (bit 3 the sign; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), by
+// a table lookup in a register where the ISA has one (VPERMPS), else from the bits.
+inline void load_fp4(const uint8_t* p, vf& lo, vf& hi) {
+#if defined(__AVX512F__) && OI_VEC_WIDTH == 16
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 table = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                      -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+  lo = (vf)_mm512_permutexvar_ps(_mm512_and_si512(c, _mm512_set1_epi32(15)), table);
+  hi = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table);
+#elif defined(__AVX2__) && OI_VEC_WIDTH == 8
+  const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256 table = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  auto value = [&](__m256i code) {  // VPERMPS reads the low 3 bits; bit 3 becomes the sign
+    const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(8)), 28));
+    return (vf)_mm256_xor_ps(_mm256_permutevar8x32_ps(table, code), sign);
+  };
+  lo = value(_mm256_and_si256(c, _mm256_set1_epi32(15)));
+  hi = value(_mm256_srli_epi32(c, 4));
+#else
+  typedef uint8_t vbytes __attribute__((vector_size(W)));
+  auto value = [](vu code) {  // exponent 0 is the subnormal m * 0.5
+    const vu e = (code >> 1) & 3u, m = code & 1u;
+    const vu bits = (e == 0u ? m * (126u << 23) : ((e + 126u) << 23) | (m << 22)) | ((code & 8u) << 28);
+    vf v;
+    std::memcpy(&v, &bits, sizeof(v));
+    return v;
+  };
+  vbytes b;
+  std::memcpy(&b, p, sizeof(b));
+  const vu c = __builtin_convertvector(b, vu);
+  lo = value(c & 15u);
+  hi = value(c >> 4);
+#endif
 }
 
 // An fp8 tile's scales: NT per run of bk inputs (unused by the other paths).
@@ -126,6 +151,23 @@ inline void tile(const typename Types<P>::A* const* xr, int64_t K, const typenam
         for (int m = 0; m < M; ++m) {
           const vf xv = splat(xr[m][k]);
           for (int n = 0; n < NT; ++n) acc[m][n] += xv * wv[n];
+        }
+      }
+    }
+  } else if constexpr (P == FP4) {
+    for (int64_t k0 = 0; k0 < K; k0 += FP4_GROUP) {
+      vf scale[NT];
+      for (int n = 0; n < NT; ++n) scale[n] = loadu(scales.s + k0 / FP4_GROUP * TN + n * W);
+      for (int64_t k = k0, k1 = std::min(K, k0 + FP4_GROUP); k < k1; k += 2, w += TN) {
+        vf lo[NT], hi[NT];
+        for (int n = 0; n < NT; ++n) {
+          load_fp4(w + n * W, lo[n], hi[n]);
+          lo[n] *= scale[n], hi[n] *= scale[n];
+        }
+        for (int m = 0; m < M; ++m) {
+          const vf x0 = splat(xr[m][k]), x1 = splat(xr[m][k + 1]);
+          for (int n = 0; n < NT; ++n) acc[m][n] += x0 * lo[n];  // (the float32 path's order:
+          for (int n = 0; n < NT; ++n) acc[m][n] += x1 * hi[n];  // one input after the other)
         }
       }
     }
@@ -253,18 +295,21 @@ inline void task_rows_direct(const Task& t, int64_t K, const typename Types<P>::
 template <Path P, typename Row, typename Epilogue>
 inline void task_rows(const Task& t, int64_t K, const typename Types<P>::Wt* w, const Scales& scales,
                       const Row& row, const Epilogue& epilogue) {
-  if constexpr (P == FP4) {  // (every task: the tile is read once either way)
-    thread_local std::vector<float> tile32;
+  if constexpr (P == FP4) {
+    if (t.p1 - t.p0 <= MT) {  // one pass: the bytes straight into registers
+      rows<FP4>(t.p0, t.p1 - t.p0, K, w, scales, row, epilogue);
+      return;
+    }
+    thread_local std::vector<float> tile32;  // more: the tile turned into float32 once
     tile32.resize(K * TN);
     for (int64_t k2 = 0; k2 < K / 2; ++k2) {
       const float* scale = scales.s + (2 * k2 / FP4_GROUP) * TN;
       for (int n = 0; n < NT; ++n) {
-        vbytes b;
-        std::memcpy(&b, w + k2 * TN + n * W, sizeof(b));
-        const vu codes = __builtin_convertvector(b, vu);
-        const vf s = loadu(scale + n * W);
-        storeu(tile32.data() + 2 * k2 * TN + n * W, e2m1(codes & 15u) * s);
-        storeu(tile32.data() + (2 * k2 + 1) * TN + n * W, e2m1(codes >> 4) * s);
+        vf lo, hi;
+        load_fp4(w + k2 * TN + n * W, lo, hi);
+        const vf sc = loadu(scale + n * W);
+        storeu(tile32.data() + 2 * k2 * TN + n * W, lo * sc);
+        storeu(tile32.data() + (2 * k2 + 1) * TN + n * W, hi * sc);
       }
     }
     for (int64_t p = t.p0; p < t.p1; p += MT)
