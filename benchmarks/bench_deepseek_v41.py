@@ -89,8 +89,8 @@ def figures(batch: int = 8, prompt_len: int = 128, new_tokens: int = 32) -> str:
         plain = build_v41_checkpoint(Path(tmp) / "v41", release=False, **V41)
         release = build_v41_checkpoint(Path(tmp) / "v41r", **V41)
         runs = {"DeepSeek-V4.1, openinfer (float32 weights)": str(plain),
-                "DeepSeek-V4.1, openinfer (release format: fp8 projections kept, FP4 experts "
-                "multiplied out)": str(release),
+                "DeepSeek-V4.1, openinfer (release format: fp8 projections and MXFP4 experts "
+                "kept as loaded)": str(release),
                 "DeepSeek-V4, openinfer": f"{tmp}/v4"}
         seconds = {}
         for name, path in runs.items():
