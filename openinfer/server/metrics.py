@@ -169,7 +169,7 @@ class ServerMetrics:
                                "(openinfer.kernels.gemm_plan), CPU capability, attention backend, "
                                "huge pages, bytes the caching CPU allocator may keep, largest "
                                "decode batch replayed as a CUDA graph, the routed experts' path "
-                               "(+fp8: fp8 weights)",
+                               "(+fp8, +fp4: fp8 or MXFP4 weights)",
                                self._values, compute_info or dict, skip_empty=True))
         self._requests: dict[str, _Tracked] = {}
 

@@ -117,8 +117,8 @@ class Worker:
         """How this worker computes (the labels of the compute_info metric; cpu_allocator_cache: the
         bytes of freed blocks the caching CPU allocator may keep, 0 where it is off; cuda_graphs:
         the largest decode batch that replays a CUDA graph, empty where none does; experts: the
-        routed experts' path, ``cpu`` (the fused kernel), ``cuda`` or ``native``, ``+fp8`` where
-        they hold a checkpoint's fp8 weights, empty for a dense model)."""
+        routed experts' path, ``cpu`` (the fused kernel), ``cuda`` or ``native``, ``+fp8`` or
+        ``+fp4`` where they hold a checkpoint's fp8 or MXFP4 weights, empty for a dense model)."""
         self.draft_model = self._load_draft_model(progress)
         if self.draft_model is not None:
             self._kv_cache_dtype(self.draft_model)
@@ -192,8 +192,12 @@ class Worker:
         return sorted(self.runner.requests) if self.runner is not None else []
 
     def _experts_label(self) -> str:
-        return ",".join(sorted({e.forward_path.removeprefix("forward_")
-                                + ("+fp8" if e.packed is not None and e.packed.w13_scale is not None else "")
+        def weights(e: FusedExperts) -> str:
+            if e.packed is None or e.packed.w13_scale is None:
+                return ""
+            return "+fp4" if e.packed.w13.dtype == torch.uint8 else "+fp8"
+
+        return ",".join(sorted({e.forward_path.removeprefix("forward_") + weights(e)
                                 for e in self._model_experts().values()}))
 
     def _model_experts(self) -> dict[str, FusedExperts]:

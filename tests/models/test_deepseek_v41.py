@@ -132,15 +132,21 @@ def test_the_release_config_reads_as_deepinfer_reads_it(tmp_path):
     assert config.dtype in (torch.float32, torch.bfloat16)  # "dtype": "bfloat16", as this CPU runs it
 
 
-def test_two_ranks_give_the_tokens_and_logprobs_of_one(v41):
+@pytest.mark.parametrize("inter", [32, 64])
+def test_two_ranks_give_the_tokens_and_logprobs_of_one(tmp_path, inter):
     """Heads, sinks and output groups split over two ranks (the one K = V head, entries and
-    indexers whole on each); fp8 projections sliced by rows or columns as loaded."""
+    indexers whole on each); fp8 projections sliced by rows or columns as loaded; MXFP4
+    experts multiplied out where a rank's 16 intermediate features are no run of 32, kept as
+    loaded (each rank its 32) where they are."""
+    v41 = build_v41_checkpoint(tmp_path / "v41", moe_intermediate_size=inter)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     prompts = _prompts(1024, [5, 37, 12], seed=7)
     options = dict(progress=False, max_num_batched_tokens=24, dtype="float32")
     expected = LLM(str(v41), **options).generate(prompts, params)
     two = LLM(str(v41), tensor_parallel_size=2, **options)
     try:
+        labels = two.engine.core.executor.collective_rpc("compute_info_labels")
+        assert [info["experts"] for info in labels] == ["cpu+fp4" if inter == 64 else "cpu"] * 2
         for want, got in zip(expected, two.generate(prompts, params), strict=True):
             assert got.outputs[0].token_ids == want.outputs[0].token_ids
             for step_want, step_got in zip(want.outputs[0].logprobs, got.outputs[0].logprobs, strict=True):
