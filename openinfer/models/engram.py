@@ -106,6 +106,23 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.empty(streams, hidden), requires_grad=False)
         self.k_weight = nn.Parameter(torch.empty(streams, hidden), requires_grad=False)
 
+    def keep_fp8(self) -> None:
+        """Before loading: hold the tables as the checkpoint's fp8 rows with a power-of-two
+        scale per 32 of a row (a byte per value; a lookup multiplies out only its rows)."""
+        rows, dim = self.embed.weight.shape
+        self.dense_dtype = self.embed.weight.dtype
+        self.embed.weight = nn.Parameter(torch.empty(rows, dim, dtype=torch.float8_e4m3fn),
+                                         requires_grad=False)
+        self.embed.weight_scale_inv = nn.Parameter(torch.empty(rows, dim // 32), requires_grad=False)
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """The tables' ``rows`` [T, n] as [T, n * head_dim] values."""
+        table = self.embed.weight
+        if table.dtype != torch.float8_e4m3fn:
+            return table[rows].flatten(1)
+        scale = self.embed.weight_scale_inv[rows].repeat_interleave(32, -1)
+        return (table[rows].float() * scale).to(self.dense_dtype).flatten(1)
+
     def rows(self, grams: torch.Tensor) -> torch.Tensor:
         """Table rows of each token's n-grams: [T, (N - 1) * heads]."""
         products = grams * self.multipliers
@@ -117,7 +134,7 @@ class Engram(nn.Module):
 
     def forward(self, h: torch.Tensor, grams: torch.Tensor) -> torch.Tensor:
         T, m, H = h.shape
-        kv = self.wkv(self.embed.weight[self.rows(grams)].flatten(1)).view(T, m + 1, H).float()
+        kv = self.wkv(self.lookup(self.rows(grams))).view(T, m + 1, H).float()
         key, value = kv[:, :m], kv[:, m]
         x = h.float()
         dot = (x * self.q_weight.float() * self.k_weight.float() * key).sum(-1)

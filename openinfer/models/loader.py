@@ -27,6 +27,7 @@ from openinfer.layers.moe import FusedExperts
 from openinfer.models import fp8
 from openinfer.models.arch import ArchConfig
 from openinfer.models.base import CausalLM
+from openinfer.models.engram import Engram
 from openinfer.models.gemm_plans import plan_gemms, weight_owners
 from openinfer.models.platform import make_batch_invariant
 from openinfer.models.registry import get_model_class
@@ -199,6 +200,9 @@ def _keep_fp8_layers(model: nn.Module, path: Path, names: CheckpointNames,
         if (isinstance(m, GemmLayer) and owners[id(m.weight)] == 1
                 and scaled.get(f"{name}.weight") == len(m.checkpoint_parts()) and m.keep_fp8(block)):
             kept.add(f"{name}.weight")
+        elif isinstance(m, Engram) and scaled.get(f"{name}.embed.weight") == 1:
+            m.keep_fp8()  # (V4.1's n-gram tables: fp8 rows, a scale per 32 of a row)
+            kept.add(f"{name}.embed.weight")
         elif (isinstance(m, FusedExperts)
                 and scaled.get(f"{name}.w13") == 2 * m.num_experts
                 and scaled.get(f"{name}.w2") == m.num_experts

@@ -32,6 +32,7 @@ def v41(tmp_path_factory):
 def test_prompt_chunks_and_decodes_match_the_reference(v41):
     ours, ref = PagedModel(v41, attention="torch", dtype="float32"), V41Reference(v41)
     assert ours.config.architecture == "DeepseekV41ForCausalLM"
+    assert ours.model.layers[0].engram.embed.weight.dtype == torch.float8_e4m3fn  # kept as stored
     a, b = _prompts(ours.config.vocab_size, [45, 29])
     first = ours.step([(0, a[:14], 0), (1, b, 0)])  # a chunk of a (odd length: a C2 pair split), all of b
     torch.testing.assert_close(first[14:], ref.logits(b).float(), atol=2e-5, rtol=1e-4)
@@ -223,3 +224,15 @@ def test_bounded_replay_with_prefix_hits_and_preemption(v41, monkeypatch):
                                               max_model_len=72, max_num_batched_tokens=32)
     _assert_same(plain_out, replayed)
     assert small.engine.core.scheduler.num_preemptions > 0
+
+
+def test_every_weight_multiplied_out_gives_the_same_logits(v41, monkeypatch):
+    """OPENINFER_FP8_WEIGHTS=dequantize (what --batch-invariant does): the fp8 projections,
+    the MXFP4 experts and the Engram tables' fp8 rows (a scale per 32 of a row, not a tile)
+    multiplied out at load compute what the kept ones do."""
+    prompt = _prompts(1024, [30], seed=9)[0]
+    kept = PagedModel(v41, attention="torch", dtype="float32").step([(0, prompt, 0)])
+    monkeypatch.setenv("OPENINFER_FP8_WEIGHTS", "dequantize")
+    dense = PagedModel(v41, attention="torch", dtype="float32")
+    assert dense.model.layers[0].engram.embed.weight.dtype == torch.float32
+    torch.testing.assert_close(dense.step([(0, prompt, 0)]), kept, atol=2e-5, rtol=1e-4)
