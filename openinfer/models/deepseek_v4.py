@@ -159,38 +159,57 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(arch.hidden_size, self.num_heads)
 
 
-class V4Attention(nn.Module):
-    """Under tensor parallelism a rank holds its share of the query heads (``wq_b``'s rows,
-    their sinks) and of the output groups (each group reads a contiguous run of heads:
-    ``wo_a``'s rows and ``wo_b``'s columns, summed by ``wo_b``'s all-reduce). The one
-    key/value head, the compressors and the indexer are shared by all heads, so every rank
-    computes and caches them whole (as MLA's latent)."""
+class SinkAttention(nn.Module):
+    """DeepSeek-V4's and V4.1's attention projections: queries through a low-rank ``wq_a`` /
+    ``q_norm`` / ``wq_b`` (this rank's heads), the one K = V head's ``wkv``, per-head sink
+    logits, and the output rotated back at the query's position and projected by ``o_groups``
+    low-rank groups (``wo_a``, each over a contiguous run of heads; ``wo_b``). Under tensor
+    parallelism a rank holds its share of the query heads (``wq_b``'s rows, their sinks) and of
+    the output groups (``wo_a``'s rows and ``wo_b``'s columns, summed by ``wo_b``'s all-reduce);
+    the one key/value head is whole on every rank."""
 
-    def __init__(self, arch: ArchConfig, v4: V4Arch, layer: int, ropes: dict[str, V4Rope]) -> None:
+    def __init__(self, arch: ArchConfig, q_lora_rank: int, o_groups: int, o_lora_rank: int,
+                 rope: V4Rope) -> None:
         super().__init__()
         hidden, eps = arch.hidden_size, arch.rms_norm_eps
         tp = get_tp()
-        self.kind = v4.layer_types[layer]
         self.num_heads = tp.split(arch.num_heads, "num_attention_heads")  # this rank's
         self.head_dim = arch.head_dim
-        self.window = v4.window
-        self.eps = eps
-        self.rope = ropes["main" if self.kind == SLIDING else "compress"]
-        self.wq_a = Linear(hidden, v4.q_lora_rank)
-        self.q_norm = RMSNorm(v4.q_lora_rank, eps, fp32_weight=True)
-        self.wq_b = ColumnParallelLinear(v4.q_lora_rank, arch.num_heads * self.head_dim,
+        self.rope = rope
+        self.wq_a = Linear(hidden, q_lora_rank)
+        self.q_norm = RMSNorm(q_lora_rank, eps, fp32_weight=True)
+        self.wq_b = ColumnParallelLinear(q_lora_rank, arch.num_heads * self.head_dim,
                                          what="num_attention_heads x head_dim")
         self.wkv = Linear(hidden, self.head_dim)
-        self.norm = RMSNorm(self.head_dim, eps, fp32_weight=True)
-        self.groups, self.group_rank = tp.split(v4.o_groups, "o_groups"), v4.o_lora_rank
+        self.groups, self.group_rank = tp.split(o_groups, "o_groups"), o_lora_rank
         self.wo_a = nn.Module()  # grouped: [groups * rank, heads * head_dim / groups]
         self.wo_a.weight = nn.Parameter(
             torch.empty(self.groups * self.group_rank, self.num_heads * self.head_dim // self.groups),
             requires_grad=False)
         self.wo_a.weight.weight_loader = _rank_rows(tp.rank)
-        self.wo_b = RowParallelLinear(v4.o_groups * self.group_rank, hidden)
+        self.wo_b = RowParallelLinear(o_groups * self.group_rank, hidden)
         self.attn_sink = _fp32_param(self.num_heads)
         self.attn_sink.weight_loader = _rank_rows(tp.rank)
+
+    def project_out(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The heads' results [T, H, D] rotated back, then through the output groups: [T, hidden]."""
+        out = self.rope(out, cos, -sin).view(out.shape[0], self.groups, -1)
+        wa = self.wo_a.weight.view(self.groups, self.group_rank, -1)
+        return self.wo_b(torch.einsum("tgi,gri->tgr", out, wa).flatten(1))
+
+
+class V4Attention(SinkAttention):
+    """The compressors and the indexer are shared by all heads, so every rank computes and
+    caches them whole (as MLA's latent)."""
+
+    def __init__(self, arch: ArchConfig, v4: V4Arch, layer: int, ropes: dict[str, V4Rope]) -> None:
+        self.kind = v4.layer_types[layer]
+        super().__init__(arch, v4.q_lora_rank, v4.o_groups, v4.o_lora_rank,
+                         ropes["main" if self.kind == SLIDING else "compress"])
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
+        self.window = v4.window
+        self.eps = eps
+        self.norm = RMSNorm(self.head_dim, eps, fp32_weight=True)
         self.ratio = 0
         if self.kind != SLIDING:
             self.ratio = v4.compress_rates[self.kind]
@@ -260,9 +279,7 @@ class V4Attention(nn.Module):
                     index_keys = compressed.sequence_entries(caches[4], metas[4], b, self.ratio, end)
             out[s:s + n] = self._attend(b, q[s:s + n], qr[s:s + n], x[s:s + n], ctx, end,
                                         caches[0], meta, entries, index_keys)
-        out = self.rope(out, cos, -sin).view(T, self.groups, -1)
-        wa = self.wo_a.weight.view(self.groups, self.group_rank, -1)
-        return self.wo_b(torch.einsum("tgi,gri->tgr", out, wa).flatten(1))
+        return self.project_out(out, cos, sin)
 
     @staticmethod
     def _write_raw(pooler: Compressor, x: torch.Tensor, cache: torch.Tensor,

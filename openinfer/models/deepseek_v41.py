@@ -46,16 +46,14 @@ from torch import nn
 
 from openinfer.attention import compressed
 from openinfer.attention.base import AttentionMetadata
-from openinfer.distributed.parallel_state import get_tp
 from openinfer.kernels.paged_attention import write_kv
 from openinfer.kv.spec import CompressedSpec, KVSpec, SlidingWindowSpec
 from openinfer.layers.embedding import LMHead, VocabEmbedding
 from openinfer.layers.hyper_connections import HyperConnection, HyperHead
-from openinfer.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from openinfer.layers.norm import RMSNorm
 from openinfer.models.arch import ArchConfig, V41Arch
 from openinfer.models.base import CausalLM
-from openinfer.models.deepseek_v4 import V4MoE, V4Rope, _fp32_param, _rank_rows
+from openinfer.models.deepseek_v4 import SinkAttention, V4MoE, V4Rope
 from openinfer.models.engram import Engram, compressed_vocabulary, table_primes
 from openinfer.models.v41_replay import REPLAYED_FROM, replay_rows, replayed_from, replayed_rows, rows_view
 from openinfer.models.v41_sparse import V41Compressor, V41Indexer, candidate_entries, top_k_entries
@@ -83,39 +81,22 @@ class V41Step:
     """The candidate source's blocks as entries: {sequence b or "decodes": [n, entries]}."""
 
 
-class V41Attention(nn.Module):
+class V41Attention(SinkAttention):
     """Tensor parallel as V4's: heads, sinks and output groups split; the one K = V head,
     the entries and the indexer whole on every rank."""
 
     def __init__(self, arch: ArchConfig, v41: V41Arch, layer: int, ropes: dict[str, V4Rope]) -> None:
-        super().__init__()
+        ratio = v41.compress_ratios[layer]
+        super().__init__(arch, v41.q_lora_rank, v41.o_groups, v41.o_lora_rank,
+                         ropes["compress" if ratio else "main"])
         hidden, eps = arch.hidden_size, arch.rms_norm_eps
-        tp = get_tp()
-        self.layer, self.window = layer, v41.window
-        self.ratio = v41.compress_ratios[layer]
+        self.layer, self.window, self.ratio = layer, v41.window, ratio
         self.kv_source, self.index_k_source = v41.kv_source[layer], v41.index_k_source[layer]
         self.index_source = v41.index_source[layer]
         self.consumer = layer >= v41.first_consumer
         self.candidate = v41.candidate
         """Candidate blocks: the source layer picks them, later indexers choose within them."""
-        self.num_heads = tp.split(arch.num_heads, "num_attention_heads")  # this rank's
-        self.head_dim = arch.head_dim
-        self.rope = ropes["compress" if self.ratio else "main"]
-        self.wq_a = Linear(hidden, v41.q_lora_rank)
-        self.q_norm = RMSNorm(v41.q_lora_rank, eps, fp32_weight=True)
-        self.wq_b = ColumnParallelLinear(v41.q_lora_rank, arch.num_heads * self.head_dim,
-                                         what="num_attention_heads x head_dim")
-        self.wkv = Linear(hidden, self.head_dim)
         self.kv_norm = RMSNorm(self.head_dim, eps, fp32_weight=True)
-        self.groups, self.group_rank = tp.split(v41.o_groups, "o_groups"), v41.o_lora_rank
-        self.wo_a = nn.Module()  # grouped: [groups * rank, heads * head_dim / groups]
-        self.wo_a.weight = nn.Parameter(
-            torch.empty(self.groups * self.group_rank, self.num_heads * self.head_dim // self.groups),
-            requires_grad=False)
-        self.wo_a.weight.weight_loader = _rank_rows(tp.rank)
-        self.wo_b = RowParallelLinear(v41.o_groups * self.group_rank, hidden)
-        self.attn_sink = _fp32_param(self.num_heads)
-        self.attn_sink.weight_loader = _rank_rows(tp.rank)
         if self.ratio and self.kv_source == layer:
             self.compressor = V41Compressor(hidden, self.head_dim, self.ratio, eps)
         if self.ratio and self.index_source == layer:
@@ -166,9 +147,7 @@ class V41Attention(nn.Module):
             if n:
                 out[s:s + n] = self._attend(b, q[s:s + n], qr[s:s + n], x[s:s + n], end - n, end,
                                             slots, step)
-        out = self.rope(out, cos, -sin).view(T, self.groups, -1)
-        wa = self.wo_a.weight.view(self.groups, self.group_rank, -1)
-        return self.wo_b(torch.einsum("tgi,gri->tgr", out, wa).flatten(1))
+        return self.project_out(out, cos, sin)
 
     def publish(self, positions: torch.Tensor, x: torch.Tensor, slots: dict[str, Slot],
                 step: V41Step) -> None:
