@@ -16,13 +16,14 @@ from pathlib import Path
 
 import torch
 from bench_deepseek_v4 import CONFIG as V4_CONFIG
+from bench_deepseek_v4 import transformers_generate
+from bench_hybrid_kv import BLOCK, live_blocks
 from doc_sections import write_section
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 from v41_reference import build_v41_checkpoint  # noqa: E402
 
-BLOCK, CHUNK = 16, 2048
 V41 = dict(  # V4's benchmark sizes: hidden 256, 8 heads of 64, window 32, 8 experts top-2
     num_hidden_layers=4, num_nextn_predict_layers=0, compress_ratios=[0, 2, 1, 1],
     kv_source_layer_ids=[1, 2], index_k_source_layer_ids=[1, 2], index_source_layer_ids=[1, 2],
@@ -47,12 +48,11 @@ def _generate(path: str, prompts: list[list[int]], new_tokens: int) -> tuple[flo
     return seconds, out
 
 
-def kv_bytes(path: str, length: int = 32768, prompt: int = 30720) -> int:
-    """Bytes one request holds at the end of ``length`` tokens (chunked prefill, then
-    decodes) in the model's KV slots, bf16, block 16: the groups' own bytes."""
+def kv_bytes(path: str) -> int:
+    """Bytes one request of 32k tokens holds at its end in the model's KV slots (bf16,
+    block 16; bench_hybrid_kv's request): the groups' own bytes."""
     from openinfer.config import ModelConfig
-    from openinfer.kv.kv_manager import KVCacheManager
-    from openinfer.kv.spec import SKIPPED, group_layers
+    from openinfer.kv.spec import group_layers
     from openinfer.models.arch import ArchConfig
     from openinfer.models.registry import get_model_class
 
@@ -61,15 +61,7 @@ def kv_bytes(path: str, length: int = 32768, prompt: int = 30720) -> int:
         model = get_model_class(config.architecture)(
             ArchConfig.from_hf(config.hf_config, source_dir=config.path))
     groups = group_layers(model.kv_cache_specs(BLOCK, "bfloat16"))
-    kv = KVCacheManager(groups, 4 * len(groups) * length // BLOCK, enable_caching=False)
-    computed = 0
-    while computed < length:
-        step = min(CHUNK, prompt - computed) if computed < prompt else 1
-        assert kv.allocate_slots("r", computed + step, num_computed_tokens=computed) is not None
-        computed += step
-    kv.allocate_slots("r", computed, num_computed_tokens=computed)
-    return sum(sum(b != SKIPPED for b in table) * g.bytes_per_block
-               for table, g in zip(kv.block_table("r"), groups, strict=True))
+    return sum(n * g.bytes_per_block for n, g in zip(live_blocks(groups), groups, strict=True))
 
 
 def figures(batch: int = 8, prompt_len: int = 128, new_tokens: int = 32) -> str:
@@ -98,12 +90,7 @@ def figures(batch: int = 8, prompt_len: int = 128, new_tokens: int = 32) -> str:
             rows.append(f"| {name} | {seconds[name]:.2f} | {total / seconds[name]:.1f} | "
                         f"{kv_bytes(path) / 2**20:.1f} MiB |")
             print(rows[-1], flush=True)
-        start = time.perf_counter()
-        with torch.no_grad():
-            for p in prompts:  # one by one: its compressors do not support padded batches
-                hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, prompt_len), do_sample=False,
-                            max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-        theirs = time.perf_counter() - start
+        theirs, _ = transformers_generate(hf, torch.tensor(prompts), new_tokens)
     rows.append(f"| DeepSeek-V4, transformers (cached generate, one at a time) | {theirs:.2f} | "
                 f"{total / theirs:.1f} | - |")
     v41, v4 = seconds[next(iter(runs))], seconds["DeepSeek-V4, openinfer"]

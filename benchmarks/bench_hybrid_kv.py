@@ -97,6 +97,19 @@ def concurrent_requests(model: ModelShape, hybrid: bool, memory: int, context: i
     return n
 
 
+def live_blocks(groups: list, length: int = 32768, prompt: int = 30720) -> list[int]:
+    """Blocks one request holds in each group at the end of ``length`` tokens: ``prompt``
+    prefilled in CHUNK-token chunks, then decoded one by one."""
+    kv = KVCacheManager(groups, 4 * len(groups) * length // BLOCK, enable_caching=False)
+    computed = 0
+    while computed < length:
+        step = min(CHUNK, prompt - computed) if computed < prompt else 1
+        assert kv.allocate_slots("r", computed + step, num_computed_tokens=computed) is not None
+        computed += step
+    kv.allocate_slots("r", computed, num_computed_tokens=computed)
+    return [sum(b != SKIPPED for b in table) for table in kv.block_table("r")]
+
+
 def v4_figures(length: int = 32768, prompt: int = 30720) -> str:
     """DeepSeek-V4 at transformers' default config (43 layers, head_dim 512, window 128, CSA
     ratio 4 with a 128-dim indexer, HCA ratio 128): its KV slots as openinfer declares them."""
@@ -110,15 +123,7 @@ def v4_figures(length: int = 32768, prompt: int = 30720) -> str:
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(ArchConfig.from_hf(hf))
     groups = group_layers(model.kv_cache_specs(BLOCK, "bfloat16"))
-    kv = KVCacheManager(groups, 4 * len(groups) * length // BLOCK, enable_caching=False)
-    computed = 0
-    while computed < length:
-        step = min(CHUNK, prompt - computed) if computed < prompt else 1
-        assert kv.allocate_slots("r", computed + step, num_computed_tokens=computed) is not None
-        computed += step
-    kv.allocate_slots("r", computed, num_computed_tokens=computed)
-    tables = kv.block_table("r")
-    live = [sum(b != SKIPPED for b in t) for t in tables]
+    live = live_blocks(groups, length, prompt)
     ideal = sum(n * g.bytes_per_block for n, g in zip(live, groups))
     padded = sum(live) * page_bytes(groups)
     full = length * hf["num_hidden_layers"] * hf["head_dim"] * 2  # its one K = V vector, bf16

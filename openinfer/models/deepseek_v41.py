@@ -53,7 +53,7 @@ from openinfer.layers.hyper_connections import HyperConnection, HyperHead
 from openinfer.layers.norm import RMSNorm
 from openinfer.models.arch import ArchConfig, V41Arch
 from openinfer.models.base import CausalLM
-from openinfer.models.deepseek_v4 import SinkAttention, V4MoE, V4Rope
+from openinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, SinkAttention, V4MoE, V4Rope
 from openinfer.models.engram import Engram, compressed_vocabulary, table_primes
 from openinfer.models.v41_replay import REPLAYED_FROM, replay_rows, replayed_from, replayed_rows, rows_view
 from openinfer.models.v41_sparse import V41Compressor, V41Indexer, candidate_entries, top_k_entries
@@ -336,12 +336,10 @@ class DeepseekV41ForCausalLM(CausalLM):
     supports_tensor_parallel = True
     supports_fp8_kv_cache = False  # entries and index keys are read in torch, unscaled
 
-    expert_weights = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)}
-    packed_modules = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1)}
-    checkpoint_renames = {
-        "shared_experts.w2": "shared_experts.down_proj",
-        **{f"hc_{part}_{p}": f"hc_{part}.{p}" for part in ("attn", "ffn") for p in ("fn", "base", "scale")},
-    }
+    # DeepSeek's names of expert, shared-expert and mHC tensors, as V4's.
+    expert_weights = DeepseekV4ForCausalLM.expert_weights
+    packed_modules = DeepseekV4ForCausalLM.packed_modules
+    checkpoint_renames = DeepseekV4ForCausalLM.checkpoint_renames
 
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
