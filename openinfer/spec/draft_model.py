@@ -12,8 +12,9 @@ they share its groups).
 
 Both draft the same way: greedy requests take the drafter's argmax, the others draw from
 its distribution q (the request's temperature, top-k, top-p, min-p), which the verifier
-needs (kept per request as ``draft_probs``). The confidence of a draft token is its
-probability under q (under the drafter's softmax for greedy requests). The slots a chain
+needs (kept per request as ``draft_probs``). The confidence of a draft token is the largest
+probability of the distribution it comes from (q, or the drafter's softmax for greedy
+requests: the argmax's own), fixed before the token is drawn. The slots a chain
 writes past the sampled token were allocated as lookahead; the next step writes them again.
 """
 
@@ -125,9 +126,12 @@ def pick_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[DraftRequ
         index = torch.tensor(randoms, device=logits.device)
         sub_rows = [rows[n] for n in randoms]
         q = sampler.probabilities(logits[index], sub_rows)
-        picked = sampler.race(q.clone(), sub_rows, stream=DRAFT_STREAM)
-        tokens[index] = picked
-        confidences[index] = q.gather(1, picked.unsqueeze(1)).squeeze(1)
+        # The confidence is q's largest probability, known before the draw: one read off
+        # the token drawn (its own q) would make whether it is verified depend on its value,
+        # and the output distribution would move (with q = (0.9, 0.1) against a target of
+        # (0.5, 0.5), the first token was 0 with probability 0.55).
+        confidences[index] = q.amax(dim=-1)
+        tokens[index] = sampler.race(q.clone(), sub_rows, stream=DRAFT_STREAM)
         for n, row_q in zip(randoms, q):
             probs[n].append(row_q)
     token_list = tokens.tolist()

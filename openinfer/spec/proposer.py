@@ -12,7 +12,8 @@ class Draft:
     token_ids: list[int] = field(default_factory=list)
     confidences: list[float] = field(default_factory=list)
     """Per position j: the drafter's probability that token j is right given tokens
-    before it are (a model's draft probability; match frequencies for n-gram/suffix).
+    before it are (a model drafter's largest probability, fixed before the draw; match
+    frequencies for n-gram/suffix).
     The confidence scheduler multiplies them into the chance a prefix survives."""
 
     def __post_init__(self) -> None:

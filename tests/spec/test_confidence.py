@@ -4,6 +4,7 @@ the paper, reproduced), the steps-per-second profile and online calibration."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 from scipy.stats import chisquare
@@ -13,6 +14,8 @@ from openinfer.sample.rows import SamplingRow
 from openinfer.sample.sampler import Sampler
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.confidence import Calibration, StepRateProfile, choose_verify_counts
+from openinfer.spec.draft_model import pick_drafts
+from openinfer.spec.proposer import Draft
 
 
 def test_rows_join_by_cumulative_confidence_and_the_walk_stops_at_the_first_drop():
@@ -114,6 +117,43 @@ def test_the_early_stop_rule_stays_lossless_when_the_second_decision_depends_on_
     assert _early_stop([0.9, 0.9], sps) == 2 and _early_stop([0.9, 0.1], sps) == 1
     first, second = _output_tokens(_early_stop, sps)
     assert _matches_target(first) and _matches_target(second)
+
+
+@dataclass
+class _Request:  # what pick_drafts reads of a runner's request
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int = 1
+    stop_token_ids: frozenset = frozenset()
+
+
+def test_a_model_drafters_confidence_is_fixed_before_its_token_is_drawn():
+    """A drafter's sampled draft (q = (0.9, 0.1)) against a target of (0.5, 0.5), one draft
+    verified only when its confidence pays for the row: the first token keeps the target's
+    distribution (chi-square). Read off the drawn token (0.9 for a 0, 0.1 for a 1), the
+    confidence verified every 0 and no 1, and a first token was 0 with probability 0.55."""
+    sps = {1: 1.0, 2: 0.8}.__getitem__  # a draft pays at confidence 0.9, not at 0.1
+    params = SamplingParams(temperature=1.0, max_tokens=100)
+    requests = [_Request(params, [0]) for _ in range(TRIALS)]
+    drafts = [Draft() for _ in requests]
+    probs: list[list[torch.Tensor]] = [[] for _ in requests]
+    torch.manual_seed(3)
+    drafter_logits = torch.tensor([[0.9, 0.1]]).log().expand(TRIALS, -1)
+    pick_drafts(Sampler(1), drafter_logits, requests, drafts, probs)
+    verified = []
+    for draft, q in zip(drafts, probs, strict=True):
+        k = choose_verify_counts({0: draft.confidences}, 1, 1.0, sps, 2).get(0, 0)
+        rows = [SamplingRow(params, [0], draft.token_ids[:j], frozenset()) for j in range(k + 1)]
+        verified.append(VerifyRequest(rows, draft.token_ids[:k], torch.stack(q)[:k]))
+    logits = torch.tensor([list(TARGET_HALF)]).log()
+    results = verify(Sampler(0), logits.expand(sum(len(r.rows) for r in verified), -1), verified)
+    first = [r.token_ids[0] for r in results]
+    counts = [first.count(0), first.count(1)]
+    assert chisquare(counts, [len(first) / 2] * 2).pvalue > 1e-3, counts
+    assert {round(d.confidences[0], 6) for d in drafts} == {0.9}  # the drafter's top probability
+
+
+TARGET_HALF = (0.5, 0.5)
 
 
 # ---- profile and calibration ------------------------------------------------------------
