@@ -31,8 +31,9 @@ pages. Candidate blocks (``candidate_source_layer_id``): that layer's indexer sc
 pick each query's best blocks of entries, and later indexers choose only among them. With
 Engram, the first slot keeps each sequence's last ``engram_max_ngram_size``
 compressed tokens (openinfer/models/engram.py), so a step's n-grams reach back into
-earlier steps, prefix hits and transferred blocks alike. Images and DSpark's draft layers
-(``mtp.*``) are not loaded.
+earlier steps, prefix hits and transferred blocks alike. Bounded replay
+(openinfer/models/v41_replay.py, on by default): in a prefill the consumers compute only its
+last rows, exactly. Images and DSpark's draft layers (``mtp.*``) are not loaded.
 """
 
 from __future__ import annotations
@@ -67,9 +68,9 @@ GRAM_DIGITS = len(GRAM_SHIFTS)
 @dataclass
 class V41Step:
     """What one forward step's layers hand each other: the Engram n-grams, the consumers'
-    shared hidden state,
-    each KV source's new entries before RoPE (per sequence: first entry, rows) for the layers
-    that index them, and each index source's top-k choice for the layers that reuse it."""
+    shared hidden state, each KV source's new entries before RoPE (per sequence: first entry,
+    rows) for the layers that index them, each index source's top-k choice for the layers
+    that reuse it, and the candidate source's blocks."""
 
     shared_hidden: torch.Tensor | None = None
     grams: torch.Tensor | None = None
