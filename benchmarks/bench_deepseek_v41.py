@@ -22,7 +22,7 @@ from doc_sections import write_section
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from v41_reference import build_v41_checkpoint  # noqa: E402
+from v41_checkpoint import build_v41_checkpoint  # noqa: E402
 
 V41 = dict(  # V4's benchmark sizes: hidden 256, 8 heads of 64, window 32, 8 experts top-2
     num_hidden_layers=4, num_nextn_predict_layers=0, compress_ratios=[0, 2, 1, 1],

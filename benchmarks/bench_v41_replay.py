@@ -21,7 +21,7 @@ from doc_sections import write_section
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from v41_reference import build_v41_checkpoint  # noqa: E402
+from v41_checkpoint import build_v41_checkpoint  # noqa: E402
 
 from openinfer.models.v41_replay import REPLAY_ROWS_ENV  # noqa: E402
 

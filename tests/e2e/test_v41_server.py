@@ -5,7 +5,7 @@ the offline engine's, and its replies are the same whether streamed or not."""
 from __future__ import annotations
 
 from server_process import MODEL, start_server, stop
-from v41_reference import build_v41_checkpoint
+from v41_checkpoint import build_v41_checkpoint
 
 from openinfer import LLM, SamplingParams
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import DEEPSEEK_V4, randomize_v4, run_disaggregated
 from test_hf_parity import PagedModel, _hf_logits, _prompts
-from v41_reference import build_v41_checkpoint
+from v41_checkpoint import build_v41_checkpoint
 
 from openinfer import LLM, SamplingParams
 

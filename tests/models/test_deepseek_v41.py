@@ -1,6 +1,6 @@
 """DeepSeek-V4.1 (DeepInfer's model) from a checkpoint in DeepInfer's release format: the
 engine's paged, chunked, batched forward gives the plain float64 reference's logits
-(tests/models/v41_reference.py: one sequence, no cache, everything recomputed), and its
+(tests/v41_reference.py: one sequence, no cache, everything recomputed), and its
 greedy tokens with and without prefix hits. Window, C2 and C1 layers; a KV source, layers
 reading its entries, index keys or top-k choice; the YOCO consumers' shared hidden state;
 candidate blocks; shifted hyper-connections; Engram's hashed n-grams (reaching back across steps and prefix
@@ -14,7 +14,8 @@ import json
 import pytest
 import torch
 from test_hf_parity import PagedModel, _prompts
-from v41_reference import TEXT, V41Reference, _compressed_ids, build_v41_checkpoint, v41_config
+from v41_checkpoint import TEXT, _compressed_ids, build_v41_checkpoint, v41_config
+from v41_reference import V41Reference
 
 from openinfer import LLM, SamplingParams
 from openinfer.config import ModelConfig

@@ -11,7 +11,7 @@ from conftest import CHECKPOINTS, randomize_v4
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from test_moe import MOE_CONFIGS
 from test_window_models import WINDOW_MODELS
-from v41_reference import build_v41_checkpoint
+from v41_checkpoint import build_v41_checkpoint
 
 from openinfer import LLM, SamplingParams
 from openinfer.kernels import gemm_plan
