@@ -80,32 +80,40 @@ class MultiprocExecutor(Executor):
             self._procs.append(proc)
         weakref.finalize(self, _kill_all, list(self._procs))  # also at interpreter exit
         try:
-            if remote is not None:
-                self._conns += self._join(remote)
-            self._gather()  # each rank reports once its shard is loaded
+            loaded = self._join(remote) if remote is not None else {}
+            self._gather(loaded)  # each rank reports once its shard is loaded
         except BaseException:
             self._kill()
-            raise
-        finally:
             if remote is not None:
-                remote.close()
+                remote.close(joined=True)  # their ranks end when their connection closes
+            raise
+        if remote is not None:
+            remote.close()
         logger.info("%s: %d ranks (%s) on %d node(s), local worker pids %s", self.kind,
                     self.size, "NCCL" if config.device.startswith("cuda") else "gloo",
                     config.nodes.nnodes, [p.pid for p in self._procs])
 
-    def _join(self, remote: RemoteRanks) -> list[Connection]:
-        """The other nodes' connections, rank order, once all have joined; a local rank that
-        fails first (it answers only after the whole group has) fails the start at once."""
+    def _join(self, remote: RemoteRanks) -> dict[int, Any]:
+        """Adds the other nodes' connections, rank order, once all have joined; a local rank
+        that fails first fails the start at once. The local ranks may report their shards
+        loaded before the last connection is registered (its rank joined the group first):
+        those answers are returned, for the gather that waits for the rest."""
         deadline = time.monotonic() + JOIN_TIMEOUT_S
+        sentinels = [p.sentinel for p in self._procs]
+        loaded: dict[int, Any] = {}
         while not remote.complete:
-            if wait([*self._conns, *(p.sentinel for p in self._procs)], timeout=0.2):
-                self._gather()  # raises: a local rank died or failed
+            ready = wait(sentinels if loaded else [*self._conns, *sentinels], timeout=0.2)
+            if ready and loaded:  # a local rank that had loaded died
+                raise self._died(sentinels.index(ready[0]))
+            if ready:
+                loaded = dict(enumerate(self._gather()))  # raises: a local rank died or failed
             if time.monotonic() > deadline:
                 raise RankFailed(f"ranks {remote.missing} did not join within "
                                  f"{JOIN_TIMEOUT_S:.0f} s: start `openinfer serve` with the "
                                  f"same parallel flags, --nnodes and --master-addr/--master-"
                                  f"port, and each node's --node-rank, on the other nodes")
-        return [remote.conns[rank] for rank in sorted(remote.conns)]
+        self._conns += [remote.conns[rank] for rank in sorted(remote.conns)]
+        return loaded
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
@@ -117,11 +125,11 @@ class MultiprocExecutor(Executor):
             raise RankFailed(f"{self.kind} rank unreachable: {e}") from e
         return self._gather()
 
-    def _gather(self) -> list[Any]:
-        """Every rank's answer to the last call, rank 0 first; a rank that died or raised
-        fails it at once (and takes the others down)."""
-        results: dict[int, Any] = {}
-        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
+    def _gather(self, answered: dict[int, Any] | None = None) -> list[Any]:
+        """Every rank's answer to the last call (those in ``answered`` already read), rank 0
+        first; a rank that died or raised fails it at once (and takes the others down)."""
+        results: dict[int, Any] = dict(answered or {})
+        waiting = {conn: rank for rank, conn in enumerate(self._conns) if rank not in results}
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
         while waiting:
             for ready in wait([*waiting, *sentinels]):
@@ -140,14 +148,19 @@ class MultiprocExecutor(Executor):
                 if status == "ok":
                     results[rank] = value
                     continue
-                self._kill()
                 if status == "died":
-                    if rank >= len(self._procs):  # its node closed the connection
-                        raise RankFailed(f"{self.kind} rank {rank} (another node) died")
-                    code = self._procs[rank].exitcode
-                    raise RankFailed(f"{self.kind} rank {rank} died (exit code {code})")
+                    raise self._died(rank)
+                self._kill()
                 raise RankFailed(f"{self.kind} rank {rank} failed: {value}")
-        return [results[rank] for rank in range(self.size)]
+        return [results[rank] for rank in range(len(self._conns))]
+
+    def _died(self, rank: int) -> RankFailed:
+        """Takes every rank down; the error naming the one that died."""
+        self._kill()
+        if rank >= len(self._procs):  # its node closed the connection
+            return RankFailed(f"{self.kind} rank {rank} (another node) died")
+        code = self._procs[rank].exitcode
+        return RankFailed(f"{self.kind} rank {rank} died (exit code {code})")
 
     @property
     def alive(self) -> bool:

@@ -101,8 +101,13 @@ class RemoteRanks:
             logger.info("rank %d joined from another node", rank)
         self.close()
 
-    def close(self) -> None:
+    def close(self, joined: bool = False) -> None:
+        """Stops accepting; ``joined``: also closes the joined ranks' connections (a start
+        that failed: those ranks end, and their headless node with them)."""
         self._listener.close()
+        if joined:
+            for conn in list(self.conns.values()):
+                conn.close()
 
 
 def serve_headless(nodes: NodesConfig, num_ranks: int) -> int:

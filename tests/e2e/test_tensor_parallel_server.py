@@ -23,6 +23,7 @@ from conftest import build_checkpoint
 from server_process import ADMIN, MODEL, metrics, start_server, stop
 
 from openinfer import LLM, SamplingParams
+from openinfer.executor.nodes import RemoteRanks
 
 
 def _engine_processes(server_pid: int) -> list[psutil.Process]:
@@ -199,7 +200,12 @@ def test_a_prefill_instance_over_two_nodes_lends_each_share_from_its_node(qwen3_
     """Disaggregation with a prefill instance's ranks on two nodes: each rank lends its share
     of the blocks from its own node (node 1's on its $OPENINFER_KV_TRANSFER_HOST, 127.0.0.2
     here), the answer names each rank's host (remote_rank_hosts), and each rank of a TP=2
-    decode instance pulls its share from there: every block pulled, the colocated tokens."""
+    decode instance pulls its share from there: every block pulled, the colocated tokens.
+
+    Node 1's connection is registered late here, a second after its rank has reported its
+    shard loaded: node 0's rank has loaded by then too, and its report, read while the join
+    is still pending, is kept for the start's gather (it once failed the start)."""
+    monkeypatch.setattr(RemoteRanks, "complete", property(_registered_late))
     prompts = [[(7 * i + j) % 900 + 3 for j in range(40)] for i in range(2)]  # 2 full blocks
     greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in LLM(str(qwen3_checkpoint), progress=False)
@@ -237,6 +243,14 @@ def test_a_prefill_instance_over_two_nodes_lends_each_share_from_its_node(qwen3_
         finally:
             if headless.poll() is None:
                 headless.kill()
+
+
+def _registered_late(remote: RemoteRanks) -> bool:
+    if len(remote.conns) < len(remote.expected) or not all(
+            c.poll() for c in remote.conns.values()):
+        return False
+    seen = remote.__dict__.setdefault("_seen_at", time.monotonic())
+    return time.monotonic() > seen + 1.0
 
 
 def _wait_unhealthy(base: str, reason: str) -> None:
