@@ -109,6 +109,10 @@ class DecoderStack(CustomOp):
         super().__init__()
         self.cpu_layers: dict[torch.dtype, object] = {}
         """The C++ call per activation dtype (None: not covered), made at the first step."""
+        self.feature_layers: tuple[int, ...] = ()
+        """Layers whose input hidden states a drafter reads (DSpark, openinfer/models/dspark.py)."""
+        self.features: torch.Tensor | None = None
+        """After a step with ``feature_layers``: those inputs side by side, [T, n * hidden]."""
 
     def forward_native(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
@@ -117,7 +121,10 @@ class DecoderStack(CustomOp):
     def forward_cpu(self, input_ids: torch.Tensor, positions: torch.Tensor,
                     kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        done = llama_cpu.run_layers(self, self.cpu_kernels, positions, x, kv_caches, metas)
+        # (The one C++ call returns the last layer's output only: a drafter's features need
+        # the Python layers, which call the same kernels one by one.)
+        done = None if self.feature_layers else llama_cpu.run_layers(
+            self, self.cpu_kernels, positions, x, kv_caches, metas)
         if done is None:
             return self._run_layers(x, positions, kv_caches, metas)
         x, _ = self.norm(*done)
@@ -126,8 +133,13 @@ class DecoderStack(CustomOp):
     def _run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                     metas: list[AttentionMetadata]) -> torch.Tensor:
         residual = None
-        for layer, cache, meta in zip(self.layers, kv_caches, metas):
+        entering: dict[int, torch.Tensor] = {}
+        for i, (layer, cache, meta) in enumerate(zip(self.layers, kv_caches, metas)):
+            if i in self.feature_layers:
+                entering[i] = x if residual is None else x + residual
             x, residual = layer(positions, x, residual, cache, meta)
+        if entering:
+            self.features = torch.cat([entering[i] for i in self.feature_layers], dim=-1)
         x, _ = self.norm(x, residual)
         return x
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "suffix", "draft_model", "mtp")
+METHODS = ("ngram", "suffix", "draft_model", "mtp", "dspark")
 SCHEDULERS = ("fixed", "confidence")
 MAX_SPECULATIVE_TOKENS = 16
 """Drafts verified per request per step at most: past this the acceptance of the tail
@@ -17,12 +17,13 @@ is nil for every drafter measured, and the verify rows cost a prefill's worth.""
 class SpeculativeConfig:
     method: str
     """ngram (prompt lookup), suffix (suffix tree over the request and recent outputs),
-    draft_model (a smaller model with the same tokenizer) or mtp (the checkpoint's own
-    multi-token-prediction modules)."""
+    draft_model (a smaller model with the same tokenizer), mtp (the checkpoint's own
+    multi-token-prediction modules) or dspark (DeepSeek's block drafter with a confidence
+    head: a drafter checkpoint, openinfer/models/dspark.py)."""
     num_speculative_tokens: int
     """Tokens each proposal drafts (and, with the fixed scheduler, each step verifies)."""
     model: str | None = None
-    """draft_model: the draft checkpoint's path."""
+    """draft_model, dspark: the draft checkpoint's path."""
     prompt_lookup_min: int = 2
     """ngram: the shortest suffix of the context that may match."""
     prompt_lookup_max: int = 5
@@ -53,12 +54,12 @@ class SpeculativeConfig:
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"speculative_config.scheduler must be one of "
                              f"{', '.join(SCHEDULERS)}, got {self.scheduler!r}")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config.model (the draft checkpoint) is required for "
-                             "method 'draft_model'")
-        if self.method != "draft_model" and self.model is not None:
-            raise ValueError(f"speculative_config.model is only for method 'draft_model', not "
-                             f"{self.method!r}")
+        if self.method in ("draft_model", "dspark") and not self.model:
+            raise ValueError(f"speculative_config.model (the draft checkpoint) is required for "
+                             f"method {self.method!r}")
+        if self.method not in ("draft_model", "dspark") and self.model is not None:
+            raise ValueError(f"speculative_config.model is only for methods 'draft_model' and "
+                             f"'dspark', not {self.method!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min "
                              f"({self.prompt_lookup_min}) <= prompt_lookup_max "
@@ -71,14 +72,15 @@ class SpeculativeConfig:
 
     @property
     def uses_model(self) -> bool:
-        """Drafted by a network that keeps KV of its own (draft_model, mtp)."""
-        return self.method in ("draft_model", "mtp")
+        """Drafted by a network that keeps KV of its own (draft_model, mtp, dspark)."""
+        return self.method in ("draft_model", "mtp", "dspark")
 
     @property
     def num_lookahead_tokens(self) -> int:
         """Slots past the verified tokens that drafting writes: a model drafter's chain
-        runs k - 1 positions past the token the step sampled."""
-        return self.num_speculative_tokens if self.uses_model else 0
+        runs k - 1 positions past the token the step sampled (DSpark's block keeps its K/V
+        for the pass only)."""
+        return self.num_speculative_tokens if self.method in ("draft_model", "mtp") else 0
 
     @staticmethod
     def parse(value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:

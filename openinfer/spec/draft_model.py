@@ -9,12 +9,15 @@ they share its groups).
   the token just sampled and chains its own picks.
 - ``MTPDrafter`` (spec/mtp.py): DeepSeek's multi-token-prediction module, fed the
   target's hidden states.
+- ``DSparkDrafter`` (spec/dspark.py): DeepSeek's block drafter, fed the target's layers'
+  inputs, with a confidence head.
 
-Both draft the same way: greedy requests take the drafter's argmax, the others draw from
+They draft the same way: greedy requests take the drafter's argmax, the others draw from
 its distribution q (the request's temperature, top-k, top-p, min-p), which the verifier
 needs (kept per request as ``draft_probs``). The confidence of a draft token is the largest
 probability of the distribution it comes from (q, or the drafter's softmax for greedy
-requests: the argmax's own), fixed before the token is drawn. The slots a chain
+requests: the argmax's own), or DSpark's confidence head's estimate, fixed before the token
+is drawn. The slots a chain
 writes past the sampled token were allocated as lookahead; the next step writes them again.
 """
 
@@ -112,15 +115,20 @@ class ModelDrafter(ABC):
 
 
 def pick_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[DraftRequest],
-                drafts: list[Draft], probs: list[list[torch.Tensor]]) -> list[int]:
+                drafts: list[Draft], probs: list[list[torch.Tensor]],
+                confidences: torch.Tensor | None = None) -> list[int]:
     """Each request's next draft token from the drafter's logits [R, V] (appended to its
-    draft with its confidence); random requests keep their q row in ``probs``."""
+    draft with its confidence: ``confidences`` [R] where the drafter estimates them, fixed
+    before the draw, else its distribution's largest probability); random requests keep
+    their q row in ``probs``."""
     logits = logits.float()
     rows = [SamplingRow(r.params, r.token_ids[:r.num_prompt_tokens],
                         r.token_ids[r.num_prompt_tokens:] + d.token_ids, r.stop_token_ids)
             for r, d in zip(requests, drafts)]
     tokens = argmax(logits)
-    confidences = logits.softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    estimated = confidences is not None
+    if confidences is None:
+        confidences = logits.softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
     randoms = [n for n, row in enumerate(rows) if not row.params.greedy]
     if randoms:
         index = torch.tensor(randoms, device=logits.device)
@@ -130,7 +138,8 @@ def pick_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[DraftRequ
         # the token drawn (its own q) would make whether it is verified depend on its value,
         # and the output distribution would move (with q = (0.9, 0.1) against a target of
         # (0.5, 0.5), the first token was 0 with probability 0.55).
-        confidences[index] = q.amax(dim=-1)
+        if not estimated:
+            confidences[index] = q.amax(dim=-1)
         tokens[index] = sampler.race(q.clone(), sub_rows, stream=DRAFT_STREAM)
         for n, row_q in zip(randoms, q):
             probs[n].append(row_q)

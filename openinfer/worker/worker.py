@@ -55,6 +55,7 @@ from openinfer.models.loader import load_model
 from openinfer.models.platform import bind_platform
 from openinfer.spec.draft_model import DraftModelDrafter, check_draft_model
 from openinfer.spec.drafters import make_token_proposer
+from openinfer.spec.dspark import DSparkDrafter, load_dspark_drafter
 from openinfer.spec.mtp import MTPDrafter, mtp_layers
 from openinfer.transfer.worker_connector import WorkerKVConnector
 from openinfer.worker.decode_graphs import DecodeGraphs
@@ -223,9 +224,13 @@ class Worker:
 
     def _load_draft_model(self, progress: bool):
         spec = self.config.speculative
-        if spec is None or spec.method != "draft_model":
+        if spec is None or spec.method not in ("draft_model", "dspark"):
             return None
         mc = self.config.model
+        if spec.method == "dspark":
+            model = load_dspark_drafter(spec.model, self.model, mc, self.config.device, progress)
+            bind_platform(model, self._platform(mc.batch_invariant))
+            return model
         draft_config = ModelConfig.from_pretrained(spec.model, dtype=mc.dtype,
                                                    device=self.config.device)
         check_draft_model(mc, draft_config, self.config.tokenizer)
@@ -274,7 +279,9 @@ class Worker:
         specs = self.kv_cache_specs()
         drafter = None
         first = len(self.model.kv_cache_specs(self.config.cache.block_size, self.kv_dtype_name))
-        if self.draft_model is not None:
+        if spec is not None and spec.method == "dspark":
+            drafter = DSparkDrafter(self.draft_model, self.model, first, spec.num_speculative_tokens)
+        elif self.draft_model is not None:
             drafter = DraftModelDrafter(self.draft_model, first, spec.num_speculative_tokens)
         elif spec is not None and spec.method == "mtp":
             drafter = MTPDrafter(self.model, first, spec.num_speculative_tokens)

@@ -1,6 +1,6 @@
 """Speculative decoding through the real server: streamed and whole completions and chats
-give plain decoding's greedy text, the spec_decode counters move, and a bad
---speculative-config stops the server at start with the reason."""
+give plain decoding's greedy text (a DSpark drafter's too), the spec_decode counters move,
+and a bad --speculative-config stops the server at start with the reason."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 
 import openai
 import pytest
+from dspark_checkpoint import build_dspark_drafter
 from server_process import MODEL, metrics, start_server, stop
 
 from openinfer import LLM, SamplingParams
@@ -67,3 +68,34 @@ def test_a_bad_speculative_config_stops_the_server_with_the_reason(qwen3_checkpo
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "num_speculative_tokens must be an integer in [1, 16]" in proc.stderr + proc.stdout
+
+
+def test_a_dspark_drafter_serves_plain_greedy_text(qwen3_checkpoint, tmp_path):
+    """--speculative-config with a DSpark drafter checkpoint: the server loads it beside the
+    target, and a streamed chat and a whole completion are plain decoding's text while its
+    drafts are verified."""
+    drafter = build_dspark_drafter(tmp_path / "dspark", qwen3_checkpoint)
+    offline = LLM(str(qwen3_checkpoint), progress=False)
+    spec = {"method": "dspark", "model": str(drafter), "num_speculative_tokens": 3}
+    base, proc = start_server(qwen3_checkpoint, "--speculative-config", json.dumps(spec))
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        prompt = "the cat sat on the mat and the"
+        expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=20,
+                                                           ignore_eos=True))[0].outputs[0].text
+        whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        assert whole.choices[0].text == expected
+        messages = [{"role": "user", "content": prompt}]
+        tok = offline.get_tokenizer()
+        ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)
+        chat_expected = offline.generate([ids], SamplingParams(
+            temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0].text
+        chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
+                                                temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_expected
+        assert metrics(base)["openinfer:spec_decode_num_draft_tokens_total"] > 0
+    finally:
+        stop(proc)

@@ -9,6 +9,7 @@ import random
 
 import pytest
 from conftest import build_checkpoint
+from dspark_checkpoint import build_dspark_drafter
 
 from openinfer import LLM, SamplingParams
 
@@ -197,7 +198,8 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_output_where_plain_decodi
     assert _spec_stats(llm)["spec_num_accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model+confidence"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model+confidence",
+                                    "dspark+confidence"])
 def test_sampled_tokens_follow_plain_decodings_distribution(qwen3_checkpoint, draft_checkpoint,
                                                             plain_outputs, method, tmp_path):
     """Two-sample chi-square: the tokens at output positions 1-3 (verified, not the first
@@ -206,7 +208,8 @@ def test_sampled_tokens_follow_plain_decodings_distribution(qwen3_checkpoint, dr
     continuation, makes n-gram drafts (point masses); the draft model is an unrelated
     random one (full draft distributions, mostly rejected: the residual draws are tested).
     A low temperature makes the random model's distributions peaked enough to compare.
-    ``+confidence``: the confidence scheduler decides which drafts are verified. (At this
+    ``+confidence``: the confidence scheduler decides which drafts are verified (DSpark's
+    from its confidence head's estimates, a random drafter's too). (At this
     temperature a drawn draft is nearly always its distribution's top token, so this would
     not see a confidence read off the drawn token: tests/spec/test_confidence.py does.)"""
     from scipy.stats import chi2_contingency
@@ -214,6 +217,8 @@ def test_sampled_tokens_follow_plain_decodings_distribution(qwen3_checkpoint, dr
     plain, _ = plain_outputs
     method, _, scheduler = method.partition("+")
     extra = {"model": str(draft_checkpoint)} if method == "draft_model" else {"prompt_lookup_min": 1}
+    if method == "dspark":
+        extra = {"model": str(build_dspark_drafter(tmp_path / "dspark", qwen3_checkpoint))}
     if scheduler:
         extra |= {"scheduler": scheduler, "sps_cache_dir": str(tmp_path)}
     llm = LLM(str(qwen3_checkpoint), progress=False, speculative_config=_spec(method, 3, **extra))
