@@ -44,7 +44,7 @@ def load_model(config: ModelConfig, device: str | torch.device = "cpu",
     a GEMM plan (openinfer.kernels.gemm_plan; ``gemm``: its mode, default $OPENINFER_CPU_GEMM), or,
     with ``config.batch_invariant``, a batch-invariant one (openinfer.kernels.invariant_gemm)."""
     cls = get_model_class(config.architecture)
-    with torch.device(device), _default_dtype(config.dtype):
+    with torch.device(device), default_dtype(config.dtype):
         model = cls(ArchConfig.from_hf(config.hf_config, source_dir=config.path))
     # (batch-invariant plans are made for plain weights: fp8 ones are multiplied out for them)
     load_weights(model, Path(config.path), progress=progress, hf_config=config.hf_config,
@@ -301,7 +301,8 @@ def _iter_checkpoint(path: Path, progress: bool, slices: bool = False) -> Iterat
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Tensors made inside are ``dtype`` unless told otherwise (a model built in its dtype)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

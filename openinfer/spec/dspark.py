@@ -28,7 +28,7 @@ from openinfer.models.dspark import (
 )
 from openinfer.models.llama import DecoderStack
 from openinfer.models.gemm_plans import plan_gemms
-from openinfer.models.loader import load_weights, process_weights_after_loading
+from openinfer.models.loader import default_dtype, load_weights, process_weights_after_loading
 from openinfer.models.platform import make_batch_invariant
 from openinfer.spec.context import DraftContext, DraftRequest
 from openinfer.spec.draft_model import ModelDrafter, StepBatch, finish_drafts, pick_drafts
@@ -57,7 +57,8 @@ def load_dspark_drafter(path: str, target: nn.Module, target_config: ModelConfig
     target_arch = ArchConfig.from_hf(target_config.hf_config, source_dir=target_config.path)
     check_drafter(hf, dspark, target_arch)
     stack = feature_stack(target)
-    model = DSparkDrafterModel(ArchConfig.from_hf(hf), dspark).to(device, target_config.dtype)
+    with torch.device(device), default_dtype(target_config.dtype):
+        model = DSparkDrafterModel(ArchConfig.from_hf(hf), dspark)
     load_weights(model, Path(path), progress=progress, hf_config=hf)
     process_weights_after_loading(model)
     if target_config.batch_invariant:

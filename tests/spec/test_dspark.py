@@ -137,3 +137,17 @@ def test_split_over_two_ranks_the_drafter_drafts_as_one(qwen3_checkpoint, dspark
     assert [(t, d) for t, d, _ in one] == [(t, d) for t, d, _ in two] and one
     for (_, _, c1), (_, _, c2) in zip(one, two):
         assert c1 == pytest.approx(c2, abs=1e-4)
+
+
+def test_a_bfloat16_target_drafts_and_keeps_plain_tokens(qwen3_checkpoint, dspark_drafter):
+    """In bfloat16 the drafter is built in the target's dtype (its RoPE tables stay float32
+    for the kernels) and the greedy tokens are plain bfloat16 decoding's."""
+    prompts = [[5 + (7 * i + 3 * j) % 900 for j in range(9 + 13 * i)] for i in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    plain = LLM(str(qwen3_checkpoint), progress=False, dtype="bfloat16")
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = LLM(str(qwen3_checkpoint), progress=False, dtype="bfloat16",
+              speculative_config=_spec(dspark_drafter))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.core.stats()["spec_num_draft_tokens"] > 0
+    llm.engine.check_integrity()
