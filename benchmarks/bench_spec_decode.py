@@ -70,10 +70,13 @@ SPEC_CONFIGS: dict[str, dict | None] = {
     "ngram-confidence": {"method": "ngram", "num_speculative_tokens": K, "scheduler": "confidence"},
     "suffix-confidence": {"method": "suffix", "num_speculative_tokens": K, "scheduler": "confidence"},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": K},
+    "dspark": {"method": "dspark", "num_speculative_tokens": K},
+    "dspark-confidence": {"method": "dspark", "num_speculative_tokens": K, "scheduler": "confidence"},
 }
 LABELS = {"plain": "no speculation", "ngram": f"ngram k={K}", "suffix": f"suffix k={K}",
           "ngram-confidence": f"ngram k={K}, confidence", "suffix-confidence": f"suffix k={K}, confidence",
-          "draft_model": f"draft model k={K}"}
+          "draft_model": f"draft model k={K}", "dspark": f"DSpark k={K}",
+          "dspark-confidence": f"DSpark k={K}, confidence"}
 COUNTERS = ("spec_num_drafts", "spec_num_decode_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 CODE_FILES = sorted((REPO / "openinfer").glob("*.py")) + sorted((REPO / "openinfer" / "engine").glob("*.py"))
@@ -84,6 +87,54 @@ CODE_INSTRUCTIONS = (
     "Add type hints to every function in this code and return the whole code; change nothing else:",
     "Refactor this code: rename every local variable called `i` to `index`, and return the code in full:",
 )
+CHAT_QUESTIONS = (
+    "What are three good habits for staying healthy?",
+    "Explain how a rainbow forms.",
+    "Give me a simple recipe for pancakes.",
+    "Why is the sky blue?",
+    "What is the difference between a virus and a bacterium?",
+    "Write a short poem about the sea.",
+    "How do I prepare for a job interview?",
+    "What causes the seasons on Earth?",
+    "Explain what a computer's memory does.",
+    "Suggest a name for a small bakery and explain why.",
+    "How do plants make their food?",
+    "What should I pack for a weekend camping trip?",
+    "Describe the water cycle in a few sentences.",
+    "What is the difference between weather and climate?",
+    "Write a polite email asking a colleague for help with a report.",
+    "Give three tips for learning a new language.",
+    "Explain what an atom is to a child.",
+    "What are the benefits of reading books?",
+    "How does a bicycle stay upright?",
+    "Tell me a short story about a lost cat who finds its way home.",
+    "What is photosynthesis?",
+    "How can I save money on groceries?",
+    "Explain the rules of chess briefly.",
+    "What makes a good friend?",
+    "Why do we need sleep?",
+    "Describe a sunset to someone who has never seen one.",
+    "What are some ways to reduce stress?",
+    "How do airplanes fly?",
+    "What is the purpose of a museum?",
+    "Give me a plan for a productive morning.",
+    "Explain why recycling matters.",
+    "What is the difference between a lake and a sea?",
+    "How do vaccines work?",
+    "Write a thank-you note to a teacher.",
+    "What are the main parts of a cell?",
+    "Why do leaves change color in autumn?",
+    "How can I become a better listener?",
+    "Explain what gravity is.",
+    "What should a beginner know about running?",
+    "Describe your ideal weekend.",
+    "What is the role of the heart in the body?",
+    "How do I make a cup of tea?",
+    "What are the planets of the solar system?",
+    "Give advice to someone starting their first job.",
+)
+"""Ordinary chat requests, none a copy task (written for this benchmark; the shipped DSpark
+drafter's training text is other: scripts/dspark_data.py)."""
 PROSE_INSTRUCTIONS = (
     "Fix typos in the following text and return it in full:",
     "Edit the following text for clarity, keeping its structure and code blocks, and return it in full:",
@@ -143,6 +194,14 @@ def build_prompts(tokenizer, count: int) -> list[list[int]]:
         raise SystemExit(f"only {len(messages)} texts of {MIN_TEXT_TOKENS}+ tokens, {count} needed")
     return [tokenizer.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
                                           tokenize=True, return_dict=False) for m in messages[:count]]
+
+
+def build_chat_prompts(tokenizer, count: int) -> list[list[int]]:
+    if count > len(CHAT_QUESTIONS):
+        raise SystemExit(f"only {len(CHAT_QUESTIONS)} chat questions, {count} needed")
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+            for q in CHAT_QUESTIONS[:count]]
 
 
 def build_draft(path: str, tokenizer, num_layers: int) -> None:
@@ -267,6 +326,9 @@ def main() -> None:
                         help="comma-separated concurrencies")
     parser.add_argument("--configs", default=",".join(SPEC_CONFIGS),
                         help=f"comma-separated, of: {', '.join(SPEC_CONFIGS)}")
+    parser.add_argument("--prompts", choices=["copy", "chat"], default="copy",
+                        help="copy: copy-heavy edits of this repository's files; chat: ordinary "
+                             "chat questions (written to their own section)")
     parser.add_argument("--draft-layers", type=int, default=DRAFT_LAYERS,
                         help="draft_model: the target's first N layers (of 30)")
     args = parser.parse_args()
@@ -280,7 +342,8 @@ def main() -> None:
 
     tokenizer = load_tokenizer(resolve_model(MODEL).path)
     sizes = [SINGLE_RUNS if c == 1 else c for c in concurrencies]
-    prompts = build_prompts(tokenizer, sum(sizes))
+    chat = args.prompts == "chat"
+    prompts = (build_chat_prompts if chat else build_prompts)(tokenizer, sum(sizes))
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     prompt_sets = {c: prompts[s:s + n] for c, s, n in zip(concurrencies, starts, sizes)}
     lengths = [len(p) for p in prompts]
@@ -294,6 +357,7 @@ def main() -> None:
         for config in configs:
             print(f"{LABELS[config]}:", flush=True)
             llm = make_llm(config, draft_path)
+            dtype = str(llm.engine.config.model.dtype).removeprefix("torch.")
             results[config] = measure(llm, prompt_sets, params)
             del llm
             gc.collect()
@@ -301,15 +365,26 @@ def main() -> None:
     draft = (f" The draft model is the target truncated to its first {args.draft_layers} of 30 layers "
              "(its embeddings, final norm and head kept, no fine-tuning): no second real model with "
              "SmolLM2's tokenizer is at hand." if "draft_model" in configs else "")
-    body = f"""## Speculative decoding (benchmarks/bench_spec_decode.py)
+    dspark = (" DSpark is the drafter that ships for SmolLM2 (openinfer/drafters, trained by "
+              "scripts/train_dspark.py on the target's own answers to prompts built from installed "
+              "packages' text: neither this repository's files nor these questions)."
+              if any(c.startswith("dspark") for c in configs) else "")
+    if chat:
+        title, workload = "Speculative decoding on ordinary chat", (
+            f"{len(prompts)} ordinary chat questions of {min(lengths)}-{max(lengths)} tokens "
+            "(written for this benchmark, none a copy task)")
+    else:
+        title, workload = "Speculative decoding", (
+            f"{len(prompts)} copy-heavy chat prompts of {min(lengths)}-{max(lengths)} tokens (this "
+            "repository's Python files to document, annotate or refactor; its README and docs to "
+            "proofread, edit or summarize)")
+    body = f"""## {title} (benchmarks/bench_spec_decode.py{" --prompts chat" if chat else ""})
 
-SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32) on the CPU, {len(prompts)} copy-heavy
-chat prompts of {min(lengths)}-{max(lengths)} tokens (this repository's Python files to document,
-annotate or refactor; its README and docs to proofread, edit or summarize), greedy, at most
-{args.max_tokens} output tokens, stopping at end of sequence. Every prompt is prefilled before the
-timed runs (prefix cache), so the figures are decode: output tokens / wall seconds, as a ratio
-to no speculation at the same concurrency. Concurrency 1 is {SINGLE_RUNS} requests one after
-another; each concurrency has prompts of its own.{draft}
+SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to {dtype}) on the CPU, {workload}, greedy, at
+most {args.max_tokens} output tokens, stopping at end of sequence. Every prompt is prefilled before
+the timed runs (prefix cache), so the figures are decode: output tokens / wall seconds, as a
+ratio to no speculation at the same concurrency. Concurrency 1 is {SINGLE_RUNS} requests one
+after another; each concurrency has prompts of its own.{draft}{dspark}
 
 {table}
 
@@ -321,7 +396,8 @@ at most {K + 1}; the confidence scheduler is meant to verify fewer as the batch 
 """
     print(body)
     if not args.no_write:
-        write_section(REPO / "docs" / "benchmarks.md", "spec-decode", body)
+        write_section(REPO / "docs" / "benchmarks.md", "spec-decode-chat" if chat else "spec-decode",
+                      body)
 
 
 if __name__ == "__main__":

@@ -121,13 +121,15 @@ class DecoderStack(CustomOp):
     def forward_cpu(self, input_ids: torch.Tensor, positions: torch.Tensor,
                     kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        # (The one C++ call returns the last layer's output only: a drafter's features need
-        # the Python layers, which call the same kernels one by one.)
-        done = None if self.feature_layers else llama_cpu.run_layers(
-            self, self.cpu_kernels, positions, x, kv_caches, metas)
+        done = llama_cpu.run_layers(self, self.cpu_kernels, positions, x, kv_caches, metas,
+                                    tuple(sorted(self.feature_layers)))
         if done is None:
             return self._run_layers(x, positions, kv_caches, metas)
-        x, _ = self.norm(*done)
+        x, residual, kept = done
+        if kept:
+            by_layer = dict(zip(sorted(self.feature_layers), kept))
+            self.features = torch.cat([by_layer[i] for i in self.feature_layers], dim=-1)
+        x, _ = self.norm(x, residual)
         return x
 
     def _run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

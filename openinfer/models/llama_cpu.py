@@ -48,10 +48,11 @@ class FusableStack(Protocol):
 
 
 def run_layers(stack: FusableStack, kernels: ModuleType, positions: torch.Tensor, x: torch.Tensor,
-               caches: list[torch.Tensor], metas: list[AttentionMetadata]
-               ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(x, residual) after the stack's last layer, in one C++ call; None where the call does
-    not cover this model or this step (the caller then runs the layers in Python)."""
+               caches: list[torch.Tensor], metas: list[AttentionMetadata], keep: tuple[int, ...] = ()
+               ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+    """(x, residual) after the stack's last layer, and the hidden states entering the layers
+    ``keep`` (ascending), in one C++ call; None where the call does not cover this model or
+    this step (the caller then runs the layers in Python)."""
     n = len(stack.layers)
     if len(caches) < n or len(metas) < n:
         return None
@@ -66,7 +67,7 @@ def run_layers(stack: FusableStack, kernels: ModuleType, positions: torch.Tensor
     for meta in metas:
         if meta.context_parallel is not None:
             return None
-    return layers(x, caches, [attention_step(meta, positions) for meta in metas])
+    return layers(x, caches, [attention_step(meta, positions) for meta in metas], list(keep))
 
 
 _UNDECIDED = object()

@@ -23,7 +23,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     """Tokens each proposal drafts (and, with the fixed scheduler, each step verifies)."""
     model: str | None = None
-    """draft_model, dspark: the draft checkpoint's path."""
+    """draft_model, dspark: the draft checkpoint's path (dspark: unset, the drafter that ships
+    for the target, where one does)."""
     prompt_lookup_min: int = 2
     """ngram: the shortest suffix of the context that may match."""
     prompt_lookup_max: int = 5
@@ -54,9 +55,9 @@ class SpeculativeConfig:
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"speculative_config.scheduler must be one of "
                              f"{', '.join(SCHEDULERS)}, got {self.scheduler!r}")
-        if self.method in ("draft_model", "dspark") and not self.model:
-            raise ValueError(f"speculative_config.model (the draft checkpoint) is required for "
-                             f"method {self.method!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model (the draft checkpoint) is required for "
+                             "method 'draft_model'")
         if self.method not in ("draft_model", "dspark") and self.model is not None:
             raise ValueError(f"speculative_config.model is only for methods 'draft_model' and "
                              f"'dspark', not {self.method!r}")

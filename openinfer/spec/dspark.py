@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from openinfer.config import ModelConfig
+from openinfer.model_source import SMOLLM2_FILE
 from openinfer.models.arch import ArchConfig
 from openinfer.models.dspark import (
     DSparkConfig,
@@ -26,8 +27,8 @@ from openinfer.models.dspark import (
     check_drafter,
     read_drafter_config,
 )
-from openinfer.models.llama import DecoderStack
 from openinfer.models.gemm_plans import plan_gemms
+from openinfer.models.llama import DecoderStack
 from openinfer.models.loader import default_dtype, load_weights, process_weights_after_loading
 from openinfer.models.platform import make_batch_invariant
 from openinfer.spec.context import DraftContext, DraftRequest
@@ -48,10 +49,25 @@ def feature_stack(target: nn.Module) -> DecoderStack:
     return stack
 
 
-def load_dspark_drafter(path: str, target: nn.Module, target_config: ModelConfig,
+SHIPPED_DRAFTERS = {SMOLLM2_FILE: "smollm2-135m-instruct-dspark"}
+"""Target checkpoint file -> the drafter trained for it that ships in openinfer/drafters
+(scripts/train_dspark.py)."""
+
+
+def shipped_drafter(target_path: str) -> str:
+    """The drafter that ships for the target at ``target_path``; ValueError where none does."""
+    name = SHIPPED_DRAFTERS.get(Path(target_path).name)
+    if name is None:
+        raise ValueError("speculative_config.model (a DSpark drafter checkpoint) is required for "
+                         "method 'dspark': a drafter ships only for the built-in smollm2")
+    return str(Path(__file__).resolve().parent.parent / "drafters" / name)
+
+
+def load_dspark_drafter(path: str | None, target: nn.Module, target_config: ModelConfig,
                         device: str, progress: bool) -> DSparkDrafterModel:
-    """The drafter at ``path``, its weights loaded, the target told which of its layers'
-    inputs to keep."""
+    """The drafter at ``path`` (None: the one that ships for the target), its weights
+    loaded, the target told which of its layers' inputs to keep."""
+    path = path or shipped_drafter(target_config.path)
     hf = read_drafter_config(path)
     dspark = DSparkConfig.from_hf(hf)
     target_arch = ArchConfig.from_hf(target_config.hf_config, source_dir=target_config.path)

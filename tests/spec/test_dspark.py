@@ -42,8 +42,11 @@ def _capture_drafts(llm: LLM) -> list[tuple[list[int], list[int], list[float]]]:
     return seen
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_drafts_and_confidences_are_the_references_and_greedy_tokens_plain_decodings(
-        qwen3_checkpoint, dspark_drafter):
+        qwen3_checkpoint, dspark_drafter, backend):
+    """``cpu``: the target's layers in one C++ call, which hands back the features; ``torch``:
+    the Python layers, which keep them."""
     import transformers
 
     prompts = [[5 + (7 * i + 3 * j) % 900 for j in range(9 + 13 * i)] for i in range(3)]
@@ -51,12 +54,14 @@ def test_drafts_and_confidences_are_the_references_and_greedy_tokens_plain_decod
     expected = [o.outputs[0].token_ids
                 for o in LLM(str(qwen3_checkpoint), progress=False).generate(prompts, params)]
     llm = LLM(str(qwen3_checkpoint), progress=False, speculative_config=_spec(dspark_drafter),
-              max_num_batched_tokens=16)  # the longer prompts in chunks
+              max_num_batched_tokens=16, attention_backend=backend)  # long prompts in chunks
     proposals = _capture_drafts(llm)
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.core.stats()["spec_num_draft_tokens"] > 0
     llm.engine.check_integrity()
+    fused = llm.engine.core.executor.worker.model.model.cpu_layers
+    assert (fused.get(torch.float32) is not None) == (backend == "cpu"), fused
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         qwen3_checkpoint, dtype=torch.float64, attn_implementation="eager").eval()
@@ -102,7 +107,7 @@ def test_prefix_hits_and_the_confidence_scheduler_keep_plain_tokens(qwen3_checkp
     ({"config": {"dspark_target_layer_ids": [0, 2]}}, "must name layers of the target"),
     ({"config": {"architectures": ["Qwen3ForCausalLM"]}}, "is not a DSpark drafter"),
     ({"config": {"sliding_window": 16}}, "sliding_window is not supported"),
-    ({"model": None}, "model .the draft checkpoint. is required"),
+    ({"model": None}, "a drafter ships only for the built-in smollm2"),
 ])
 def test_drafters_the_target_cannot_feed_are_refused(qwen3_checkpoint, dspark_drafter, tmp_path,
                                                      change, message):

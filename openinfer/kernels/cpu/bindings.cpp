@@ -105,7 +105,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             py::module_local())
       .def(py::init([](std::vector<DecoderLayer> layers) { return DecoderLayers{layers}; }), py::arg("layers"))
       .def("covers", &DecoderLayers::covers, py::arg("rows"))
-      .def("__call__", &DecoderLayers::forward, py::arg("hidden"), py::arg("caches"), py::arg("steps"), nogil);
+      .def("__call__", &DecoderLayers::forward, py::arg("hidden"), py::arg("caches"), py::arg("steps"),
+           py::arg("keep") = std::vector<int64_t>{}, nogil);
 
   m.def("rotary_neox", &rotary_neox, "q_out, k_out = RoPE(q, k) (NeoX pairs)", py::arg("q_out"),
         py::arg("k_out"), py::arg("q"), py::arg("k"), py::arg("positions"), py::arg("cos"), py::arg("sin"),

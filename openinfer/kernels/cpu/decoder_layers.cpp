@@ -100,13 +100,15 @@ bool DecoderLayers::covers(int64_t rows) const {
   return true;
 }
 
-std::tuple<at::Tensor, at::Tensor> DecoderLayers::forward(const at::Tensor& hidden,
-                                                          const std::vector<at::Tensor>& caches,
-                                                          const std::vector<AttentionStep>& steps) const {
+std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> DecoderLayers::forward(
+    const at::Tensor& hidden, const std::vector<at::Tensor>& caches, const std::vector<AttentionStep>& steps,
+    const std::vector<int64_t>& keep) const {
   TORCH_CHECK(caches.size() == layers.size() && steps.size() == layers.size(),
               "DecoderLayers: one cache and one step per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "DecoderLayers: hidden states [tokens, hidden]");
   at::Tensor x = hidden, residual;
+  std::vector<at::Tensor> kept;
+  size_t next_kept = 0;
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecoderLayer& l = layers[i];
     at::Tensor normed = at::empty_like(x);
@@ -117,6 +119,11 @@ std::tuple<at::Tensor, at::Tensor> DecoderLayers::forward(const at::Tensor& hidd
       at::Tensor sum = at::empty_like(x);
       add_rms_norm(normed, sum, x, residual, l.input_norm, l.input_eps);
       residual = sum;
+    }
+    // The stream entering layer i is `residual` now (a fresh tensor: the norms never write it).
+    if (next_kept < keep.size() && keep[next_kept] == static_cast<int64_t>(i)) {
+      kept.push_back(residual);
+      ++next_kept;
     }
     at::Tensor cache = caches[i];
     const at::Tensor attended = l.attention.forward(l.qkv(normed), cache, steps[i]);
@@ -130,5 +137,5 @@ std::tuple<at::Tensor, at::Tensor> DecoderLayers::forward(const at::Tensor& hidd
     silu_and_mul(activated, gate_up);
     x = l.down(activated);
   }
-  return {x, residual};
+  return {x, residual, kept};
 }

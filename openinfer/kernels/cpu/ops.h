@@ -132,9 +132,11 @@ struct DecoderLayers {
   std::vector<DecoderLayer> layers;
   // Whether every GEMM's route for this many rows runs here.
   bool covers(int64_t rows) const;
-  // hidden [T, H] (the embeddings) -> (x, residual) after the last layer, before the final norm.
-  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& hidden, const std::vector<at::Tensor>& caches,
-                                             const std::vector<AttentionStep>& steps) const;
+  // hidden [T, H] (the embeddings) -> (x, residual) after the last layer, before the final norm,
+  // and the residual stream entering each layer of `keep` (ascending; a drafter's features).
+  std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> forward(
+      const at::Tensor& hidden, const std::vector<at::Tensor>& caches, const std::vector<AttentionStep>& steps,
+      const std::vector<int64_t>& keep) const;
 };
 // token_mask.cpp
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
