@@ -49,6 +49,22 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping
             0, index, raw(quantize_kv(x.reshape(-1, row), scale, cache.dtype)))
 
 
+def gather_kv_padded(cache: torch.Tensor, block_tables: torch.Tensor, k_scale: float = 1.0,
+                     v_scale: float = 1.0, dtype: torch.dtype | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of several sequences at once, [R, blocks * block_size, H, D] each, from their
+    block tables [R, blocks] (int64; padding entries read whatever block they name: the
+    caller masks positions past each sequence's length). ``dtype``: a float8 cache's
+    dequantized to it."""
+    _, _, block_size, num_heads, head_dim = cache.shape
+    rows = block_tables.shape[0]
+    k = cache[0][block_tables].view(rows, -1, num_heads, head_dim)
+    v = cache[1][block_tables].view(rows, -1, num_heads, head_dim)
+    if is_fp8(cache.dtype):
+        return dequantize_kv(k, k_scale, dtype or torch.float32), dequantize_kv(v, v_scale, dtype or torch.float32)
+    return k, v
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, k_scale: float = 1.0,
               v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one sequence's first ``length`` tokens, as [length, H, D] each (a float8

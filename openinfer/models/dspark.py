@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openinfer.kernels.paged_attention import gather_kv, write_kv
+from openinfer.kernels.paged_attention import gather_kv_padded, write_kv
 from openinfer.kv.spec import KVSpec
 from openinfer.layers.linear import Linear
 from openinfer.layers.mlp import GatedMLP
@@ -113,21 +113,19 @@ class DSparkAttention(LlamaAttention):
         write_kv(cache, k, v, slot_mapping, self.attn.k_scale, self.attn.v_scale)
 
     def forward_block(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
-                      tables: list[torch.Tensor], context_lens: list[int]) -> torch.Tensor:
-        """x: [R * B, hidden], request r's block rows r*B .. r*B + B - 1 attending to its
-        first ``context_lens[r]`` cached keys and its whole block."""
+                      tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x: [R * B, hidden], request r's block rows r*B .. r*B + B - 1; ``tables`` [R, blocks]
+        its context's block table (padded); ``mask`` [R, 1, 1, blocks * block_size + B]: the keys
+        each block sees (its context's, then its own)."""
         q, k, v = self._heads(positions, x)
-        rows = x.shape[0] // len(tables)
-        out = torch.empty_like(q)
-        for r, (table, length) in enumerate(zip(tables, context_lens)):
-            block = slice(r * rows, (r + 1) * rows)
-            k_ctx, v_ctx = gather_kv(cache, table, length, self.attn.k_scale, self.attn.v_scale)
-            keys = torch.cat([k_ctx.to(k.dtype), k[block]]).transpose(0, 1)
-            values = torch.cat([v_ctx.to(v.dtype), v[block]]).transpose(0, 1)
-            out[block] = F.scaled_dot_product_attention(
-                q[block].transpose(0, 1), keys, values, scale=self.attn.scale,
-                enable_gqa=True).transpose(0, 1)
-        return self.o_proj(out.flatten(1))
+        rows = len(tables)
+        k_ctx, v_ctx = gather_kv_padded(cache, tables, self.attn.k_scale, self.attn.v_scale, k.dtype)
+        keys = torch.cat([k_ctx, k.view(rows, -1, *k.shape[1:])], 1).transpose(1, 2)
+        values = torch.cat([v_ctx, v.view(rows, -1, *v.shape[1:])], 1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.view(rows, -1, *q.shape[1:]).transpose(1, 2), keys,
+                                             values, attn_mask=mask, scale=self.attn.scale,
+                                             enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], -1))
 
 
 class MarkovHead(nn.Module):
@@ -186,16 +184,16 @@ class DSparkDrafterModel(nn.Module):
             layer.self_attn.write_context(positions, main, cache, slots)
 
     def forward_block(self, x: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
-                      tables: list[list[torch.Tensor]], context_lens: list[int]) -> torch.Tensor:
+                      tables: list[torch.Tensor], masks: list[torch.Tensor]) -> torch.Tensor:
         """The blocks' final hidden states before the norm, [R * B, hidden] (``x``: their
-        embeddings; ``tables``: per layer, each request's block table)."""
+        embeddings; ``tables``, ``masks``: per layer, as ``DSparkAttention.forward_block``)."""
         residual = None
-        for layer, cache, layer_tables in zip(self.layers, caches, tables):
+        for layer, cache, table, mask in zip(self.layers, caches, tables, masks):
             if residual is None:
                 residual, h = x, layer.input_layernorm(x)
             else:
                 h, residual = layer.input_layernorm(x, residual)
-            h = layer.self_attn.forward_block(positions, h, cache, layer_tables, context_lens)
+            h = layer.self_attn.forward_block(positions, h, cache, table, mask)
             h, residual = layer.post_attention_layernorm(h, residual)
             x = layer.mlp(h)
         return x + residual

@@ -118,11 +118,12 @@ class DSparkDrafter(ModelDrafter):
             ids += [req.token_ids[-1]] + [drafter.dspark.noise_token_id] * (block - 1)
             positions += range(p + 1, p + 1 + block)
             context_lens.append(p + 1)
-        tables = [[runner.long_tensor(req.block_ids[runner.layer_group[first + i]])
-                   for req in sampled] for i in range(len(caches))]
+        by_group = {g: self._tables(runner, sampled, g, context_lens)
+                    for g in {runner.layer_group[first + i] for i in range(len(caches))}}
+        tables, masks = zip(*(by_group[runner.layer_group[first + i]] for i in range(len(caches))))
         embedded = self.stack.embed_tokens(runner.long_tensor(ids))
-        hidden = drafter.forward_block(embedded, runner.long_tensor(positions), caches, tables,
-                                       context_lens)
+        hidden = drafter.forward_block(embedded, runner.long_tensor(positions), caches,
+                                       list(tables), list(masks))
         logits = self.target.compute_logits(drafter.norm(hidden)).float()
         hidden = hidden.view(len(sampled), block, -1)
         logits = logits.view(len(sampled), block, -1)
@@ -136,3 +137,16 @@ class DSparkDrafter(ModelDrafter):
                                  drafts, probs, confidences=confidences)
             previous = runner.long_tensor(picked)
         return finish_drafts(sampled, drafts, probs)
+
+    def _tables(self, runner: DraftContext, requests: list[DraftRequest], group: int,
+                context_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The requests' context block tables in KV group ``group``, padded [R, blocks], and
+        the key mask [R, 1, 1, blocks * block_size + B] of their blocks' attention."""
+        bs, block = runner.block_size, self.drafter.dspark.block_size
+        blocks = -(-max(context_lens) // bs)
+        tables = runner.long_tensor([(req.block_ids[group][:blocks] + [0] * blocks)[:blocks]
+                                     for req in requests])
+        keys = torch.arange(blocks * bs + block, device=tables.device)
+        lengths = runner.long_tensor(context_lens)
+        mask = (keys[None, :] < lengths[:, None]) | (keys[None, :] >= blocks * bs)
+        return tables.view(len(requests), blocks), mask[:, None, None, :]
