@@ -61,7 +61,8 @@ def gather_kv_padded(cache: torch.Tensor, block_tables: torch.Tensor, k_scale: f
     k = cache[0][block_tables].view(rows, -1, num_heads, head_dim)
     v = cache[1][block_tables].view(rows, -1, num_heads, head_dim)
     if is_fp8(cache.dtype):
-        return dequantize_kv(k, k_scale, dtype or torch.float32), dequantize_kv(v, v_scale, dtype or torch.float32)
+        dtype = dtype or torch.float32
+        return dequantize_kv(k, k_scale, dtype), dequantize_kv(v, v_scale, dtype)
     return k, v
 
 
