@@ -144,14 +144,18 @@ def test_split_over_two_ranks_the_drafter_drafts_as_one(qwen3_checkpoint, dspark
         assert c1 == pytest.approx(c2, abs=1e-4)
 
 
-def test_a_bfloat16_target_drafts_and_keeps_plain_tokens(qwen3_checkpoint, dspark_drafter):
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [("bfloat16", "auto"), ("bfloat16", "fp8")])
+def test_a_bfloat16_target_drafts_and_keeps_plain_tokens(qwen3_checkpoint, dspark_drafter,
+                                                         dtype, kv_cache_dtype):
     """In bfloat16 the drafter is built in the target's dtype (its RoPE tables stay float32
-    for the kernels) and the greedy tokens are plain bfloat16 decoding's."""
+    for the kernels) and the greedy tokens are plain bfloat16 decoding's; with a float8 cache
+    its context K/V are stored and read back scaled like every layer's."""
     prompts = [[5 + (7 * i + 3 * j) % 900 for j in range(9 + 13 * i)] for i in range(2)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    plain = LLM(str(qwen3_checkpoint), progress=False, dtype="bfloat16")
+    options = dict(dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    plain = LLM(str(qwen3_checkpoint), progress=False, **options)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    llm = LLM(str(qwen3_checkpoint), progress=False, dtype="bfloat16",
+    llm = LLM(str(qwen3_checkpoint), progress=False, **options,
               speculative_config=_spec(dspark_drafter))
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.core.stats()["spec_num_draft_tokens"] > 0
