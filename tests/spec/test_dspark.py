@@ -160,3 +160,27 @@ def test_a_bfloat16_target_drafts_and_keeps_plain_tokens(qwen3_checkpoint, dspar
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.core.stats()["spec_num_draft_tokens"] > 0
     llm.engine.check_integrity()
+
+
+def test_the_drafter_that_ships_for_smollm2_is_accepted_and_keeps_plain_tokens():
+    """``{"method": "dspark"}`` with no path on the built-in model loads the trained drafter
+    of openinfer/drafters (scripts/train_dspark.py): on ordinary chat questions (not its
+    training text) its drafts are accepted far above a random drafter's, and the greedy
+    text is plain decoding's. (In float32: in bfloat16 a verify step's 5-row GEMMs round
+    otherwise than a decode's 1-row ones, and a near tie may then go the other way; only
+    --batch-invariant promises bfloat16's tokens.)"""
+    plain = LLM("smollm2", progress=False, max_model_len=1024, dtype="float32")
+    tok = plain.get_tokenizer()
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                  add_generation_prompt=True),
+                          add_special_tokens=False)
+               for q in ("How do bees make honey?", "Write a short note to a neighbour about a lost key.")]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = LLM("smollm2", progress=False, max_model_len=1024, dtype="float32",
+              speculative_config={"method": "dspark", "num_speculative_tokens": 4})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    stats = llm.engine.core.stats()
+    # (A random drafter's drafts are accepted about once in the vocabulary's 49152; this one's
+    # about one in 17 here: a weak drafter on chat, docs/speculative.md has its figures.)
+    assert stats["spec_num_accepted_tokens"] > 0.03 * stats["spec_num_draft_tokens"] > 0, stats
