@@ -378,6 +378,10 @@ def main() -> None:
             f"{len(prompts)} copy-heavy chat prompts of {min(lengths)}-{max(lengths)} tokens (this "
             "repository's Python files to document, annotate or refactor; its README and docs to "
             "proofread, edit or summarize)")
+    bf16 = ("\nSame tokens as plain: in bfloat16 a verify step's multi-row GEMMs round otherwise than "
+            "a decode's one row, so an output leaves plain's at the first near tie (float32 keeps "
+            "plain's tokens: tests/spec; --batch-invariant promises them in bfloat16)."
+            if dtype == "bfloat16" else "")
     body = f"""## {title} (benchmarks/bench_spec_decode.py{" --prompts chat" if chat else ""})
 
 SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to {dtype}) on the CPU, {workload}, greedy, at
@@ -390,7 +394,7 @@ after another; each concurrency has prompts of its own.{draft}{dspark}
 
 Other processes' CPU: what other processes used of the {os.cpu_count()} cores during each
 concurrency's run (in order); a run beside more than ~0.2 busy cores is not reliable.
-Tokens / verification: 1 + accepted drafts / request-steps that verified at least one draft.
+Tokens / verification: 1 + accepted drafts / request-steps that verified at least one draft.{bf16}
 Verify rows / request-step: 1 + drafts verified / decode request-steps (with k={K} fixed it is
 at most {K + 1}; the confidence scheduler is meant to verify fewer as the batch grows).
 """
