@@ -124,13 +124,14 @@ class DSparkDrafter(ModelDrafter):
         embedded = self.stack.embed_tokens(runner.long_tensor(ids))
         hidden = drafter.forward_block(embedded, runner.long_tensor(positions), caches,
                                        list(tables), list(masks))
-        logits = self.target.compute_logits(drafter.norm(hidden)).float()
-        hidden = hidden.view(len(sampled), block, -1)
-        logits = logits.view(len(sampled), block, -1)
+        k = self.num_tokens  # the block's first k rows draft: the LM head reads only those
+        hidden = hidden.view(len(sampled), block, -1)[:, :k]
+        logits = self.target.compute_logits(drafter.norm(hidden.reshape(-1, hidden.shape[-1])))
+        logits = logits.float().view(len(sampled), k, -1)
         drafts = [Draft() for _ in sampled]
         probs: list[list[torch.Tensor]] = [[] for _ in sampled]
         previous = runner.long_tensor([req.token_ids[-1] for req in sampled])
-        for i in range(self.num_tokens):
+        for i in range(k):
             embedded_prev, markov_logits = drafter.markov(previous)
             confidences = drafter.confidence(hidden[:, i], embedded_prev)
             picked = pick_drafts(runner.sampler, logits[:, i] + markov_logits.float(), sampled,
