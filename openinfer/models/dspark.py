@@ -162,6 +162,8 @@ class DSparkDrafterModel(nn.Module):
         variant = BlockVariant(qkv_bias=arch.attention_bias, o_bias=arch.attention_bias,
                                mlp_bias=arch.mlp_bias, qk_norm=bool(arch.raw.get("qk_norm", True)))
         rotary = shared_rope(arch)
+        self.max_position = arch.rope.max_position
+        """Positions the RoPE table covers (0 .. this - 1)."""
         self.main_proj = Linear(len(dspark.target_layer_ids) * hidden, hidden)
         self.main_norm = RMSNorm(hidden, arch.rms_norm_eps)
         self.layers = nn.ModuleList(

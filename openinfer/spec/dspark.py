@@ -111,12 +111,15 @@ class DSparkDrafter(ModelDrafter):
         if not sampled:
             return {}
         block = drafter.dspark.block_size
+        # Past the RoPE table (a block that starts just before the context limit), rows keep
+        # its last position: their drafts lie past max_model_len and are never verified.
+        last = drafter.max_position - 1
         # Request r's block: the token just sampled (position p + 1), then noise.
         ids, positions, context_lens = [], [], []
         for req in sampled:
             p = len(req.token_ids) - 2  # the last accepted position: its K/V are cached
             ids += [req.token_ids[-1]] + [drafter.dspark.noise_token_id] * (block - 1)
-            positions += range(p + 1, p + 1 + block)
+            positions += [min(q, last) for q in range(p + 1, p + 1 + block)]
             context_lens.append(p + 1)
         by_group = {g: self._tables(runner, sampled, g, context_lens)
                     for g in {runner.layer_group[first + i] for i in range(len(caches))}}

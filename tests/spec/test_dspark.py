@@ -184,3 +184,18 @@ def test_the_drafter_that_ships_for_smollm2_is_accepted_and_keeps_plain_tokens()
     # (A random drafter's drafts are accepted about once in the vocabulary's 49152; this one's
     # about one in 17 here: a weak drafter on chat, docs/speculative.md has its figures.)
     assert stats["spec_num_accepted_tokens"] > 0.03 * stats["spec_num_draft_tokens"] > 0, stats
+
+
+def test_a_request_that_reaches_the_context_limit_ends_there(qwen3_checkpoint, dspark_drafter):
+    """The block of the last token before max_model_len reaches past the RoPE table (those
+    rows' drafts can never be verified): the request ends at the limit with plain tokens."""
+    prompt = [5 + (7 * j) % 900 for j in range(500)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(qwen3_checkpoint), progress=False, max_model_len=512)
+    expected = plain.generate([prompt], params)[0].outputs[0]
+    llm = LLM(str(qwen3_checkpoint), progress=False, max_model_len=512,
+              speculative_config=_spec(dspark_drafter))
+    out = llm.generate([prompt], params)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (expected.token_ids, expected.finish_reason)
+    assert len(prompt) + len(out.token_ids) == 512
+    llm.engine.check_integrity()
