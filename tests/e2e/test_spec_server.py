@@ -18,6 +18,21 @@ from openinfer import LLM, SamplingParams
 SPEC = json.dumps({"method": "suffix", "num_speculative_tokens": 4, "scheduler": "confidence"})
 
 
+def _assert_streamed_chat_is_plain(client: openai.OpenAI, offline: LLM, prompt: str,
+                                   max_tokens: int) -> None:
+    """A streamed greedy chat of ``prompt`` gives the offline engine's text for the same ids."""
+    messages = [{"role": "user", "content": prompt}]
+    tok = offline.get_tokenizer()
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    expected = offline.generate([ids], SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].outputs[0].text
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+                                            temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+
+
 @pytest.mark.slow
 def test_speculative_server_streams_plain_greedy_text(qwen3_checkpoint, tmp_path):
     offline = LLM(str(qwen3_checkpoint), progress=False)
@@ -43,16 +58,7 @@ def test_speculative_server_streams_plain_greedy_text(qwen3_checkpoint, tmp_path
         got = client.completions.create(**args | {"stop": [stop_word]})
         assert (got.choices[0].text, got.choices[0].finish_reason) == (want.text, "stop")
         assert got.usage.completion_tokens == len(want.token_ids)
-        messages = [{"role": "user", "content": prompt}]
-        tok = offline.get_tokenizer()
-        ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                         add_special_tokens=False)
-        chat_expected = offline.generate([ids], SamplingParams(
-            temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0].text
-        chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
-                                                temperature=0, stream=True,
-                                                extra_body={"ignore_eos": True})
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_expected
+        _assert_streamed_chat_is_plain(client, offline, prompt, 24)
         values = metrics(base)
         assert values["openinfer:spec_decode_num_draft_tokens_total"] > 0
         assert values["openinfer:spec_decode_num_accepted_tokens_total"] > 0
@@ -86,16 +92,7 @@ def test_a_dspark_drafter_serves_plain_greedy_text(qwen3_checkpoint, tmp_path):
         whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
                                           temperature=0, extra_body={"ignore_eos": True})
         assert whole.choices[0].text == expected
-        messages = [{"role": "user", "content": prompt}]
-        tok = offline.get_tokenizer()
-        ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                         add_special_tokens=False)
-        chat_expected = offline.generate([ids], SamplingParams(
-            temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0].text
-        chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
-                                                temperature=0, stream=True,
-                                                extra_body={"ignore_eos": True})
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_expected
+        _assert_streamed_chat_is_plain(client, offline, prompt, 16)
         assert metrics(base)["openinfer:spec_decode_num_draft_tokens_total"] > 0
     finally:
         stop(proc)
