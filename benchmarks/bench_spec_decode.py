@@ -72,11 +72,14 @@ SPEC_CONFIGS: dict[str, dict | None] = {
     "draft_model": {"method": "draft_model", "num_speculative_tokens": K},
     "dspark": {"method": "dspark", "num_speculative_tokens": K},
     "dspark-confidence": {"method": "dspark", "num_speculative_tokens": K, "scheduler": "confidence"},
+    "ngram-budget": {"method": "ngram", "num_speculative_tokens": K, "scheduler": "budget"},
+    "dspark-budget": {"method": "dspark", "num_speculative_tokens": K, "scheduler": "budget"},
 }
 LABELS = {"plain": "no speculation", "ngram": f"ngram k={K}", "suffix": f"suffix k={K}",
           "ngram-confidence": f"ngram k={K}, confidence", "suffix-confidence": f"suffix k={K}, confidence",
           "draft_model": f"draft model k={K}", "dspark": f"DSpark k={K}",
-          "dspark-confidence": f"DSpark k={K}, confidence"}
+          "dspark-confidence": f"DSpark k={K}, confidence", "ngram-budget": f"ngram k={K}, budget",
+          "dspark-budget": f"DSpark k={K}, budget"}
 COUNTERS = ("spec_num_drafts", "spec_num_decode_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 CODE_FILES = sorted((REPO / "openinfer").glob("*.py")) + sorted((REPO / "openinfer" / "engine").glob("*.py"))

@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     # The control plane: pure Python over integers.
     ("openinfer.kv", "openinfer.structured", "openinfer.spec.proposer", "openinfer.spec.ngram",
      "openinfer.spec.suffix", "openinfer.spec.planner", "openinfer.spec.confidence",
+     "openinfer.spec.budget",
      "openinfer.engine.request", "openinfer.engine.outputs", "openinfer.engine.admission",
      "openinfer.engine.scheduler"),
     # Compute, bottom up.

@@ -83,7 +83,7 @@ class EngineCore:
         spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv,
                                    config.kv_transfer.load_failure_policy, spec,
-                                   self._step_rates() if spec and spec.scheduler == "confidence"
+                                   self._step_rates() if spec and spec.scheduler != "fixed"
                                    else None)
         self.connector = KVConnector(config, self.executor, self.kv, self.scheduler, groups)
         """The core's half of the KV connector: the tiers and disaggregation."""
@@ -182,9 +182,10 @@ class EngineCore:
                  if self.structured is not None else None)
         self.executor.execute_model(scheduled)  # the masks are computed meanwhile
         result = self.executor.sample_tokens(masks.result() if masks is not None else None)
-        step_rates = self.scheduler.spec.step_rates if self.scheduler.spec else None
-        if step_rates is not None and not scheduled.is_empty:
-            step_rates.observe(scheduled.total_num_scheduled_tokens, time.perf_counter() - start)
+        if self.scheduler.spec is not None and not scheduled.is_empty:
+            self.scheduler.spec.observe_step(
+                scheduled.total_num_scheduled_tokens, time.perf_counter() - start,
+                result.draft_seconds, sum(len(d.token_ids) for d in result.drafts.values()))
         if scheduled.is_empty and self.scheduler.num_waiting_for_kv:
             self.connector.poll_reads(wait_s=0.01)  # nothing else to do: let loads land
         return outputs + self._land(scheduled, result)

@@ -54,6 +54,9 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """Speculative decoding: the drafts each request verifies this step (its scheduled
     tokens are its last sampled token, then these)."""
+    draft_budget: int | None = None
+    """Speculative decoding, budget scheduler: the draft rows the next step verifies; a
+    drafter that ranks its drafts (DSpark) drafts only those that can make it (None: k)."""
     finished_request_ids: set[str] = field(default_factory=set)
     """Requests that ended (or were preempted) since the last step: the runner drops them."""
     kv: KVPlan = field(default_factory=KVPlan)
@@ -96,6 +99,9 @@ class ModelRunnerOutput:
     """Per request: (first prompt position covered, logprobs of the positions computed)."""
     drafts: dict[str, Draft] = field(default_factory=dict)
     """Speculative decoding: each sampling request's proposal for its next step."""
+    draft_seconds: float = 0.0
+    """Speculative decoding: the time the step spent drafting (the budget scheduler's cost
+    model)."""
 
 
 @dataclass

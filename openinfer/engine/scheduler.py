@@ -128,6 +128,8 @@ class Scheduler:
                               step_id=next(self._step_ids))
         self._dropped_since_last_step = set()
         budget, preempted = self._schedule_running(out, in_flight)
+        if self.spec is not None:
+            out.draft_budget = self.spec.draft_budget
         if not preempted:
             self._admit_waiting(out, budget)
         out.kv = self.kv.take_plan()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -200,10 +201,19 @@ class DSparkDrafterModel(nn.Module):
             x = layer.mlp(h)
         return x + residual
 
-    def markov(self, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The previous tokens' Markov embeddings [R, r] and logit terms [R, V]."""
-        embedded = self.markov_head.embed(previous)
-        return embedded, self.markov_head.head(embedded)
+    def markov_embed(self, previous: torch.Tensor) -> torch.Tensor:
+        """The previous tokens' Markov embeddings [R, r]."""
+        return self.markov_head.embed(previous)
+
+    def head_logits(self, hidden: torch.Tensor,
+                    lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The target's head (``lm_head``) on the normed final states [..., V]: a draft's
+        logits are these plus its Markov term (``markov_logits``)."""
+        return lm_head(self.norm(hidden.reshape(-1, hidden.shape[-1]))).view(*hidden.shape[:-1], -1)
+
+    def markov_logits(self, embedded: torch.Tensor) -> torch.Tensor:
+        """The Markov term of the previous tokens' embeddings [R, V], float32."""
+        return self.markov_head.head(embedded).float()
 
     def confidence(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """Each row's chance its draft is accepted, [R]."""

@@ -183,6 +183,16 @@ class Calibration:
             result.append((accepted + 2 * prior) / (tried + 2))
         return result
 
+    def mean_survivals(self) -> list[float]:
+        """The average draft's chance of acceptance at each position, from every request's
+        verifications (past a position never verified: 1, as DeepInfer counts a request's
+        first round)."""
+        out, survive = [], 1.0
+        for tried, accepted in zip(self._tried, self._accepted):
+            survive *= accepted / tried if tried else 1.0
+            out.append(survive)
+        return out
+
     def observe(self, key: Hashable, raw: list[float], num_verified: int,
                 num_accepted: int) -> None:
         """Drafts 0..num_verified-1 were verified; the first num_accepted were accepted."""

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "suffix", "draft_model", "mtp", "dspark")
-SCHEDULERS = ("fixed", "confidence")
+SCHEDULERS = ("fixed", "confidence", "budget")
 MAX_SPECULATIVE_TOKENS = 16
 """Drafts verified per request per step at most: past this the acceptance of the tail
 is nil for every drafter measured, and the verify rows cost a prefill's worth."""
@@ -37,12 +37,14 @@ class SpeculativeConfig:
     """suffix: a continuation is drafted while its frequency given the path is at least this."""
     scheduler: str = "fixed"
     """fixed: verify every draft; confidence: verify the drafts that maximise expected
-    accepted tokens per second (DSpark's rule, spec/confidence.py)."""
+    accepted tokens per second (DSpark's rule, spec/confidence.py); budget: DeepInfer's
+    production schedule, the step's draft rows chosen from the previous step's drafts and
+    handed out by this step's ranking, the drafter drafting only for them (spec/budget.py)."""
     sps_cache_dir: str | None = None
-    """confidence: where the steps-per-second profile is kept (default
+    """confidence, budget: where the steps-per-second profile is kept (default
     ~/.cache/openinfer/sps); keyed by model, dtype, device and CPU."""
     refresh_sps: bool = False
-    """confidence: profile again at start-up even when a cached profile exists."""
+    """confidence, budget: profile again at start-up even when a cached profile exists."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

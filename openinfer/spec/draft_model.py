@@ -85,18 +85,22 @@ class ModelDrafter(ABC):
         self.num_tokens = num_tokens
 
     @abstractmethod
-    def propose(self, runner: DraftContext, step: StepBatch,
-                sampled: list[DraftRequest]) -> dict[str, Draft]:
-        """Keep the drafter's KV in step with the target's, and draft for ``sampled``."""
+    def propose(self, runner: DraftContext, step: StepBatch, sampled: list[DraftRequest],
+                budget: int | None = None) -> dict[str, Draft]:
+        """Keep the drafter's KV in step with the target's, and draft for ``sampled``: up to
+        k tokens each, and, given a ``budget`` (the draft rows the next step verifies),
+        only what may be among them."""
 
-    def _chain_lengths(self, runner: DraftContext, requests: list[DraftRequest]) -> list[int]:
-        """Tokens each request's chain may draft: k, within the slots allocated (lookahead,
-        capped at the request's max_num_tokens)."""
+    def _chain_lengths(self, runner: DraftContext, requests: list[DraftRequest],
+                       budget: int | None) -> list[int]:
+        """Tokens each request's chain may draft: k (at most the budget), within the slots
+        allocated (lookahead, capped at the request's max_num_tokens)."""
         groups = self._groups(runner)
+        most = self.num_tokens if budget is None else min(self.num_tokens, budget)
         lengths = []
         for req in requests:
             capacity = min(len(req.block_ids[g]) for g in groups) * runner.block_size
-            lengths.append(max(0, min(self.num_tokens, capacity - (len(req.token_ids) - 1))))
+            lengths.append(max(0, min(most, capacity - (len(req.token_ids) - 1))))
         return lengths
 
     def _groups(self, runner: DraftContext) -> list[int]:
@@ -162,11 +166,11 @@ class DraftModelDrafter(ModelDrafter):
         super().__init__(first_layer, num_tokens)
         self.model = model
 
-    def propose(self, runner: DraftContext, step: StepBatch,
-                sampled: list[DraftRequest]) -> dict[str, Draft]:
+    def propose(self, runner: DraftContext, step: StepBatch, sampled: list[DraftRequest],
+                budget: int | None = None) -> dict[str, Draft]:
         caches = runner.layer_caches[self.first_layer:]
         self.model(step.input_ids, step.positions, caches, step.metas[self.first_layer:])
-        lengths = self._chain_lengths(runner, sampled)
+        lengths = self._chain_lengths(runner, sampled, budget)
         drafts = [Draft() for _ in sampled]
         probs: list[list[torch.Tensor]] = [[] for _ in sampled]
         last = [req.token_ids[-1] for req in sampled]

@@ -7,7 +7,8 @@ positions up to the last accepted one). Then, for every request that sampled, on
 over its block gives up to ``num_speculative_tokens`` drafts, drawn one after another
 (the Markov term needs the previous draft), each with the confidence head's estimate as
 its confidence. Nothing is written past the sampled token: the block's own K/V live for
-the pass only.
+the pass only. Under the budget scheduler (spec/budget.py) a draft is drawn only where its
+chance of acceptance ranks it among the next step's verified rows.
 """
 
 from __future__ import annotations
@@ -31,11 +32,19 @@ from openinfer.models.gemm_plans import plan_gemms
 from openinfer.models.llama import DecoderStack
 from openinfer.models.loader import default_dtype, load_weights, process_weights_after_loading
 from openinfer.models.platform import make_batch_invariant
+from openinfer.spec.budget import keep_within_budget
 from openinfer.spec.context import DraftContext, DraftRequest
 from openinfer.spec.draft_model import ModelDrafter, StepBatch, finish_drafts, pick_drafts
 from openinfer.spec.proposer import Draft
 
 logger = logging.getLogger(__name__)
+
+LM_HEAD_SLACK = 32
+"""Under a budget, the target's head runs once over every row the requests drafting at the
+first position may draft, unless that is this many rows past the budget; else once a
+position over the rows kept there. One pass reads the head's weights once (SmolLM2's are
+56 MB in bfloat16: ~3 ms on a 2-core CPU, about the compute of 8 rows), a pass a position
+reads them k times; past the slack the wasted rows cost more than the reads."""
 
 
 def feature_stack(target: nn.Module) -> DecoderStack:
@@ -100,16 +109,61 @@ class DSparkDrafter(ModelDrafter):
         self.target = target
         self.stack = feature_stack(target)
 
-    def propose(self, runner: DraftContext, step: StepBatch,
-                sampled: list[DraftRequest]) -> dict[str, Draft]:
+    def propose(self, runner: DraftContext, step: StepBatch, sampled: list[DraftRequest],
+                budget: int | None = None) -> dict[str, Draft]:
         drafter, first = self.drafter, self.first_layer
         caches = runner.layer_caches[first:]
         metas = step.metas[first:]
         # (The step's forward pass, which ran just before, left the features in the stack.)
         drafter.write_context(self.stack.features, step.positions, caches,
                               [meta.slot_mapping for meta in metas])
-        if not sampled:
+        if not sampled or budget == 0:
             return {}
+        hidden = self._block_states(runner, sampled)
+        drafts = [Draft() for _ in sampled]
+        probs: list[list[torch.Tensor]] = [[] for _ in sampled]
+        previous = [req.token_ids[-1] for req in sampled]
+        kept = _Kept(len(sampled), budget)
+        alive = list(range(len(sampled)))
+        head, slot = None, {}
+        for i in range(self.num_tokens):
+            rows = runner.long_tensor(alive)
+            embedded = drafter.markov_embed(runner.long_tensor([previous[n] for n in alive]))
+            confidences = drafter.confidence(hidden[rows, i], embedded)
+            keep = kept.select(alive, confidences.tolist())
+            if len(keep) < len(alive):
+                index = runner.long_tensor(keep)
+                alive, rows = [alive[m] for m in keep], rows[index]
+                embedded, confidences = embedded[index], confidences[index]
+            if not alive:
+                break
+            if i == 0:
+                head, slot = self._head_upfront(hidden, alive, rows, budget)
+            if head is not None:
+                base = head[runner.long_tensor([slot[n] for n in alive]), i]
+            else:
+                base = drafter.head_logits(hidden[rows, i], self.target.compute_logits)
+            picked = pick_drafts(runner.sampler, base.float() + drafter.markov_logits(embedded),
+                                 [sampled[n] for n in alive], [drafts[n] for n in alive],
+                                 [probs[n] for n in alive], confidences=confidences)
+            for n, token in zip(alive, picked):
+                previous[n] = token
+        return finish_drafts(sampled, drafts, probs)
+
+    def _head_upfront(self, hidden: torch.Tensor, alive: list[int], rows: torch.Tensor,
+                      budget: int | None) -> tuple[torch.Tensor | None, dict[int, int]]:
+        """The head's logits for every row the requests drafting at the first position may
+        draft [A, depth, V] (and request -> its row there), where one pass over them beats a
+        pass per position; else None."""
+        depth = self.num_tokens if budget is None else min(self.num_tokens, budget)
+        if budget is not None and len(alive) * depth > budget + LM_HEAD_SLACK:
+            return None, {}
+        head = self.drafter.head_logits(hidden[rows, :depth], self.target.compute_logits)
+        return head, {n: j for j, n in enumerate(alive)}
+
+    def _block_states(self, runner: DraftContext, sampled: list[DraftRequest]) -> torch.Tensor:
+        """Every request's block through the draft layers: final states [R, B, hidden]."""
+        drafter, first = self.drafter, self.first_layer
         block = drafter.dspark.block_size
         # Past the RoPE table (a block that starts just before the context limit), rows keep
         # its last position: their drafts lie past max_model_len and are never verified.
@@ -121,26 +175,14 @@ class DSparkDrafter(ModelDrafter):
             ids += [req.token_ids[-1]] + [drafter.dspark.noise_token_id] * (block - 1)
             positions += [min(q, last) for q in range(p + 1, p + 1 + block)]
             context_lens.append(p + 1)
+        num_layers = len(runner.layer_caches) - first
         by_group = {g: self._tables(runner, sampled, g, context_lens)
-                    for g in {runner.layer_group[first + i] for i in range(len(caches))}}
-        tables, masks = zip(*(by_group[runner.layer_group[first + i]] for i in range(len(caches))))
+                    for g in {runner.layer_group[first + i] for i in range(num_layers)}}
+        tables, masks = zip(*(by_group[runner.layer_group[first + i]] for i in range(num_layers)))
         embedded = self.stack.embed_tokens(runner.long_tensor(ids))
-        hidden = drafter.forward_block(embedded, runner.long_tensor(positions), caches,
-                                       list(tables), list(masks))
-        k = self.num_tokens  # the block's first k rows draft: the LM head reads only those
-        hidden = hidden.view(len(sampled), block, -1)[:, :k]
-        logits = self.target.compute_logits(drafter.norm(hidden.reshape(-1, hidden.shape[-1])))
-        logits = logits.float().view(len(sampled), k, -1)
-        drafts = [Draft() for _ in sampled]
-        probs: list[list[torch.Tensor]] = [[] for _ in sampled]
-        previous = runner.long_tensor([req.token_ids[-1] for req in sampled])
-        for i in range(k):
-            embedded_prev, markov_logits = drafter.markov(previous)
-            confidences = drafter.confidence(hidden[:, i], embedded_prev)
-            picked = pick_drafts(runner.sampler, logits[:, i] + markov_logits.float(), sampled,
-                                 drafts, probs, confidences=confidences)
-            previous = runner.long_tensor(picked)
-        return finish_drafts(sampled, drafts, probs)
+        hidden = drafter.forward_block(embedded, runner.long_tensor(positions),
+                                       runner.layer_caches[first:], list(tables), list(masks))
+        return hidden.view(len(sampled), block, -1)
 
     def _tables(self, runner: DraftContext, requests: list[DraftRequest], group: int,
                 context_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,3 +196,26 @@ class DSparkDrafter(ModelDrafter):
         lengths = runner.long_tensor(context_lens)
         mask = (keys[None, :] < lengths[:, None]) | (keys[None, :] >= blocks * bs)
         return tables.view(len(requests), blocks), mask[:, None, None, :]
+
+
+class _Kept:
+    """Under a budget (spec/budget.py), which requests draft the next position: those whose
+    draft there can rank among the budget's likeliest of every draft made so far."""
+
+    def __init__(self, num_requests: int, budget: int | None) -> None:
+        self.budget = budget
+        self.survival = [1.0] * num_requests
+        self.made: list[float] = []
+        """Survivals of the drafts made so far."""
+
+    def select(self, alive: list[int], confidences: list[float]) -> list[int]:
+        """Indices into ``alive`` (requests, with their next drafts' confidences) that draft."""
+        if self.budget is None:
+            return list(range(len(alive)))
+        candidates = [self.survival[n] * c for n, c in zip(alive, confidences)]
+        keep = keep_within_budget(self.made, candidates, self.budget)
+        for m in keep:
+            self.survival[alive[m]] = candidates[m]
+            self.made.append(candidates[m])
+        return keep
+

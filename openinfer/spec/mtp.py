@@ -53,8 +53,8 @@ class MTPDrafter(ModelDrafter):
         head = self.layer.shared_head
         return head.head(head.norm(hidden))
 
-    def propose(self, runner: DraftContext, step: StepBatch,
-                sampled: list[DraftRequest]) -> dict[str, Draft]:
+    def propose(self, runner: DraftContext, step: StepBatch, sampled: list[DraftRequest],
+                budget: int | None = None) -> dict[str, Draft]:
         cache, meta = runner.layer_caches[self.first_layer], step.metas[self.first_layer]
         # The token after each scheduled position, as the step left the request.
         next_ids: list[int] = []
@@ -67,7 +67,7 @@ class MTPDrafter(ModelDrafter):
             last_rows[req.request_id] = offset + min(n, len(req.token_ids) - 1 - start) - 1
             offset += n
         hidden = self._forward(runner.long_tensor(next_ids), step.positions, step.hidden, cache, meta)
-        lengths = self._chain_lengths(runner, sampled)
+        lengths = self._chain_lengths(runner, sampled, budget)
         drafts = [Draft() for _ in sampled]
         probs: list[list[torch.Tensor]] = [[] for _ in sampled]
         rows = runner.long_tensor([last_rows[r.request_id] for r in sampled])

@@ -6,12 +6,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from openinfer.spec.budget import DraftCost, best_draft_rows, survivals, top_drafts
 from openinfer.spec.confidence import Calibration, StepRateProfile, choose_verify_counts
 from openinfer.spec.config import SpeculativeConfig
 from openinfer.spec.proposer import Draft
 
 if TYPE_CHECKING:
     from openinfer.engine.request import Request
+
+
+EXPLORE_EVERY = 8
+"""budget: where no draft pays, one is still drafted and verified every this many steps, so
+acceptance keeps being measured and drafting resumes when drafts get better (a count of
+steps: it depends on no draft's value)."""
 
 
 class SpecDecodeStats:
@@ -53,12 +60,19 @@ class SpeculationPlanner:
         self.calibration = Calibration(config.num_speculative_tokens,
                                        per_request=config.method == "ngram")
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
+        self.draft_cost = DraftCost()
+        """budget: seconds a step spends drafting, by drafts proposed."""
+        self._num_plans = 0
+        self.draft_budget: int | None = None
+        """budget: the draft rows the next step verifies, chosen this step from this step's
+        drafts (None: no plan yet); the drafter proposes for it (SchedulerOutput)."""
 
     def drafts_to_verify(self, running: list[Request]) -> dict[str, int]:
         """Per decoding request with a draft: how many of its drafts this step verifies
         (never more than its output has room for after the token it samples)."""
         candidates: dict[str, list[float]] = {}
         base_rows = num_decoding = 0
+        planned, self.draft_budget = self.draft_budget, None
         for req in running:
             remaining = req.num_tokens - req.num_computed_tokens
             base_rows += remaining
@@ -73,14 +87,42 @@ class SpeculationPlanner:
             draft = req.draft.confidences[:room]
             if draft:
                 candidates[req.request_id] = draft
-        if not candidates:
-            return {}
         if self.config.scheduler == "fixed" or self.step_rates is None:
             return {rid: len(c) for rid, c in candidates.items()}
         calibrated = {rid: self.calibration.confidences(rid, c) for rid, c in candidates.items()}
         budget = self.max_num_batched_tokens
-        return choose_verify_counts(calibrated, min(base_rows, budget), num_decoding,
+        base_rows = min(base_rows, budget)
+        if self.config.scheduler == "budget" and num_decoding:
+            self.draft_budget = self._plan(calibrated, base_rows, num_decoding)
+        if planned is not None:
+            return top_drafts(calibrated, min(planned, budget - base_rows))
+        if not candidates:
+            return {}
+        # confidence (the paper's rule), and budget's first steps (no plan yet)
+        return choose_verify_counts(calibrated, base_rows, num_decoding,
                                     self.step_rates.steps_per_second, budget)
+
+    def _plan(self, calibrated: dict[str, list[float]], base_rows: int, num_decoding: int) -> int:
+        """The next step's draft rows, from this step's drafts (a decoding request without
+        one counts as the average request); one every EXPLORE_EVERY plans where none pays."""
+        pool = [a for confidences in calibrated.values() for a in survivals(confidences)]
+        pool += self.calibration.mean_survivals() * (num_decoding - len(calibrated))
+        rows = best_draft_rows(pool, base_rows, num_decoding, self.step_rates.seconds,
+                               self.draft_cost.seconds, self.max_num_batched_tokens)
+        self._num_plans += 1
+        return rows if rows or self._num_plans % EXPLORE_EVERY else 1
+
+    def observe_step(self, rows: int, seconds: float, draft_seconds: float,
+                     num_drafted: int) -> None:
+        """A step of ``rows`` rows took ``seconds``, ``draft_seconds`` of them drafting
+        ``num_drafted`` tokens: correct the step-time model (the budget scheduler models
+        drafting on its own; the paper's rule counts it in the step)."""
+        if self.step_rates is None:
+            return
+        if self.config.scheduler == "budget":
+            self.draft_cost.observe(num_drafted, draft_seconds)
+            seconds -= draft_seconds
+        self.step_rates.observe(rows, seconds)
 
     def settle(self, req: Request, num_drafts: int, num_sampled: int,
                proposal: Draft | None) -> None:

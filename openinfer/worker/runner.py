@@ -216,13 +216,16 @@ class ModelRunner:
             num_drafts = len(drafts.get(req.request_id, ()))
             num_rejected = num_drafts + 1 - len(out.sampled_token_ids[req.request_id]) if num_drafts else 0
             req.num_computed_tokens += counts[req.request_id] - num_rejected
+        start = time.perf_counter()
         if self.proposer is not None:
             for req in sampled:
                 out.drafts[req.request_id] = self.proposer.propose(
                     req.request_id, req.token_ids, req.num_prompt_tokens,
                     self.num_speculative_tokens)
         if self.drafter is not None:
-            out.drafts.update(self.drafter.propose(self, step, sampled))
+            out.drafts.update(self.drafter.propose(self, step, sampled, sched.draft_budget))
+        # (A model drafter's picks come back as Python ints: its device work is done.)
+        out.draft_seconds = time.perf_counter() - start
         return out
 
     def _sample(self, batch: list[RunnerRequest], counts: dict[str, int],

@@ -101,6 +101,50 @@ def test_prefix_hits_and_the_confidence_scheduler_keep_plain_tokens(qwen3_checkp
     llm.engine.check_integrity()
 
 
+def test_under_a_budget_it_drafts_the_likeliest_prefixes_of_the_references(
+        qwen3_checkpoint, dspark_drafter, tmp_path):
+    """The budget scheduler tells the drafter the draft rows the next step verifies: it
+    drafts no more tokens at any position than that, each proposal a prefix of what the
+    reference drafts; the greedy tokens stay plain decoding's."""
+    import transformers
+
+    prompts = [[9 + (11 * i + 5 * j) % 700 for j in range(20 + 3 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [o.outputs[0].token_ids
+                for o in LLM(str(qwen3_checkpoint), progress=False).generate(prompts, params)]
+    llm = LLM(str(qwen3_checkpoint), progress=False,
+              speculative_config=_spec(dspark_drafter, 3, scheduler="budget",
+                                       sps_cache_dir=str(tmp_path)))
+    core = llm.engine.core
+    steps = []
+    update = core.scheduler.update_from_output
+
+    def capture(scheduled, result):
+        steps.append((scheduled.draft_budget, len(result.drafts) if result.drafts else 0,
+                      [list(d.token_ids) for d in result.drafts.values()]))
+        return update(scheduled, result)
+
+    core.scheduler.update_from_output = capture
+    proposals = _capture_drafts(llm)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    budgeted = [(budget, drafts) for budget, _, drafts in steps if budget is not None]
+    assert budgeted
+    for budget, drafts in budgeted:
+        for position in range(3):
+            assert sum(len(d) > position for d in drafts) <= budget
+    # Some steps drafted less than every sampled request's k tokens.
+    assert any(sum(map(len, drafts)) < 3 * sampled for budget, sampled, drafts in steps
+               if budget is not None), steps
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        qwen3_checkpoint, dtype=torch.float64, attn_implementation="eager").eval()
+    reference = DSparkReference(dspark_drafter, hf)
+    for tokens, drafts, confidences in proposals[::2]:
+        want_drafts, want_confidences = reference.drafts(tokens, len(drafts))
+        assert drafts == want_drafts, tokens
+        assert confidences == pytest.approx(want_confidences, abs=1e-4)
+    llm.engine.check_integrity()
+
+
 @pytest.mark.parametrize("change, message", [
     ({"num_speculative_tokens": 5}, "exceeds the DSpark drafter's block"),
     ({"config": {"hidden_size": 32}}, "must be the target's"),

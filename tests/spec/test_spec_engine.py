@@ -199,7 +199,7 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_output_where_plain_decodi
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model+confidence",
-                                    "dspark+confidence"])
+                                    "dspark+confidence", "dspark+budget"])
 def test_sampled_tokens_follow_plain_decodings_distribution(qwen3_checkpoint, draft_checkpoint,
                                                             plain_outputs, method, tmp_path):
     """Two-sample chi-square: the tokens at output positions 1-3 (verified, not the first
@@ -209,7 +209,8 @@ def test_sampled_tokens_follow_plain_decodings_distribution(qwen3_checkpoint, dr
     random one (full draft distributions, mostly rejected: the residual draws are tested).
     A low temperature makes the random model's distributions peaked enough to compare.
     ``+confidence``: the confidence scheduler decides which drafts are verified (DSpark's
-    from its confidence head's estimates, a random drafter's too). (At this
+    from its confidence head's estimates, a random drafter's too); ``+budget``: DeepInfer's
+    production schedule, DSpark drafting within its budget. (At this
     temperature a drawn draft is nearly always its distribution's top token, so this would
     not see a confidence read off the drawn token: tests/spec/test_confidence.py does.)"""
     from scipy.stats import chi2_contingency
