@@ -33,7 +33,12 @@ import torch
 from openinfer.config import EngineConfig
 from openinfer.cpu_features import cpu_model_name
 from openinfer.engine.kv_connector import KVConnector
-from openinfer.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from openinfer.engine.outputs import (
+    EngineCoreOutput,
+    GrammarBitmask,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
 from openinfer.executor import make_executor
@@ -192,35 +197,78 @@ class EngineCore:
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the one in flight lands: not when
-        it needs that step's tokens (drafts to verify, grammar masks to compute)."""
+        it needs that step's tokens (drafts to verify; grammar masks, unless the model
+        thread can wait for them after its forward pass)."""
         if self.scheduler.spec is not None:
             return False
-        return self.structured is None or not any(
+        return self.structured is None or self.executor.defers_masks or not any(
             req.grammar is not None for req in self.scheduler.requests.values())
 
     def _step_overlapped(self) -> list[EngineCoreOutput]:
         self.connector.poll_reads()
         in_flight = self._in_flight[0] if self._in_flight is not None else None
         scheduled = self.scheduler.schedule(in_flight=in_flight)
-        future = self.executor.submit_step(scheduled)  # runs once the step in flight is done
-        outputs = self._land_in_flight()
+        # Grammar masks need the matchers past the step in flight: the model thread runs
+        # this step's forward pass meanwhile, and samples once they are computed.
+        masks: Future[GrammarBitmask | None] | None = (
+            Future() if self.structured is not None and self.executor.defers_masks
+            and not scheduled.is_empty else None)
+        future = self.executor.submit_step(scheduled, masks)  # after the step in flight
+        started = []
+
+        def start_masks() -> None:
+            started.append(True)
+            self._compute_masks(scheduled, masks)
+
+        try:
+            outputs = self._land_in_flight(start_masks if masks is not None else None)
+        finally:
+            if masks is not None and not started:  # landing failed: free the thread
+                masks.set_exception(RuntimeError("the step before this one failed to land"))
         if scheduled.is_empty:  # nothing to overlap with: let it land now
             outputs += self._land(scheduled, future.result())
         else:
             self._in_flight = (scheduled, future)
         return outputs
 
-    def _land_in_flight(self) -> list[EngineCoreOutput]:
+    def _compute_masks(self, scheduled: SchedulerOutput, masks: Future) -> None:
+        """Start the masks of ``scheduled`` (its matchers advanced by the step that just
+        landed); ``masks`` resolves when they are done."""
+        try:
+            computing = self.structured.submit(scheduled, self.scheduler.requests)
+        except BaseException as e:
+            masks.set_exception(e)
+            raise
+        if computing is None:
+            masks.set_result(None)
+            return
+
+        def done(f: Future) -> None:
+            if f.exception() is not None:
+                masks.set_exception(f.exception())
+            else:
+                masks.set_result(f.result())
+
+        computing.add_done_callback(done)
+
+    def _land_in_flight(self, after_update: Callable[[], None] | None = None
+                        ) -> list[EngineCoreOutput]:
         if self._in_flight is None:
+            if after_update is not None:
+                after_update()
             return []
         scheduled, future = self._in_flight
         self._in_flight = None
-        return self._land(scheduled, future.result())
+        return self._land(scheduled, future.result(), after_update)
 
-    def _land(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """A step's tokens, into the scheduler and out as outputs."""
+    def _land(self, scheduled: SchedulerOutput, result: ModelRunnerOutput,
+              after_update: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
+        """A step's tokens, into the scheduler and out as outputs (``after_update``: called
+        once the scheduler has them, before anything that may wait on the model thread)."""
         self.connector.free_store_slots(scheduled)
         update = self.scheduler.update_from_output(scheduled, result)
+        if after_update is not None:
+            after_update()
         outputs = update.outputs
         if self._refused:
             outputs, self._refused = self._refused + outputs, []

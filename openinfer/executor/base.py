@@ -45,13 +45,20 @@ class Executor(ABC):
         """Whether calls still reach the workers (after ``shutdown``, maybe not)."""
         return True
 
-    def submit_step(self, sched: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """Run a step without grammar masks; the future of its tokens (done at return,
-        unless the executor has a model thread)."""
+    @property
+    def defers_masks(self) -> bool:
+        """Whether ``submit_step`` takes grammar masks still being computed: a model thread
+        runs the forward pass, then waits for them to sample."""
+        return False
+
+    def submit_step(self, sched: SchedulerOutput,
+                    masks: Future[GrammarBitmask | None] | None = None) -> Future[ModelRunnerOutput]:
+        """Run a step; the future of its tokens (done at return, unless the executor has a
+        model thread). ``masks``: the step's grammar masks, where ``defers_masks``."""
         future: Future[ModelRunnerOutput] = Future()
         try:
             self.execute_model(sched)
-            future.set_result(self.sample_tokens(None))
+            future.set_result(self.sample_tokens(masks.result() if masks is not None else None))
         except BaseException as e:  # raised where the result is read, as a thread's would be
             future.set_exception(e)
         return future

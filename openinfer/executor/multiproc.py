@@ -25,11 +25,14 @@ import random
 import socket
 import time
 import weakref
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from openinfer.config import EngineConfig
+from openinfer.engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from openinfer.executor.base import Executor
 from openinfer.executor.checks import check_context_parallel, check_tensor_parallel
 from openinfer.executor.nodes import JOIN_TIMEOUT_S, RemoteRanks, init_method
@@ -65,6 +68,9 @@ class MultiprocExecutor(Executor):
             # The server's engine core is a daemonic process, and multiprocessing lets those
             # start no process. Its ranks cannot outlive it anyway (see rank_main).
             mp.current_process().daemon = False
+        self._pipelined = config.scheduler.async_scheduling
+        self._pending: deque[_PendingStep] = deque()
+        """Steps sent (asynchronous scheduling) whose answers are not read yet."""
         self._conns: list[Connection] = []
         self._procs: list[mp.Process] = []  # this node's ranks (0..k-1)
         for rank in local:
@@ -116,6 +122,36 @@ class MultiprocExecutor(Executor):
         return loaded
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        self._read_pending()  # the ranks answer in order: the steps sent before come first
+        self._send(method, args)
+        return self._gather()
+
+    def submit_step(self, sched: SchedulerOutput,
+                    masks: Future[GrammarBitmask | None] | None = None) -> Future[ModelRunnerOutput]:
+        """Asynchronous scheduling: send the step and return at once; its answers are read
+        when its tokens are asked for (or before the next call), so the ranks compute it
+        while the core schedules the next one (no grammar masks: those would need the ranks
+        to wait for the core mid-step)."""
+        if not self._pipelined or masks is not None:
+            return super().submit_step(sched, masks)
+        self._send("run_step", (sched,))
+        step = _PendingStep(self)
+        self._pending.append(step)
+        return step
+
+    def _read_pending(self, until: _PendingStep | None = None) -> None:
+        """Read the answers of the steps sent and not read yet, oldest first (up to
+        ``until``)."""
+        while self._pending:
+            step = self._pending.popleft()
+            try:
+                step.set_result(self._gather()[0])
+            except BaseException as e:  # raised where its tokens are read
+                step.set_exception(e)
+            if step is until:
+                return
+
+    def _send(self, method: str, args: tuple) -> None:
         message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for conn in self._conns:
@@ -123,7 +159,6 @@ class MultiprocExecutor(Executor):
         except OSError as e:  # a rank's end of the pipe is gone
             self._kill()
             raise RankFailed(f"{self.kind} rank unreachable: {e}") from e
-        return self._gather()
 
     def _gather(self, answered: dict[int, Any] | None = None) -> list[Any]:
         """Every rank's answer to the last call (those in ``answered`` already read), rank 0
@@ -181,6 +216,20 @@ class MultiprocExecutor(Executor):
         _kill_all(self._procs)
         for conn in self._conns[len(self._procs):]:  # other nodes' ranks end when it closes
             conn.close()
+
+
+class _PendingStep(Future):
+    """A step the ranks compute while the core goes on: its answers are read (in order,
+    behind every step sent before it) when its result is asked for."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        super().__init__()
+        self._executor = executor
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        if not self.done():
+            self._executor._read_pending(until=self)
+        return super().result(timeout)
 
 
 def _kill_all(procs: list[mp.Process]) -> None:

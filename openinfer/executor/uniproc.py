@@ -6,7 +6,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from openinfer.config import EngineConfig
-from openinfer.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from openinfer.engine.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from openinfer.executor.base import Executor
 from openinfer.worker.worker import Worker
 
@@ -27,14 +27,20 @@ class UniprocExecutor(Executor):
             return [call(*args)]
         return [self._model_thread.submit(call, *args).result()]
 
-    def submit_step(self, sched: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        if self._model_thread is None:
-            return super().submit_step(sched)
-        return self._model_thread.submit(self._run_step, sched)
+    @property
+    def defers_masks(self) -> bool:
+        return self._model_thread is not None
 
-    def _run_step(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def submit_step(self, sched: SchedulerOutput,
+                    masks: Future[GrammarBitmask | None] | None = None) -> Future[ModelRunnerOutput]:
+        if self._model_thread is None:
+            return super().submit_step(sched, masks)
+        return self._model_thread.submit(self._run_step, sched, masks)
+
+    def _run_step(self, sched: SchedulerOutput,
+                  masks: Future[GrammarBitmask | None] | None) -> ModelRunnerOutput:
         self.worker.execute_model(sched)
-        return self.worker.sample_tokens(None)
+        return self.worker.sample_tokens(masks.result() if masks is not None else None)
 
     @property
     def alive(self) -> bool:

@@ -39,9 +39,9 @@ the blocks:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch

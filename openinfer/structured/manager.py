@@ -46,8 +46,9 @@ class StructuredOutputManager:
         rows: dict[str, int] = {}
         num_rows = 0
         for request_id, n in scheduled.num_scheduled_tokens.items():
-            req = requests[request_id]
-            if req.grammar is None or not req.grammar.active:
+            req = requests.get(request_id)
+            # (Gone: ended by the step before, which landed after this one was scheduled.)
+            if req is None or req.grammar is None or not req.grammar.active:
                 continue
             drafts = scheduled.spec_token_ids.get(request_id, [])
             if req.num_computed_tokens + n - len(drafts) != req.num_tokens:

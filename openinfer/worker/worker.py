@@ -361,6 +361,11 @@ class Worker:
         """The tokens of the step ``execute_model`` ran, under its grammar masks."""
         return self.runner.sample(grammar)
 
+    def run_step(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """A whole step without grammar masks, in one call (a rank's pipelined steps)."""
+        self.execute_model(sched)
+        return self.sample_tokens(None)
+
     def call_kv_connector(self, method: str, *args: Any) -> Any:
         """The one RPC of the engine core's KV connector (engine/kv_connector.py): ``method``
         of this worker's half, ``kv``."""

@@ -15,6 +15,7 @@ from conftest import CHECKPOINTS, fp8_checkpoint
 
 from openinfer import LLM, SamplingParams
 from openinfer.engine.core import EngineCore
+from openinfer.engine.scheduler import Scheduler
 from openinfer.engine_args import create_engine_config
 from openinfer.executor.multiproc import RankFailed
 from openinfer.transfer.file_store import (
@@ -148,6 +149,57 @@ def test_impossible_splits_are_refused_at_start_up(make_checkpoint):
         with pytest.raises(ValueError, match=re.escape(message)):
             EngineCore(create_engine_config(str(path), **options))
     assert not _child_processes(), "a refused start left a process behind"
+
+
+def test_two_ranks_pipeline_steps_under_asynchronous_scheduling(parallel_checkpoints,
+                                                                monkeypatch):
+    """The core sends step N+1 to the ranks before reading step N's answers: the tokens of
+    synchronous steps, a call between steps reads the answers first, and a rank that dies
+    with steps in flight still fails the engine at once."""
+    path = str(parallel_checkpoints["llama"])
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=12, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=30, seed=9, max_tokens=14, ignore_eos=True)]
+    expected = _run(LLM(path, progress=False, max_num_batched_tokens=24), params)
+    overlapped = []
+    schedule = Scheduler.schedule
+
+    def counting(scheduler, in_flight=None):
+        overlapped.append(in_flight is not None and not in_flight.is_empty)
+        return schedule(scheduler, in_flight)
+
+    monkeypatch.setattr(Scheduler, "schedule", counting)
+    two = LLM(path, progress=False, max_num_batched_tokens=24, tensor_parallel_size=2,
+              async_scheduling=True)
+    core = two.engine.core
+    try:
+        got = _run(two, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        for step_got, step_want in zip(got[1].logprobs, expected[1].logprobs):
+            assert step_got.keys() == step_want.keys()
+            assert all(step_got[t].logprob == pytest.approx(step_want[t].logprob, abs=1e-4)
+                       for t in step_want)
+        assert sum(overlapped) > 10, "no step was sent while the one before computed"
+        for i, prompt in enumerate(_prompts()):
+            core.add_request(f"r{i}", prompt, params[0])
+        for _ in range(4):
+            core.step()
+        assert core._in_flight is not None and core.executor._pending
+        assert len(core.executor.collective_rpc("weight_bytes")) == 2  # reads the step first
+        assert not core.executor._pending and core._in_flight[1].done()
+        ranks = list(core.executor._procs)
+        ranks[1].kill()
+        start = time.monotonic()
+        with pytest.raises(RankFailed, match="rank 1 died"):
+            while True:
+                core.step()
+        assert time.monotonic() - start < 30
+        assert not any(p.is_alive() for p in ranks)
+    finally:
+        if core.executor.alive:
+            core.shutdown()
+    assert not _child_processes()
 
 
 def test_a_dead_rank_fails_the_engine_at_once_and_leaves_no_process(parallel_checkpoints):
