@@ -18,9 +18,9 @@ step N-1, after the budget is known, and a drafter with a confidence head (DSpar
 only the tokens that can make the budget, likeliest first (``keep_within_budget``). A drafter
 whose drafts are rejected then costs little at a large batch, where drafting every row
 cost as much as the step (DSpark k=4 at 32 requests: 0.5x of no speculation with nothing
-verified). The step time is the profiled curve corrected online (spec/confidence.py's
-``StepRateProfile``) plus drafting, learnt from the drafting time each step reports
-(``DraftCost``). At least one draft is verified a step, so acceptance keeps being measured
+verified). The step time is the profiled curve (spec/confidence.py's ``StepRateProfile``)
+plus a per-row and a fixed part learnt from the real steps (``StepCost``), plus drafting,
+learnt from the drafting time each step reports (``DraftCost``). At least one draft is verified a step, so acceptance keeps being measured
 and the budget can grow again when drafts get better.
 """
 
@@ -28,45 +28,79 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
+from openinfer.spec.confidence import StepRateProfile
 
-class DraftCost:
-    """Seconds a step spends drafting: a + b * drafts proposed, least squares over recent
-    steps that drafted (each step's weight decaying by ``decay``), and, for a step that
-    drafts nothing, what such steps took (a drafter still keeps its context: DSpark writes
-    its K/V). Until the counts vary enough to tell a from b, all of it is counted per draft
-    (b = mean seconds / mean drafts): the pessimistic reading, which makes the budget
-    smaller, and so the counts vary."""
+
+class LinearFit:
+    """y = a + b * x, least squares over recent observations, each one's weight decaying by
+    ``decay``. Until x varies enough to tell a from b, all of y is counted per unit of x
+    (a = 0, b = mean y / mean x): x is what the budget adds (rows, drafts), so this is the
+    pessimistic reading, which makes the budget smaller, and so x vary."""
 
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
-        self._sums = [0.0] * 5  # weight, x, y, x*x, x*y over steps that drafted
-        self._idle = [0.0, 0.0]  # weight, seconds over steps that did not
+        self._sums = [0.0] * 5  # weight, x, y, x*x, x*y
 
-    def observe(self, drafts: int, seconds: float) -> None:
-        if drafts == 0:
-            self._idle = [self.decay * self._idle[0] + 1, self.decay * self._idle[1] + seconds]
-            return
-        for i, value in enumerate((1.0, drafts, seconds, drafts * drafts, drafts * seconds)):
+    def observe(self, x: float, y: float) -> None:
+        for i, value in enumerate((1.0, x, y, x * x, x * y)):
             self._sums[i] = self.decay * self._sums[i] + value
 
     def coefficients(self) -> tuple[float, float]:
-        """(a, b): seconds per step that drafts, and per draft proposed."""
         n, sx, sy, sxx, sxy = self._sums
         if n == 0:
             return 0.0, 0.0
         mx, my = sx / n, sy / n
         variance = sxx / n - mx * mx
         if variance <= (0.1 * max(mx, 1.0)) ** 2:
-            return 0.0, my / max(mx, 1.0)
+            return (0.0, my / max(mx, 1.0)) if my > 0 else (my, 0.0)
         b = max(0.0, (sxy / n - mx * my) / variance)
-        return max(0.0, my - b * mx), b
+        return my - b * mx, b
+
+    def __call__(self, x: float) -> float:
+        a, b = self.coefficients()
+        return a + b * x
+
+
+class DraftCost:
+    """Seconds a step spends drafting: a + b * drafts proposed (``LinearFit``) over steps
+    that drafted, and, for a step that drafts nothing, what such steps took (a drafter still
+    keeps its context: DSpark writes its K/V)."""
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.fit = LinearFit(decay)
+        self.decay = decay
+        self._idle = [0.0, 0.0]  # weight, seconds over steps that drafted nothing
+
+    def observe(self, drafts: int, seconds: float) -> None:
+        if drafts:
+            self.fit.observe(drafts, seconds)
+        else:
+            self._idle = [self.decay * self._idle[0] + 1, self.decay * self._idle[1] + seconds]
 
     def seconds(self, drafts: int) -> float:
-        if drafts == 0:
-            weight, total = self._idle
-            return total / weight if weight else 0.0
-        a, b = self.coefficients()
-        return a + b * drafts
+        if drafts:
+            return max(0.0, self.fit(drafts))
+        weight, total = self._idle
+        return total / weight if weight else 0.0
+
+
+class StepCost:
+    """Seconds of a step's forward pass and sampling by rows: the profiled curve plus a
+    residual a + b * rows learnt from the real steps (``LinearFit``). DeepInfer fits the
+    per-row part the same way (``ForwardRuntimeEstimator``: medians of (real - profiled) /
+    rows): real requests' long contexts make each row cost more than the profile's short
+    synthetic ones, and the constant part is Python's."""
+
+    def __init__(self, profile: StepRateProfile) -> None:
+        self.profile = profile
+        self.residual = LinearFit()
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.residual.observe(rows, seconds - self.profile.profiled_seconds(rows))
+
+    def seconds(self, rows: int) -> float:
+        profiled = self.profile.profiled_seconds(rows)
+        return max(profiled + self.residual(rows), 0.5 * profiled)
 
 
 def best_draft_rows(survivals: list[float], base_rows: int, base_tokens: float,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from openinfer.spec.budget import DraftCost, best_draft_rows, survivals, top_drafts
+from openinfer.spec.budget import DraftCost, StepCost, best_draft_rows, survivals, top_drafts
 from openinfer.spec.confidence import Calibration, StepRateProfile, choose_verify_counts
 from openinfer.spec.config import SpeculativeConfig
 from openinfer.spec.proposer import Draft
@@ -62,6 +62,8 @@ class SpeculationPlanner:
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
         self.draft_cost = DraftCost()
         """budget: seconds a step spends drafting, by drafts proposed."""
+        self.step_cost = StepCost(step_rates) if step_rates is not None else None
+        """budget: seconds a step's forward pass and sampling take, by rows."""
         self._num_plans = 0
         self.draft_budget: int | None = None
         """budget: the draft rows the next step verifies, chosen this step from this step's
@@ -107,7 +109,7 @@ class SpeculationPlanner:
         one counts as the average request); one every EXPLORE_EVERY plans where none pays."""
         pool = [a for confidences in calibrated.values() for a in survivals(confidences)]
         pool += self.calibration.mean_survivals() * (num_decoding - len(calibrated))
-        rows = best_draft_rows(pool, base_rows, num_decoding, self.step_rates.seconds,
+        rows = best_draft_rows(pool, base_rows, num_decoding, self.step_cost.seconds,
                                self.draft_cost.seconds, self.max_num_batched_tokens)
         self._num_plans += 1
         return rows if rows or self._num_plans % EXPLORE_EVERY else 1
@@ -121,8 +123,9 @@ class SpeculationPlanner:
             return
         if self.config.scheduler == "budget":
             self.draft_cost.observe(num_drafted, draft_seconds)
-            seconds -= draft_seconds
-        self.step_rates.observe(rows, seconds)
+            self.step_cost.observe(rows, seconds - draft_seconds)
+        else:
+            self.step_rates.observe(rows, seconds)
 
     def settle(self, req: Request, num_drafts: int, num_sampled: int,
                proposal: Draft | None) -> None:

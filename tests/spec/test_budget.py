@@ -11,12 +11,13 @@ from test_confidence import DRAFT, _markov_confidences, _matches_target, _output
 
 from openinfer.spec.budget import (
     DraftCost,
+    StepCost,
     best_draft_rows,
     keep_within_budget,
     survivals,
     top_drafts,
 )
-from openinfer.spec.confidence import choose_verify_counts
+from openinfer.spec.confidence import StepRateProfile, choose_verify_counts
 
 
 def test_the_budget_looks_past_a_drop_that_the_papers_rule_stops_at():
@@ -58,18 +59,36 @@ def test_the_drafting_cost_model_tells_the_fixed_part_from_the_per_draft_part():
     assert cost.seconds(10) == 0.0
     for _ in range(50):  # always 40 drafts: all of it is counted per draft
         cost.observe(40, 0.020)
-    assert cost.coefficients() == (0.0, pytest.approx(0.0005))
+    assert cost.fit.coefficients() == (0.0, pytest.approx(0.0005))
     rng = random.Random(0)
     for _ in range(300):  # 4 ms a step and 0.25 ms a draft, with some noise
         drafts = rng.randrange(1, 129)
         cost.observe(drafts, 0.004 + 0.00025 * drafts + rng.uniform(-2e-4, 2e-4))
-    a, b = cost.coefficients()
+    a, b = cost.fit.coefficients()
     assert a == pytest.approx(0.004, abs=3e-4) and b == pytest.approx(0.00025, rel=0.05)
     # A step that drafts nothing costs what such steps took (DSpark still writes its K/V).
     assert cost.seconds(0) == 0.0
     for _ in range(20):
         cost.observe(0, 0.001)
     assert cost.seconds(0) == pytest.approx(0.001) and cost.seconds(1) > 0.004
+
+
+def test_real_steps_correct_the_profile_per_row_and_per_step():
+    profile = StepRateProfile([(1, 0.010), (8, 0.012), (64, 0.040)])
+    cost = StepCost(profile)
+    assert cost.seconds(8) == 0.012
+    for _ in range(50):  # one batch shape only: all of the gap counted per row
+        cost.observe(32, profile.profiled_seconds(32) + 0.016)
+    assert cost.seconds(32) == pytest.approx(profile.profiled_seconds(32) + 0.016)
+    assert cost.seconds(64) == pytest.approx(0.040 + 0.032)
+    rng = random.Random(0)
+    for _ in range(300):  # long contexts: 0.3 ms more a row, and 4 ms of Python a step
+        rows = rng.randrange(8, 65)
+        cost.observe(rows, profile.profiled_seconds(rows) + 0.004 + 0.0003 * rows)
+    assert cost.seconds(48) == pytest.approx(profile.profiled_seconds(48) + 0.004 + 0.0144, rel=0.01)
+    for _ in range(300):  # a profile that overestimates never goes below half of it
+        cost.observe(8, 0.0)
+    assert cost.seconds(8) == 0.006
 
 
 # ---- losslessness, with test_confidence.py's two-token Markov drafter --------------------
