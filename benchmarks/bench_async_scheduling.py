@@ -9,6 +9,10 @@ Models: the built-in tiny demo model (a step is ~1-3 ms, so Python around the mo
 large share: where overlapping it can show) and, when present, the peers' 0.27B Qwen3
 checkpoint (a step is tens to hundreds of ms).
 
+Also the tiny model with every request under a regex grammar (masks computed while the
+forward pass runs) and over 2 tensor-parallel ranks (worker processes; the core sends step
+N+1 before it reads step N's answers).
+
     .venv/bin/python benchmarks/bench_async_scheduling.py [--reps 5] [--no-write]
 """
 
@@ -26,6 +30,7 @@ from doc_sections import write_section
 
 from openinfer import LLM, SamplingParams
 from openinfer.demo import build_demo_model
+from openinfer.structured.params import StructuredOutputsParams
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS_MODEL = Path("/root/.cache/openinfer-peers/models/qwen3-0.4b-random-fp32")
@@ -36,27 +41,36 @@ def _prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, 4000) for _ in range(prompt_len)] for _ in range(batch)]
 
 
-def _tokens_per_s(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+GRAMMAR = StructuredOutputsParams(regex="[a-z]+( [a-z]+){0,200}")
+"""The constrained workload's grammar: words, long enough for every output length here."""
+
+
+def _tokens_per_s(llm: LLM, prompts: list[list[int]], max_tokens: int,
+                  grammar: bool = False) -> float:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            structured_outputs=GRAMMAR if grammar else None)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - start
     return sum(len(o.outputs[0].token_ids) for o in outs) / wall
 
 
-def measure(model: str, workloads: list[tuple[int, int, int]], reps: int) -> list[dict]:
+def measure(model: str, workloads: list[tuple[int, int, int]], reps: int,
+            tensor_parallel_size: int = 1, grammar: bool = False) -> list[dict]:
     engines = {mode: LLM(model, progress=False, enable_prefix_caching=False,
-                         async_scheduling=mode == "async") for mode in ("sync", "async")}
+                         async_scheduling=mode == "async",
+                         tensor_parallel_size=tensor_parallel_size)
+               for mode in ("sync", "async")}
     rows = []
     for batch, prompt_len, max_tokens in workloads:
         for llm in engines.values():  # warm-up
-            _tokens_per_s(llm, _prompts(batch, prompt_len, 0), 4)
+            _tokens_per_s(llm, _prompts(batch, prompt_len, 0), 4, grammar)
         runs: dict[str, list[float]] = {"sync": [], "async": []}
         for rep in range(reps):
             prompts = _prompts(batch, prompt_len, rep + 1)
             order = ("sync", "async") if rep % 2 == 0 else ("async", "sync")
             for mode in order:
-                runs[mode].append(_tokens_per_s(engines[mode], prompts, max_tokens))
+                runs[mode].append(_tokens_per_s(engines[mode], prompts, max_tokens, grammar))
         ratios = [a / s for a, s in zip(runs["async"], runs["sync"])]
         rows.append(dict(batch=batch, prompt_len=prompt_len, max_tokens=max_tokens,
                          sync=statistics.median(runs["sync"]),
@@ -76,13 +90,17 @@ def main() -> None:
     tables = []
     with tempfile.TemporaryDirectory() as tmp:
         tiny = str(build_demo_model(Path(tmp) / "tiny"))
-        models = [("demo tiny (4 layers, hidden 256)", tiny,
-                   [(1, 64, 128), (8, 64, 64), (32, 64, 64)])]
+        demo = "demo tiny (4 layers, hidden 256)"
+        models = [(demo, tiny, [(1, 64, 128), (8, 64, 64), (32, 64, 64)], {}),
+                  (f"{demo}, every request under a regex grammar", tiny,
+                   [(8, 64, 64), (32, 64, 64)], {"grammar": True}),
+                  (f"{demo}, 2 tensor-parallel ranks", tiny, [(8, 64, 64), (32, 64, 64)],
+                   {"tensor_parallel_size": 2})]
         if PEERS_MODEL.exists():
             models.append((f"peers `{PEERS_MODEL.name}` (0.27B, float32)", str(PEERS_MODEL),
-                           [(1, 128, 32), (32, 128, 32)]))
-        for name, path, workloads in models:
-            rows = measure(path, workloads, args.reps)
+                           [(1, 128, 32), (32, 128, 32)], {}))
+        for name, path, workloads, options in models:
+            rows = measure(path, workloads, args.reps, **options)
             tables.append((name, rows))
     lines = [
         "## Asynchronous scheduling (benchmarks/bench_async_scheduling.py)",
