@@ -17,6 +17,34 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
+@dataclass(frozen=True)
+class PromptSources:
+    """Where a request's prompt tokens came from (they sum to the prompt's length)."""
+
+    l1: int = 0
+    """The prefix cache in device memory."""
+    l2: int = 0
+    """Host memory, copied back to the device."""
+    l3: int = 0
+    """The shared file store, read for this request."""
+    pulled: int = 0
+    """Computed by a prefill instance and pulled from it (disaggregation)."""
+    computed: int = 0
+    """Computed here."""
+
+    def __add__(self, other: PromptSources) -> PromptSources:
+        return PromptSources(self.l1 + other.l1, self.l2 + other.l2, self.l3 + other.l3,
+                             self.pulled + other.pulled, self.computed + other.computed)
+
+    def as_dict(self) -> dict[str, int]:
+        """The API's shape (``prompt_tokens_by_source``): the tiers as the metrics name them."""
+        return {"L1": self.l1, "L2": self.l2, "L3": self.l3, "pulled": self.pulled,
+                "computed": self.computed}
+
+    def to_wire(self) -> list[int]:
+        return [self.l1, self.l2, self.l3, self.pulled, self.computed]
+
+
 @dataclass
 class RequestMetrics:
     """A request's milestones, as time.monotonic() values (seconds; one clock for the
@@ -70,5 +98,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (the first sample's, when n > 1)."""
+    prompt_sources: PromptSources | None = None
+    """Where the prompt's tokens came from, by tier (the first sample's, when n > 1)."""
     kv_transfer_params: dict | None = None
     """A prefill-only request's held KV: where a decode instance pulls it from."""

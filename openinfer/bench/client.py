@@ -32,6 +32,9 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
+    prompt_sources: dict[str, int] | None = None
+    """The usage's ``prompt_tokens_by_source`` (an openinfer server's: by KV tier); None
+    from a server without it."""
     expected_output_tokens: int = 0
     sent_prompt_tokens: int | None = None
     """The prompt's length by this client's tokenizer (the server's count should agree);
@@ -115,6 +118,7 @@ def _read_usage(usage: dict, result: RequestResult) -> None:
     details = usage.get("prompt_tokens_details") or {}
     # OpenAI's field, else DeepSeek's.
     result.cached_tokens = details.get("cached_tokens") or usage.get("prompt_cache_hit_tokens") or 0
+    result.prompt_sources = usage.get("prompt_tokens_by_source")
 
 
 def error_message(raw: str) -> str:

@@ -40,6 +40,18 @@ def latency_stats(values: list[float]) -> dict[str, float | None]:
     return {"mean": float(ms.mean()), **{f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES}}
 
 
+def _sources(done: list[RequestResult]) -> dict[str, int] | None:
+    """The prompts' tokens by source (KV tier, pulled, computed), summed; None unless every
+    answer said (a server other than openinfer's does not)."""
+    if not done or any(r.prompt_sources is None for r in done):
+        return None
+    total: dict[str, int] = {}
+    for r in done:
+        for source, tokens in r.prompt_sources.items():
+            total[source] = total.get(source, 0) + tokens
+    return total
+
+
 def summarize(results: list[RequestResult], duration_s: float,
               slo_ms: dict[str, float] | None = None) -> dict:
     done = [r for r in results if r.ok]
@@ -68,6 +80,7 @@ def summarize(results: list[RequestResult], duration_s: float,
         "goodput": len(good) / duration_s if slo_ms else None,
         "slo_ms": slo_ms or None,
         "cache_hit_rate": cached / prompt if prompt else 0.0,
+        "prompt_tokens_by_source": _sources(done),
         "oracle_hit_rate": None if oracle is None else oracle / prompt if prompt else 0.0,
         "ttft_ms": latency_stats([r.ttft_s for r in done]),
         "tpot_ms": latency_stats([t for r in done if (t := r.tpot_s) is not None]),

@@ -19,6 +19,10 @@ _ROWS: list[tuple[str, str, str]] = [
     ("goodput (req/s)", "summary.goodput", "{:.2f}"),
     ("input-cache hit rate", "summary.cache_hit_rate", "{:.1%}"),
     ("oracle hit rate", "summary.oracle_hit_rate", "{:.1%}"),
+    ("prompt tokens L1 / L2 / L3 / pulled / computed",
+     "summary.prompt_tokens_by_source.L1|summary.prompt_tokens_by_source.L2|"
+     "summary.prompt_tokens_by_source.L3|summary.prompt_tokens_by_source.pulled|"
+     "summary.prompt_tokens_by_source.computed", "{} / {} / {} / {} / {}"),
     ("TTFT mean / p50 / p99 (ms)", "summary.ttft_ms.mean|summary.ttft_ms.p50|summary.ttft_ms.p99",
      "{:.0f} / {:.0f} / {:.0f}"),
     ("TPOT mean / p50 / p99 (ms)", "summary.tpot_ms.mean|summary.tpot_ms.p50|summary.tpot_ms.p99",

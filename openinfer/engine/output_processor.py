@@ -15,6 +15,7 @@ from openinfer.engine.outputs import EngineCoreOutput
 from openinfer.outputs import (
     CompletionOutput,
     PositionLogprobs,
+    PromptSources,
     RequestMetrics,
     RequestOutput,
 )
@@ -74,6 +75,7 @@ class _RequestState:
     stream: bool = False
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int | None = None
+    prompt_sources: PromptSources | None = None
     kv_transfer_params: dict | None = None
 
 
@@ -121,6 +123,7 @@ class OutputProcessor:
             sample = state.samples[out.request_id]
             if state.num_cached_tokens is None and (out.new_token_ids or out.finish_reason):
                 state.num_cached_tokens = out.num_cached_tokens
+                state.prompt_sources = out.prompt_sources
             if out.kv_transfer_params is not None:  # the offline API's (and vLLM's) plain dict
                 state.kv_transfer_params = out.kv_transfer_params.to_dict()
             if out.first_scheduled_time is not None:  # the earliest of its samples'
@@ -208,6 +211,7 @@ class OutputProcessor:
                 prompt_token_ids=state.prompt_token_ids, outputs=deltas,
                 prompt_logprobs=prompt_logprobs, finished=finished, metrics=state.metrics,
                 num_cached_tokens=state.num_cached_tokens or 0,
+                prompt_sources=state.prompt_sources,
                 kv_transfer_params=state.kv_transfer_params if finished else None)
         completions = [
             CompletionOutput(
@@ -229,5 +233,6 @@ class OutputProcessor:
             finished=True,
             metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens or 0,
+            prompt_sources=state.prompt_sources,
             kv_transfer_params=state.kv_transfer_params,
         )

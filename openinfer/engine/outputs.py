@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.plan import KVPlan
 from openinfer.kv.remote import KVTransferParams
-from openinfer.outputs import PositionLogprobs
+from openinfer.outputs import PositionLogprobs, PromptSources
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.proposer import Draft
 
@@ -116,6 +116,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     """Prompt tokens the request took from the prefix cache."""
+    prompt_sources: PromptSources | None = None
+    """Where its prompt's tokens came from, by tier (None before it was scheduled)."""
     kv_transfer_params: KVTransferParams | None = None
     """On the last output of a prefill-only request: where a decode instance pulls its KV
     (set by the engine core's KV connector, which leases the blocks)."""

@@ -20,7 +20,7 @@ import msgpack
 
 from openinfer.engine.outputs import EngineCoreOutput
 from openinfer.kv.remote import KVTransferParams
-from openinfer.outputs import Logprob, PositionLogprobs
+from openinfer.outputs import Logprob, PositionLogprobs, PromptSources
 from openinfer.sampling_params import SamplingParams
 
 ADD, ABORT, UTILITY, SHUTDOWN = "add", "abort", "utility", "shutdown"
@@ -63,12 +63,13 @@ def pack_output(out: EngineCoreOutput) -> list:
             None if out.new_logprobs is None else [_pack_logprobs(e) for e in out.new_logprobs],
             prompt, out.finish_reason, out.stop_reason, out.num_cached_tokens,
             None if out.kv_transfer_params is None else out.kv_transfer_params.to_dict(),
-            out.first_scheduled_time]
+            out.first_scheduled_time,
+            None if out.prompt_sources is None else out.prompt_sources.to_wire()]
 
 
 def unpack_output(packed: list) -> EngineCoreOutput:
     (request_id, tokens, logprobs, prompt, finish_reason, stop_reason, num_cached, kv,
-     scheduled) = packed
+     scheduled, sources) = packed
     return EngineCoreOutput(
         request_id=request_id,
         new_token_ids=tokens,
@@ -80,4 +81,5 @@ def unpack_output(packed: list) -> EngineCoreOutput:
         num_cached_tokens=num_cached,
         kv_transfer_params=KVTransferParams.parse(kv),
         first_scheduled_time=scheduled,
+        prompt_sources=None if sources is None else PromptSources(*sources),
     )

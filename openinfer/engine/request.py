@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from openinfer.kv.remote import KVTransferParams
+from openinfer.outputs import PromptSources
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.proposer import Draft
 
@@ -46,6 +47,8 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = -1
     """Prompt tokens served from the prefix cache when first scheduled (-1 until then)."""
+    prompt_tokens_by_source: PromptSources | None = None
+    """Where its prompt's tokens came from, by tier (set when first scheduled)."""
     first_scheduled_time: float | None = None
     """time.monotonic() when the scheduler first gave it tokens (None until then)."""
     block_hashes: list[bytes] = field(default_factory=list)

@@ -56,6 +56,7 @@ from openinfer.engine.request import Request, RequestStatus
 from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.kv.kv_manager import KVCacheManager
 from openinfer.kv.plan import BlockLoad
+from openinfer.outputs import PromptSources
 from openinfer.spec.confidence import StepRateProfile
 from openinfer.spec.config import SpeculativeConfig
 from openinfer.spec.planner import SpeculationPlanner
@@ -209,9 +210,12 @@ class Scheduler:
             # not found in a cache: they count as neither hit nor query.
             remote = min(req.num_blocks_from_remote, len(hit.host_slots))
             req.num_cached_tokens = num_hit - remote * self.kv.block_size
-            self.kv.record_prefix_query(req.num_tokens - remote * self.kv.block_size, hit,
-                                        min(req.num_blocks_from_store,
-                                            len(hit.host_slots) - remote), remote)
+            by_tier = self.kv.record_prefix_query(
+                req.num_tokens - remote * self.kv.block_size, hit,
+                min(req.num_blocks_from_store, len(hit.host_slots) - remote), remote)
+            req.prompt_tokens_by_source = PromptSources(
+                by_tier["L1"], by_tier["L2"], by_tier["L3"], remote * self.kv.block_size,
+                req.num_prompt_tokens - num_hit)
         req.num_computed_tokens = num_hit
         req.status = RequestStatus.RUNNING
         req.admitted_step = out.step_id
@@ -370,6 +374,7 @@ class Scheduler:
                 finish_reason=status.value if status else None,
                 stop_reason=req.stop_reason,
                 num_cached_tokens=max(0, req.num_cached_tokens),
+                prompt_sources=req.prompt_tokens_by_source,
                 # Until the front end has seen its first token (then it is known there).
                 first_scheduled_time=req.first_scheduled_time
                 if len(req.output_token_ids) <= 1 else None,

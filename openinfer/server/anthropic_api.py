@@ -75,10 +75,14 @@ def _stop(c: CompletionOutput, tool_use: bool = False) -> tuple[str, str | None]
     return "end_turn", None
 
 
-def _input_usage(prompt_tokens: int, cached_tokens: int) -> dict:
+def _input_usage(prompt_tokens: int, out: RequestOutput) -> dict:
     # Anthropic counts cache reads apart: input_tokens are the prompt tokens not read from cache.
-    return {"input_tokens": prompt_tokens - cached_tokens, "cache_read_input_tokens": cached_tokens,
+    cached = out.num_cached_tokens
+    body = {"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached,
             "cache_creation_input_tokens": 0}
+    if out.prompt_sources is not None:  # openinfer's: by KV tier, pulled, computed
+        body["prompt_tokens_by_source"] = out.prompt_sources.as_dict()
+    return body
 
 
 def _event(kind: str, payload: dict) -> str:
@@ -116,7 +120,7 @@ async def create_message(serving: OpenAIServing, body: MessagesRequest):
     stop_reason, stop_sequence = _stop(out, output.has_tool_calls)
     return JSONResponse({**message, "content": content,
                          "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                         "usage": {**_input_usage(len(token_ids), whole.num_cached_tokens),
+                         "usage": {**_input_usage(len(token_ids), whole),
                                    "output_tokens": len(out.token_ids)},
                          **kv_transfer_field(whole)})
 
@@ -166,7 +170,7 @@ def _message_start(message: dict, prompt_tokens: int, delta: RequestOutput) -> l
     """The opening events, at the first delta (when the cache hit is known)."""
     return [_event("message_start", {"message": {
                 **message, "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": {**_input_usage(prompt_tokens, delta.num_cached_tokens),
+                "usage": {**_input_usage(prompt_tokens, delta),
                           "output_tokens": 0}}}),
             _event("content_block_start", {"index": 0, "content_block": {
                 "type": "text", "text": ""}})]

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from openinfer.engine.async_llm import AsyncLLM
 from openinfer.engine.core_client import EngineDeadError
-from openinfer.outputs import CompletionOutput, RequestOutput
+from openinfer.outputs import CompletionOutput, PromptSources, RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.server.chat_output import ChatOutput, ToolPlan, plan_tools
 from openinfer.server.exceptions import APIError
@@ -40,6 +40,7 @@ from openinfer.server.streaming import (
     final,
     merged,
     sse,
+    total_sources,
     usage,
     with_error_event,
 )
@@ -166,7 +167,8 @@ class OpenAIServing:
             for i, out in enumerate(finals) for c in out.outputs],
             "usage": usage(choices.prompt_tokens,
                            sum(len(c.token_ids) for out in finals for c in out.outputs),
-                           sum(out.num_cached_tokens for out in finals)),
+                           sum(out.num_cached_tokens for out in finals),
+                           total_sources([out.prompt_sources for out in finals])),
             **kv_transfer_field(finals[0])})
 
     async def chat(self, body: ChatCompletionRequest):
@@ -194,7 +196,7 @@ class OpenAIServing:
         return JSONResponse({**header, "choices": [choices.whole(c) for c in whole.outputs],
                              "usage": usage(len(token_ids),
                                             sum(len(c.token_ids) for c in whole.outputs),
-                                            whole.num_cached_tokens),
+                                            whole.num_cached_tokens, whole.prompt_sources),
                              **kv_transfer_field(whole)})
 
     def _chat_params(self, body: ChatCompletionRequest, plan: ToolPlan,
@@ -255,10 +257,12 @@ async def _completion_events(streams: list[AsyncIterator[RequestOutput]], header
     completion_tokens = 0
     firsts: dict[int, RequestOutput] = {}  # per prompt: the delta with its logprobs
     cached: dict[int, int] = {}
+    sources: dict[int, PromptSources | None] = {}
     echoed: set[tuple[int, int]] = set()
     async for i, delta in merged(streams):
         firsts.setdefault(i, delta)
         cached[i] = delta.num_cached_tokens
+        sources[i] = delta.prompt_sources or sources.get(i)
         for c in delta.outputs:
             completion_tokens += len(c.token_ids)
             echo: tuple[str, list] = ("", [])
@@ -268,7 +272,8 @@ async def _completion_events(streams: list[AsyncIterator[RequestOutput]], header
             yield sse({**header, "choices": [choices.choice(i, c, echo)]})
     if include_usage:
         yield sse({**header, "choices": [],
-                   "usage": usage(choices.prompt_tokens, completion_tokens, sum(cached.values()))})
+                   "usage": usage(choices.prompt_tokens, completion_tokens, sum(cached.values()),
+                                  total_sources(list(sources.values())))})
     yield DONE
 
 
@@ -305,6 +310,7 @@ async def _chat_events(stream: AsyncIterator[RequestOutput], header: dict, choic
     chunk = {**header, "object": "chat.completion.chunk"}
     outs: dict[int, ChatOutput] = {}
     completion_tokens = cached = 0
+    sources: PromptSources | None = None
 
     def event(index: int, delta: dict, finish: str | None = None,
               logprobs: dict | None = None) -> str:
@@ -312,6 +318,7 @@ async def _chat_events(stream: AsyncIterator[RequestOutput], header: dict, choic
                                           "finish_reason": finish, "logprobs": logprobs}]})
     async for _, delta in merged([stream]):
         cached = delta.num_cached_tokens
+        sources = delta.prompt_sources or sources
         for c in delta.outputs:
             completion_tokens += len(c.token_ids)
             if c.index not in outs:
@@ -329,5 +336,6 @@ async def _chat_events(stream: AsyncIterator[RequestOutput], header: dict, choic
             if c.finish_reason is not None:
                 yield event(c.index, {}, choices.finish_reason(c, out))
     if include_usage:
-        yield sse({**chunk, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)})
+        yield sse({**chunk, "choices": [],
+                   "usage": usage(prompt_tokens, completion_tokens, cached, sources)})
     yield DONE

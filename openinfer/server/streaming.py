@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 from openinfer.engine.async_llm import RequestFailedError
 from openinfer.engine.core_client import EngineDeadError
-from openinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from openinfer.outputs import CompletionOutput, PositionLogprobs, PromptSources, RequestOutput
 from openinfer.server.error_bodies import error_body
 
 DONE = "data: [DONE]\n\n"
@@ -89,13 +89,25 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    """OpenAI's usage, plus DeepSeek's cache hit/miss split of the prompt."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          sources: PromptSources | None = None) -> dict:
+    """OpenAI's usage, plus DeepSeek's cache hit/miss split of the prompt and openinfer's
+    split by source (the KV tiers, a prefill instance, computed here)."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
             "prompt_cache_hit_tokens": cached_tokens,
             "prompt_cache_miss_tokens": prompt_tokens - cached_tokens}
+    if sources is not None:
+        body["prompt_tokens_by_source"] = sources.as_dict()
+    return body
+
+
+def total_sources(sources: list[PromptSources | None]) -> PromptSources | None:
+    """Several prompts' sources summed (None where one has none)."""
+    if not sources or any(s is None for s in sources):
+        return None
+    return sum(sources[1:], sources[0])
 
 
 def completion_logprobs(c: CompletionOutput, prompt: list[tuple[int, PositionLogprobs | None]],

@@ -20,8 +20,9 @@ whose drafts are rejected then costs little at a large batch, where drafting eve
 cost as much as the step (DSpark k=4 at 32 requests: 0.5x of no speculation with nothing
 verified). The step time is the profiled curve (spec/confidence.py's ``StepRateProfile``)
 plus a per-row and a fixed part learnt from the real steps (``StepCost``), plus drafting,
-learnt from the drafting time each step reports (``DraftCost``). At least one draft is verified a step, so acceptance keeps being measured
-and the budget can grow again when drafts get better.
+learnt from the drafting time each step reports (``DraftCost``). Where no draft pays, one
+is still drafted and verified every few steps (spec/planner.py's EXPLORE_EVERY), so
+acceptance keeps being measured and the budget can grow again when drafts get better.
 """
 
 from __future__ import annotations

@@ -120,6 +120,10 @@ def test_the_reported_hit_rate_is_the_servers_own_count(server, qwen3_checkpoint
     assert s["completed"] == 8 and s["cached_tokens"] > 0
     assert s["cached_tokens"] == metrics(server)[hits] - before
     assert s["cache_hit_rate"] == s["cached_tokens"] / s["prompt_tokens"]
+    # By source: this server has the device tier only; the rest was computed.
+    by_source = s["prompt_tokens_by_source"]
+    assert by_source["L1"] == s["cached_tokens"] and by_source["L2"] == by_source["L3"] == 0
+    assert by_source["computed"] == s["prompt_tokens"] - s["cached_tokens"]
     # --arrival fixed: request i is sent at i/20 s, never before (a loaded machine may send
     # it late, so the gaps themselves are not compared).
     starts = sorted(r["start_s"] for r in run["requests"])

@@ -22,10 +22,15 @@ from openinfer import LLM, SamplingParams
 PROMPT = list(range(100, 140))  # 40 token ids: two full blocks
 
 
-def _complete(base: str) -> tuple[str, int]:
+def _complete(base: str, **sources: int) -> tuple[str, int]:
+    """The answer's text and cached tokens; its prompt tokens by source must be ``sources``
+    (the rest computed)."""
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
                                     extra_body={"ignore_eos": True})
+    want = {"L1": 0, "L2": 0, "L3": 0, "pulled": 0, **sources}
+    want["computed"] = len(PROMPT) - sum(want.values())
+    assert out.usage.prompt_tokens_by_source == want
     return out.choices[0].text, out.usage.prompt_tokens_details.cached_tokens
 
 
@@ -99,9 +104,10 @@ def test_file_store_events_reset_and_restart(qwen3_checkpoint, tmp_path):
             f"{base}/v1/cache/reset", method="POST",
             headers={"Authorization": "Bearer admin-key"}), timeout=30).read())
         assert reset["reset"] and reset["device_blocks_cleared"] >= 2
-        assert _complete(base) == (text, 32)
+        assert _complete(base, L3=32) == (text, 32)
         metrics = _metrics(base)
         assert metrics["openinfer:prefix_cache_hits_by_tier_total[L3]"] == 32
+        assert _complete(base, L1=32) == (text, 32)
         assert metrics["openinfer:kv_transfer_bytes_total[store_to_host]"] > 0
 
         batches = _replay(replay, start=0)  # a late subscriber catches up from seq 0
@@ -124,7 +130,7 @@ def test_file_store_events_reset_and_restart(qwen3_checkpoint, tmp_path):
             stdout, stderr = inspect.communicate(timeout=120)
             assert inspect.returncode == 0 and " blocks, " in stdout, stderr
             assert "block_size=16" in stdout
-            assert _complete(base) == (text, 32)
+            assert _complete(base, L3=32) == (text, 32)
         finally:
             proc.kill()
             proc.wait()

@@ -118,7 +118,12 @@ def test_usage_reports_prefix_cache_hits_per_salt(client):
     assert other["prompt_tokens_details"]["cached_tokens"] == 0
     stream = client.completions.create(**args, **salt("usage-test"), stream=True,
                                        stream_options={"include_usage": True})
-    assert _stream_text(stream)[2]["prompt_tokens_details"]["cached_tokens"] == 32
+    streamed = _stream_text(stream)[2]
+    assert streamed["prompt_tokens_details"]["cached_tokens"] == 32
+    # Where the prompt came from: the device tier (this server has no other), the rest computed.
+    hit = {"L1": 32, "L2": 0, "L3": 0, "pulled": 0, "computed": 8}
+    assert again["prompt_tokens_by_source"] == streamed["prompt_tokens_by_source"] == hit
+    assert first["prompt_tokens_by_source"] == {**hit, "L1": 0, "computed": 40}
 
 
 @pytest.mark.slow
@@ -166,6 +171,9 @@ def test_64_concurrent_streaming_chats_match_each_run_alone(server, offline):
         async for chunk in stream:
             if chunk.usage is not None:
                 usage = chunk.usage.completion_tokens
+                sources = chunk.usage.prompt_tokens_by_source
+                assert sum(sources.values()) == chunk.usage.prompt_tokens
+                assert sources["L1"] == chunk.usage.prompt_tokens_details.cached_tokens
             for choice in chunk.choices:
                 text += choice.delta.content or ""
                 finish = choice.finish_reason or finish
@@ -699,6 +707,9 @@ def test_anthropic_messages_and_streaming(server, offline):
     # Anthropic counts cache reads apart from input_tokens.
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(ids)
     assert message.usage.output_tokens == len(expected.token_ids)
+    sources = message.usage.prompt_tokens_by_source  # openinfer's extension
+    assert sources["L1"] == message.usage.cache_read_input_tokens
+    assert sum(sources.values()) == len(ids) and sources["computed"] == message.usage.input_tokens
     assert message.stop_reason == ("max_tokens" if expected.finish_reason == "length"
                                    else "end_turn")
     with client.messages.stream(**args) as stream:

@@ -12,6 +12,7 @@ from kv_pages import assert_same_pages, prompt_pages
 
 from openinfer import LLM, SamplingParams
 from openinfer.kv.block_hash import extend_block_hashes
+from openinfer.outputs import PromptSources
 from openinfer.transfer.file_store import MAGIC, SUFFIX
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -41,11 +42,18 @@ def test_device_evictions_are_served_from_host_memory(qwen3_checkpoint, plain):
     assert core.kv.num_blocks == 12
     prompts = _prompts(4, 70, seed=1)
     expected = _tokens(plain.generate(prompts, GREEDY))
-    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    first = llm.generate(prompts, GREEDY)
+    assert _tokens(first) == expected
+    assert all(o.prompt_sources == PromptSources(computed=70) for o in first)
     again = llm.generate(prompts, GREEDY)   # the first ones were evicted from the device
     assert _tokens(again) == expected
     assert all(o.num_cached_tokens == 64 for o in again)
     assert core.kv.hit_tokens_by_tier["L2"] > 0
+    # Each request says where its prompt came from; together, what the counters say.
+    sources = [o.prompt_sources for o in again]
+    assert all(s.l1 + s.l2 == 64 and s.computed == 6 and s.l3 == s.pulled == 0 for s in sources)
+    assert sum(s.l2 for s in sources) == core.kv.hit_tokens_by_tier["L2"]
+    assert sum(s.l1 for s in sources) == core.kv.hit_tokens_by_tier["L1"]
     assert core.executor.worker.kv.mover.stats.bytes["host_to_device"] > 0
     core.check_integrity()
     # Each reloaded block lands in its place in the table: a prompt evicted from the device
