@@ -116,6 +116,9 @@ def test_a_decode_instance_with_kv_tiers_speculation_and_preemption(qwen3_checkp
         assert [a.json()["choices"][0]["text"] for a in answers] == expected[:4]
         assert all(a.headers["x-openinfer-prefill"] == prefill for a in answers)
         assert _metric(decode, "openinfer:kv_remote_blocks_pulled_total") == 4 * 6
+        # Pulled blocks are neither a hit nor computed here: the usage says so.
+        assert [a.json()["usage"]["prompt_tokens_by_source"] for a in answers] == [
+            {"L1": 0, "L2": 0, "L3": 0, "pulled": 96, "computed": 4}] * 4
         # (Decode-side preemption depends on the four pulls overlapping in time: a clean-clone
         # run saw none, so it is not asserted here; the tokens must match either way.)
         assert _metric(decode, "openinfer:spec_decode_num_draft_tokens_total") > 0
@@ -126,6 +129,10 @@ def test_a_decode_instance_with_kv_tiers_speculation_and_preemption(qwen3_checkp
         assert all(a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
                    for a in again)
         assert metrics(decode)["openinfer:prefix_cache_hits_by_tier_total[L2]"] > 0
+        sources = [a.json()["usage"]["prompt_tokens_by_source"] for a in again]
+        assert all(s["L1"] + s["L2"] == 96 and s["computed"] == 4 for s in sources)
+        assert sum(s["L2"] for s in sources) == metrics(decode)[
+            "openinfer:prefix_cache_hits_by_tier_total[L2]"]
         # A prompt it computes itself reaches its file store; L1 and L2 forgotten, it comes
         # back from L3.
         assert _complete(decode, prompts[4], max_tokens=24).json()["choices"][0]["text"] == (
