@@ -293,17 +293,14 @@ class KVCacheManager:
 
     def record_prefix_query(self, num_tokens: int, hit: PrefixHit, num_from_store: int,
                             num_from_remote: int = 0) -> dict[str, int]:
-        """Count one request's lookup in the hit-rate counters (once per request);
-        ``num_from_store`` of its L2 blocks were read from the file store for it, and the
-        last ``num_from_remote`` pulled from a prefill instance (not hits). Returns its hit
-        tokens by tier."""
+        """Count one request's lookup (once); its hit tokens by tier. Of its L2 blocks,
+        ``num_from_store`` came from the file store, the last ``num_from_remote`` were pulled."""
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += hit.num_tokens - num_from_remote * self.block_size
-        l2 = len(hit.host_slots) - num_from_store - num_from_remote
-        by_tier = {"L1": len(hit.blocks[0]) * self.block_size, "L2": l2 * self.block_size,
-                   "L3": num_from_store * self.block_size}
-        for tier, tokens in by_tier.items():
-            self.hit_tokens_by_tier[tier] += tokens
+        blocks = (len(hit.blocks[0]), len(hit.host_slots) - num_from_store - num_from_remote,
+                  num_from_store)
+        by_tier = {tier: n * self.block_size for tier, n in zip(TIERS, blocks)}
+        self.hit_tokens_by_tier = {t: n + by_tier[t] for t, n in self.hit_tokens_by_tier.items()}
         self.num_replayed_tokens += hit.num_replayed_tokens
         return by_tier
 

@@ -64,9 +64,14 @@ def _json_object(raw: bytes) -> dict | None:
 
 
 def _session(request: Request, body: dict) -> str | None:
-    """The session the affinity policy keeps together: X-Session-Id, else ``user``."""
-    session = request.headers.get("x-session-id") or body.get("user")
-    return session if isinstance(session, str) else None  # (a bad `user` is the replica's 400)
+    """The session the affinity policy keeps together: X-Session-Id, else OpenAI's
+    ``prompt_cache_key`` (its cache-routing hint), else ``user``, else Anthropic's
+    ``metadata.user_id``."""
+    metadata = body.get("metadata")
+    session = (request.headers.get("x-session-id") or body.get("prompt_cache_key")
+               or body.get("user")
+               or (metadata.get("user_id") if isinstance(metadata, dict) else None))
+    return session if isinstance(session, str) else None  # (a bad field is the replica's 400)
 
 
 @dataclass

@@ -102,7 +102,8 @@ class SamplingFields(BaseModel):
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
-    """OpenAI's cache-routing hint: prefix caching here is automatic, keyed by content."""
+    """OpenAI's cache-routing hint: prefix caching here is automatic, keyed by content; the
+    router keeps the requests of one key on one replica (router/forward.py)."""
     safety_identifier: str | None = None
     # vLLM's extras
     top_k: int | None = None

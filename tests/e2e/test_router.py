@@ -220,14 +220,15 @@ def _wait_indexed(router: str, worker: str, before: dict[str, int], grew_by: int
 
 @pytest.mark.slow
 def test_a_session_stays_on_its_replica(routers):
-    """Session affinity (x-session-id, or the body's `user`): each next request of a session
-    goes where its first went, though its prompt shares nothing cached there."""
+    """Session affinity (x-session-id, or the body's `prompt_cache_key` or `user`): each next
+    request of a session goes where its first went, though its prompt shares nothing cached
+    there."""
     router = routers["cache_aware"]
-    for s, how in enumerate(("header", "user", "header")):
+    for s, how in enumerate(("header", "user", "prompt_cache_key", "header")):
         session = f"session-{s}-{time.monotonic_ns()}"
         served = []
         for turn in range(4):
-            extra = {"user": session} if how == "user" else {}
+            extra = {how: session} if how != "header" else {}
             resp = httpx.post(f"{router}/v1/completions", timeout=120, json={
                 "model": MODEL, "prompt": f"unrelated question {turn} of {session}",
                 "max_tokens": 2, **extra},

@@ -123,3 +123,21 @@ def test_cache_aware_never_lets_load_imbalance_exceed_the_guard(ops):
             chosen.in_flight += 1
         elif r.workers[which].in_flight:
             r.workers[which].in_flight -= 1
+
+
+def test_the_session_key_is_the_header_then_prompt_cache_key_then_user_then_metadata():
+    """What the router keeps together: X-Session-Id, OpenAI's prompt_cache_key, `user`,
+    Anthropic's metadata.user_id, in that order; a value of another type is no key."""
+    from types import SimpleNamespace
+
+    from openinfer.router.forward import _session
+
+    def request(headers: dict | None = None) -> SimpleNamespace:
+        return SimpleNamespace(headers=headers or {})
+
+    body = {"prompt_cache_key": "k", "user": "u", "metadata": {"user_id": "m"}}
+    assert _session(request({"x-session-id": "h"}), body) == "h"
+    assert _session(request(), body) == "k"
+    assert _session(request(), {"user": "u", "metadata": {"user_id": "m"}}) == "u"
+    assert _session(request(), {"metadata": {"user_id": "m"}}) == "m"
+    assert _session(request(), {"user": 5, "metadata": "m"}) is None
