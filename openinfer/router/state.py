@@ -15,7 +15,7 @@ import logging
 
 import httpx
 import zmq.asyncio
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 
 from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.router.kv_events import EventFollower
@@ -26,6 +26,8 @@ from openinfer.server.anthropic_protocol import MessagesRequest, openai_tools
 from openinfer.server.limits import tenant_salt, within_tenant
 from openinfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from openinfer.server.prompt import PromptRenderer
+
+disable_created_metrics()  # no *_created series (see server/metrics.py)
 
 logger = logging.getLogger(__name__)
 HEALTH_INTERVAL_S = 1.0

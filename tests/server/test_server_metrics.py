@@ -75,6 +75,8 @@ def test_vllm_names_types_and_labels_on_every_series():
     for name, kind in VLLM_SERIES.items():
         assert types.get("vllm:" + name) == kind, name
     assert all(name.startswith("vllm:") for name in types)
+    # No creation-timestamp series beside the counters and histograms.
+    assert "_created" not in m.render().decode()
     # openinfer's own series ride along, under the same prefix and labels.
     assert types["vllm:kv_transfer_bytes_total"] == "counter"
     assert types["vllm:prefix_cache_blocks"] == "gauge"
