@@ -59,8 +59,9 @@ def add_bench_parser(subparsers) -> None:
     serve.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                        help="do not send ignore_eos/min_tokens (servers that reject them)")
     serve.add_argument("--slo", help="goodput SLOs in ms, e.g. ttft=500,tpot=50,e2e=10000")
-    serve.add_argument("--accelerator-hour-cost", type=float, default=2.0,
-                       help="USD per accelerator-hour")
+    serve.add_argument("--accelerator-hour-cost", type=float,
+                       help="USD per accelerator-hour of the hardware measured; without it "
+                            "no cost or margin is reported (revenue is, at --price)")
     serve.add_argument("--num-accelerators", type=int, default=1)
     serve.add_argument("--price", help="USD per million tokens, e.g. "
                                        "input_cache_hit=0.028,input_cache_miss=0.28,output=0.42")

@@ -99,26 +99,34 @@ def _meets(r: RequestResult, slo_ms: dict[str, float]) -> bool:
     return True
 
 
-def economics(summary: dict, prices: Prices, accelerator_hour_cost: float,
+def economics(summary: dict, prices: Prices, accelerator_hour_cost: float | None,
               num_accelerators: int = 1) -> dict:
     """What the measured throughput earns and costs per accelerator-hour at list prices.
 
     Revenue/hour = 3600 s x (hit tokens/s x hit price + miss tokens/s x miss price
-    + output tokens/s x output price) / 1e6, over the whole deployment, then per accelerator."""
+    + output tokens/s x output price) / 1e6, over the whole deployment, then per accelerator.
+    Cost, margin and cost per token need the hardware's price (None without it: no default
+    price fits both a CPU box and a GPU node)."""
     seconds = summary["duration_s"]
     hit_rate = summary["cached_tokens"] / seconds
     miss_rate = (summary["prompt_tokens"] - summary["cached_tokens"]) / seconds
     output_rate = summary["output_tokens"] / seconds
     revenue = 3600 * (hit_rate * prices.input_cache_hit + miss_rate * prices.input_cache_miss
                       + output_rate * prices.output) / 1e6
-    cost = accelerator_hour_cost * num_accelerators
-    million_per_hour = lambda rate: rate * 3600 / 1e6
-    return {
+    priced = {
         "prices_per_million": vars(prices),
         "accelerator_hour_cost": accelerator_hour_cost,
         "num_accelerators": num_accelerators,
         "revenue_per_hour": revenue,
         "revenue_per_accelerator_hour": revenue / num_accelerators,
+    }
+    if accelerator_hour_cost is None:
+        return {**priced, "cost_per_hour": None, "margin": None,
+                "cost_per_million_output_tokens": None, "cost_per_million_tokens": None}
+    cost = accelerator_hour_cost * num_accelerators
+    million_per_hour = lambda rate: rate * 3600 / 1e6
+    return {
+        **priced,
         "cost_per_hour": cost,
         "margin": (revenue - cost) / revenue if revenue else None,
         "cost_per_million_output_tokens": (cost / million_per_hour(output_rate)

@@ -75,3 +75,10 @@ def test_economics_worked_example():
     assert e["margin"] == pytest.approx((1.404 - 3.0) / 1.404)
     assert e["cost_per_million_output_tokens"] == pytest.approx(3.0 / 0.36)
     assert e["cost_per_million_tokens"] == pytest.approx(3.0 / 3.96)
+    # Without the hardware's price: revenue, and no cost or margin (no made-up default).
+    unpriced = economics(summary, Prices(0.10, 1.00, 2.00), accelerator_hour_cost=None)
+    assert unpriced["revenue_per_hour"] == pytest.approx(1.404)
+    assert unpriced["accelerator_hour_cost"] is None
+    assert all(unpriced[k] is None for k in ("cost_per_hour", "margin",
+                                             "cost_per_million_output_tokens",
+                                             "cost_per_million_tokens"))

@@ -72,6 +72,7 @@ def test_every_workload_runs_with_exact_token_counts(server, qwen3_checkpoint, t
             assert s["output_tokens"] == sum(r["expected_output_tokens"] for r in run["requests"])
             assert 0 <= s["cache_hit_rate"] <= 1 and s["ttft_ms"]["p50"] > 0
             assert run["economics"]["revenue_per_hour"] > 0
+            assert run["economics"]["margin"] is None  # no --accelerator-hour-cost given
         results[workload] = result
     random_lengths = {r["prompt_tokens"] for r in _requests(results["random"])}
     assert len(random_lengths) > 1 and all(12 <= n <= 36 for n in random_lengths)
