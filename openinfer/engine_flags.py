@@ -31,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                    "(Org/Name) or a built-in name (smollm2) "
                                    f"[default: {DEFAULT_MODEL}]")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
+    g.add_argument("--trust-remote-code", nargs=0, action=_RefuseRemoteCode,
+                   help="refused: no code from a checkpoint runs (vLLM's flag, named so a "
+                        "vLLM command line fails with this reason)")
     g.add_argument("--dtype", default="auto",
                    help="auto (on CPU: bfloat16 for a bf16 checkpoint where the CPU has AVX512_BF16 "
                         "or AMX, else float32; on CUDA: the checkpoint's), float32, bfloat16, float16")
@@ -148,6 +151,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4}\'; methods ngram, suffix, draft_model '
                         '(with "model"), mtp; "scheduler": "confidence" verifies only the '
                         'drafts that pay (see README)')
+
+
+class _RefuseRemoteCode(argparse.Action):
+    """vLLM's --trust-remote-code, refused by name: openinfer runs no code from a checkpoint."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error("--trust-remote-code: openinfer runs no code that comes with a checkpoint; "
+                     "it serves the architectures it implements itself (docs/models.md), with or "
+                     "without the checkpoint's own modeling files")
 
 
 def resolve_model_arg(args: argparse.Namespace) -> None:

@@ -84,6 +84,7 @@ NOT_IN_CONFIG = {  # engine-group flags checked elsewhere
     "--window-snapshots": "the default (its --no- form has a row)",
     "--swa-bounded-replay": "the default (the old name of --window-snapshots)",
     "--enable-chunked-prefill": "the default (its --no- form has a row)",
+    "--trust-remote-code": "refused (test_remote_code_is_refused_by_name)",
 }
 
 
@@ -143,3 +144,13 @@ def test_headless_is_refused_on_node_zero(qwen3_checkpoint):
     runs in tests/e2e/test_tensor_parallel_server.py."""
     with pytest.raises(SystemExit, match="--headless is for the nodes other than 0"):
         main(["serve", "--model", str(qwen3_checkpoint), "--headless"])
+
+
+def test_remote_code_is_refused_by_name(qwen3_checkpoint, capsys):
+    """vLLM's --trust-remote-code: a vLLM command line fails with the reason, before
+    anything loads."""
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", str(qwen3_checkpoint), "--trust-remote-code"])
+    assert exited.value.code == 2
+    assert "--trust-remote-code: openinfer runs no code that comes with a checkpoint" in \
+        capsys.readouterr().err
