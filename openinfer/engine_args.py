@@ -29,6 +29,10 @@ class EngineArgs:
 
     model: str
     tokenizer: str | None = None
+    quantization: str | None = None
+    """vLLM's --quantization: here only the checkpoint's own method, named ('fp8' for a
+    block-scaled FP8 checkpoint, 'gguf' for a GGUF file); openinfer quantizes no weights
+    itself, so any other is refused by name."""
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
@@ -147,6 +151,15 @@ class EngineArgs:
                 f"({model.max_model_len}) with chunked prefill off "
                 "(--no-enable-chunked-prefill): a longer prompt could never be scheduled; "
                 "raise --max-num-batched-tokens or lower --max-model-len")
+        if self.quantization is not None:
+            own = "gguf" if model.format == "gguf" else (
+                (model.hf_config.get("quantization_config") or {}).get("quant_method"))
+            if self.quantization != own:
+                raise ValueError(
+                    f"quantization {self.quantization!r} (--quantization): openinfer quantizes "
+                    f"no weights itself, it loads a checkpoint's own quantization (this one "
+                    f"has {repr(own) if own else 'none'}; block-scaled fp8 checkpoints are "
+                    "'fp8', GGUF files 'gguf')")
         _refuse_kv_off_device(model, {
             "kv_host_memory (--kv-host-memory)": self.kv_host_memory is not None,
             "kv_store_dir (--kv-store-dir)": self.kv_store_dir is not None,

@@ -31,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                    "(Org/Name) or a built-in name (smollm2) "
                                    f"[default: {DEFAULT_MODEL}]")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
+    g.add_argument("--quantization", "-q",
+                   help="the checkpoint's own quantization, named (fp8, gguf); openinfer "
+                        "quantizes nothing itself: any other method is refused")
     g.add_argument("--trust-remote-code", nargs=0, action=_RefuseRemoteCode,
                    help="refused: no code from a checkpoint runs (vLLM's flag, named so a "
                         "vLLM command line fails with this reason)")
@@ -171,7 +174,8 @@ def resolve_model_arg(args: argparse.Namespace) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
-        tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        tokenizer=args.tokenizer, quantization=args.quantization, dtype=args.dtype,
+        device=args.device,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -85,6 +85,8 @@ NOT_IN_CONFIG = {  # engine-group flags checked elsewhere
     "--swa-bounded-replay": "the default (the old name of --window-snapshots)",
     "--enable-chunked-prefill": "the default (its --no- form has a row)",
     "--trust-remote-code": "refused (test_remote_code_is_refused_by_name)",
+    "--quantization": "checked, not kept (test_quantization_names_the_checkpoints_own)",
+    "-q": "--quantization",
 }
 
 
@@ -154,3 +156,21 @@ def test_remote_code_is_refused_by_name(qwen3_checkpoint, capsys):
     assert exited.value.code == 2
     assert "--trust-remote-code: openinfer runs no code that comes with a checkpoint" in \
         capsys.readouterr().err
+
+
+def test_quantization_names_the_checkpoints_own(qwen3_checkpoint, tmp_path):
+    """vLLM's --quantization: the checkpoint's own method passes, anything else (a method
+    openinfer would have to apply itself) is refused by name."""
+    from conftest import fp8_checkpoint
+
+    with pytest.raises(ValueError, match=r"quantization 'awq' \(--quantization\).*has none"):
+        create_engine_config(str(qwen3_checkpoint), quantization="awq")
+    with pytest.raises(ValueError, match="quantization 'fp8'"):
+        create_engine_config(str(qwen3_checkpoint), quantization="fp8")
+    fp8 = fp8_checkpoint(qwen3_checkpoint, tmp_path / "fp8", 16)
+    assert create_engine_config(str(fp8), quantization="fp8").model.path == str(fp8)
+    with pytest.raises(ValueError, match="this one has 'fp8'"):
+        create_engine_config(str(fp8), quantization="gptq")
+    args = build_parser().parse_args(["serve", "--model", str(fp8), "-q", "fp8"])
+    resolve_model_arg(args)
+    assert engine_kwargs(args)["quantization"] == "fp8"
