@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import openinfer
+from openinfer.config_file import expand_config_file
 from openinfer.engine_flags import (
     add_engine_args,
     engine_kwargs,
@@ -320,7 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        argv = expand_config_file(parser, argv)
+    except ValueError as e:
+        parser.error(str(e))
+    args = parser.parse_args(argv)
     args.argv = argv
     if getattr(args, "log_level", None):
         configure_logging(args.log_level)

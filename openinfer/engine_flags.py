@@ -31,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                    "(Org/Name) or a built-in name (smollm2) "
                                    f"[default: {DEFAULT_MODEL}]")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
+    g.add_argument("--config", metavar="FILE",
+                   help="a YAML file of this command's flags, as vLLM's (openinfer/config_file.py); "
+                        "the command line's flags win")
     g.add_argument("--quantization", "-q",
                    help="the checkpoint's own quantization, named (fp8, gguf); openinfer "
                         "quantizes nothing itself: any other method is refused")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -87,6 +88,7 @@ NOT_IN_CONFIG = {  # engine-group flags checked elsewhere
     "--trust-remote-code": "refused (test_remote_code_is_refused_by_name)",
     "--quantization": "checked, not kept (test_quantization_names_the_checkpoints_own)",
     "-q": "--quantization",
+    "--config": "read before parsing (test_a_config_file_gives_flags_the_command_line_overrides)",
 }
 
 
@@ -174,3 +176,34 @@ def test_quantization_names_the_checkpoints_own(qwen3_checkpoint, tmp_path):
     args = build_parser().parse_args(["serve", "--model", str(fp8), "-q", "fp8"])
     resolve_model_arg(args)
     assert engine_kwargs(args)["quantization"] == "fp8"
+
+
+def test_a_config_file_gives_flags_the_command_line_overrides(qwen3_checkpoint, tmp_path,
+                                                              capsys):
+    """vLLM's --config FILE: a YAML mapping of flags (dashes or underscores), switches on and
+    off, lists and JSON mappings; the command line wins; a key the command lacks, or a file
+    that is not a mapping, is refused by name."""
+    from openinfer.config_file import expand_config_file
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {qwen3_checkpoint}\nport: 8123\nmax_num_seqs: 7\n"
+                      "enable-prefix-caching: false\nasync-scheduling: true\nbatch-invariant: false\n"
+                      "api-key: [key-a, key-b]\n"
+                      "speculative-config: {method: ngram, num_speculative_tokens: 3}\n")
+    parser = build_parser()
+    args = parser.parse_args(expand_config_file(parser, ["serve", "--config", str(config),
+                                                         "--port", "9000"]))
+    assert (args.model, args.port, args.max_num_seqs) == (str(qwen3_checkpoint), 9000, 7)
+    assert not args.enable_prefix_caching and args.async_scheduling and not args.batch_invariant
+    assert args.api_key == ["key-a", "key-b"]
+    assert json.loads(args.speculative_config) == {"method": "ngram", "num_speculative_tokens": 3}
+    resolve_model_arg(args)
+    assert create_engine_config(args.model, **engine_kwargs(args)).scheduler.max_num_seqs == 7
+    config.write_text("no-such-flag: 1\n")
+    with pytest.raises(SystemExit):
+        main(["serve", f"--config={config}"])
+    assert "'no-such-flag' is not a flag of this command" in capsys.readouterr().err
+    config.write_text("- serve\n")
+    with pytest.raises(SystemExit):
+        main(["serve", "--config", str(config)])
+    assert "want a mapping of flags to values, got list" in capsys.readouterr().err
