@@ -32,6 +32,21 @@ def default_cpu_kv_cache_memory() -> int:
     return DEFAULT_CPU_KV_CACHE_MEMORY if value is None else value
 CUDA_MEMORY_UTILIZATION = 0.9
 """Fraction of free GPU memory (after weights) given to the KV cache by default on CUDA."""
+
+
+def cuda_kv_cache_bytes(free: int, total: int, utilization: float | None) -> int:
+    """The KV pool on a CUDA device with ``free`` of ``total`` bytes free once the weights
+    are loaded: by default CUDA_MEMORY_UTILIZATION of what is free; with vLLM's
+    ``--gpu-memory-utilization`` u, what is left of u x total after everything this
+    process holds (weights, workspace), as vLLM counts it."""
+    if utilization is None:
+        return int(free * CUDA_MEMORY_UTILIZATION)
+    left = int(utilization * total) - (total - free)
+    if left <= 0:
+        raise ValueError(f"gpu_memory_utilization {utilization}: {utilization:.0%} of the GPU's "
+                         f"{total / 2**30:.1f} GiB leaves nothing for the KV cache after the "
+                         f"{(total - free) / 2**30:.1f} GiB already in use")
+    return left
 DEFAULT_KV_HOST_MEMORY_WITH_STORE = 512 * 1024**2
 """Host tier bytes when only --kv-store-dir is given: blocks read from files pass through it."""
 
@@ -134,6 +149,10 @@ class CacheConfig:
     the tokens in the same memory."""
     kv_cache_memory: int | None = None
     """Bytes for the KV block pool; None picks a default for the device (see module constants)."""
+    gpu_memory_utilization: float | None = None
+    """CUDA, vLLM's meaning: the fraction of the GPU's memory this instance may use in all,
+    the KV pool taking what the weights leave (``cuda_kv_cache_bytes``); None: 0.9 of what
+    is free after the weights."""
     enable_prefix_caching: bool = True
     """Keep full blocks under their content hash so requests with a common prefix share them."""
     kv_host_memory: int | None = None

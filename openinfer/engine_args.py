@@ -38,6 +38,7 @@ class EngineArgs:
     max_model_len: int | None = None
     # CacheConfig
     kv_cache_memory: int | None = CacheConfig.kv_cache_memory
+    gpu_memory_utilization: float | None = CacheConfig.gpu_memory_utilization
     block_size: int = CacheConfig.block_size
     kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
@@ -92,6 +93,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         device = resolve_device(self.device)
+        self._check_memory_options(device)
         if device == "cpu":  # a malformed environment fails here, not in a worker
             if self.kv_cache_memory is None:
                 default_cpu_kv_cache_memory()
@@ -109,6 +111,7 @@ class EngineArgs:
             cache=CacheConfig(
                 block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
                 kv_cache_memory=self.kv_cache_memory,
+                gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_host_memory=self.kv_host_memory, kv_store_dir=self.kv_store_dir,
                 kv_store_bytes=self.kv_store_bytes, kv_events_endpoint=self.kv_events_endpoint,
@@ -165,6 +168,22 @@ class EngineArgs:
             "kv_store_dir (--kv-store-dir)": self.kv_store_dir is not None,
             f"kv_role {self.kv_role!r} (--role)": self.kv_role != "both",
             "kv_transfer_port (--kv-transfer-port)": self.kv_transfer_port is not None})
+
+    def _check_memory_options(self, device: str) -> None:
+        """vLLM's gpu_memory_utilization: a fraction in (0, 1], on CUDA, not with an explicit
+        KV pool size."""
+        u = self.gpu_memory_utilization
+        if u is None:
+            return
+        if not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u}")
+        if self.kv_cache_memory is not None:
+            raise ValueError("give gpu_memory_utilization or kv_cache_memory, not both (the "
+                             "first sizes the KV pool from the GPU's memory, the second in bytes)")
+        if not device.startswith("cuda"):
+            raise ValueError("gpu_memory_utilization (--gpu-memory-utilization) is a fraction of "
+                             "a GPU's memory; on the CPU size the KV pool with kv_cache_memory "
+                             "(--kv-cache-memory)")
 
     def _check_parallel_options(self) -> None:
         """Refuse combinations of the parallelism options that no engine runs."""

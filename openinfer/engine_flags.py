@@ -48,6 +48,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=parse_bytes,
                    help="bytes for the KV block pool, e.g. 4GiB (default: "
                         "$OPENINFER_CPU_KV_CACHE_MEMORY or 2GiB on CPU, 90%% of free memory on CUDA)")
+    g.add_argument("--gpu-memory-utilization", type=float,
+                   help="CUDA: the fraction of the GPU's memory the instance may use, the KV "
+                        "pool taking what the weights leave (vLLM's; unset: 0.9 of the memory "
+                        "free after the weights)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="what the KV cache stores: the model's dtype (auto) or float8 (fp8 = "
@@ -180,6 +184,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tokenizer=args.tokenizer, quantization=args.quantization, dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_host_memory=args.kv_host_memory, kv_store_dir=args.kv_store_dir,

@@ -88,6 +88,7 @@ NOT_IN_CONFIG = {  # engine-group flags checked elsewhere
     "--trust-remote-code": "refused (test_remote_code_is_refused_by_name)",
     "--quantization": "checked, not kept (test_quantization_names_the_checkpoints_own)",
     "-q": "--quantization",
+    "--gpu-memory-utilization": "CUDA only (test_gpu_memory_utilization_is_vllms_and_cuda_only)",
     "--config": "read before parsing (test_a_config_file_gives_flags_the_command_line_overrides)",
 }
 
@@ -207,3 +208,26 @@ def test_a_config_file_gives_flags_the_command_line_overrides(qwen3_checkpoint, 
     with pytest.raises(SystemExit):
         main(["serve", "--config", str(config)])
     assert "want a mapping of flags to values, got list" in capsys.readouterr().err
+
+
+def test_gpu_memory_utilization_is_vllms_and_cuda_only(qwen3_checkpoint):
+    """vLLM's --gpu-memory-utilization u: the KV pool is what u x the GPU's memory leaves
+    after what the instance already holds; on the CPU, or beside --kv-cache-memory, it is
+    refused with the reason. (The CUDA path itself runs only where a GPU is lent.)"""
+    from openinfer.config import cuda_kv_cache_bytes
+
+    gib = 2**30
+    # 80 GiB, 20 GiB in use (weights): 0.9 x 80 = 72 GiB, of which 52 GiB for the KV pool.
+    assert cuda_kv_cache_bytes(60 * gib, 80 * gib, 0.9) == int(0.9 * 80 * gib) - 20 * gib
+    assert cuda_kv_cache_bytes(60 * gib, 80 * gib, None) == int(0.9 * 60 * gib)
+    with pytest.raises(ValueError, match="leaves nothing for the KV cache"):
+        cuda_kv_cache_bytes(60 * gib, 80 * gib, 0.2)
+    model = str(qwen3_checkpoint)
+    with pytest.raises(ValueError, match="on the CPU size the KV pool with kv_cache_memory"):
+        create_engine_config(model, device="cpu", gpu_memory_utilization=0.8)
+    with pytest.raises(ValueError, match="not both"):
+        create_engine_config(model, gpu_memory_utilization=0.8, kv_cache_memory=2**20)
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        create_engine_config(model, gpu_memory_utilization=1.5)
+    args = build_parser().parse_args(["serve", "--model", model, "--gpu-memory-utilization", "0.8"])
+    assert engine_kwargs(args)["gpu_memory_utilization"] == 0.8

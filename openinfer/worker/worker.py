@@ -24,9 +24,9 @@ import torch
 from openinfer import cpu_allocator
 from openinfer.attention import select_attention_backend
 from openinfer.config import (
-    CUDA_MEMORY_UTILIZATION,
     EngineConfig,
     ModelConfig,
+    cuda_kv_cache_bytes,
     default_cpu_kv_cache_memory,
 )
 from openinfer.cpu_features import cpu_capability
@@ -265,8 +265,8 @@ class Worker:
         if memory is not None:
             return memory
         if self.config.device.startswith("cuda"):
-            free, _ = torch.cuda.mem_get_info()
-            return int(free * CUDA_MEMORY_UTILIZATION)
+            free, total = torch.cuda.mem_get_info()
+            return cuda_kv_cache_bytes(free, total, self.config.cache.gpu_memory_utilization)
         return default_cpu_kv_cache_memory()
 
     def initialize_kv_cache(self, groups: list[LayerGroup], num_blocks: int) -> None:
