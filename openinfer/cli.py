@@ -119,6 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     tool_call_parser=args.tool_call_parser,
                     enable_auto_tool_choice=args.enable_auto_tool_choice,
                     reasoning_parser=args.reasoning_parser,
+                    answer_ids_cache_tokens=args.answer_ids_cache_tokens,
                     chat_template_content_format=args.chat_template_content_format)
     # SIGINT/SIGTERM: uvicorn stops accepting, waits for in-flight requests (bounded), then
     # the app's lifespan shuts the engine-core process down.
@@ -216,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSER_NAMES),
                        help="split <think>...</think> into reasoning_content: deepseek_r1, "
                             "qwen3; structured outputs then apply after the reasoning")
+    serve.add_argument("--answer-ids-cache-tokens", type=int, default=1 << 20, metavar="N",
+                       help="keep the token ids of recent chat answers (up to N ids) so a "
+                            "conversation that resends an answer runs the ids the model "
+                            "generated and hits the prefix cache through it; 0: encode the "
+                            "resent text again")
     serve.add_argument("--generation-config", default="auto",
                        help="sampling defaults for fields a request leaves unset: auto (the "
                             "model's generation_config.json), vllm (none: OpenAI's), or a folder "

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from openinfer.config import SchedulerConfig
 from openinfer.engine.request import Request, RequestStatus
-from openinfer.kv.kv_manager import KVCacheManager, PrefixHit
+from openinfer.kv.kv_manager import KVCacheManager
+from openinfer.kv.prefix_hit import PrefixHit
 from openinfer.kv.remote import KVTransferParams
 
 
@@ -133,7 +134,9 @@ class Admission:
     def _cached_prefix(self, req: Request) -> PrefixHit:
         if req.sampling_params.prompt_logprobs is not None:  # cached positions have no logits
             return PrefixHit([[] for _ in self.kv.groups], block_size=self.kv.block_size)
-        return self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
+        # (A request that pulls its prompt takes whole blocks: the pull continues the hit.)
+        tokens = req.all_token_ids if req.remote_prefill is None else None
+        return self.kv.find_cached_prefix(req.block_hashes, req.num_tokens, tokens, req.cache_salt)
 
     def _starts_store_load(self, req: Request, hit: PrefixHit) -> bool:
         """Once per request: read its prefix blocks found in the file store."""

@@ -42,8 +42,9 @@ from openinfer.engine.outputs import (
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
 from openinfer.executor import make_executor
+from openinfer.kv.cache_events import KVEvent
 from openinfer.kv.events import KVEventPublisher, to_wire
-from openinfer.kv.kv_manager import KVCacheManager, KVEvent
+from openinfer.kv.kv_manager import KVCacheManager
 from openinfer.kv.spec import SlidingWindowSpec, group_layers, page_bytes
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.confidence import PROFILE_ROWS, StepRateProfile

@@ -309,7 +309,7 @@ class Scheduler:
         """Free the request's KV and queue it again; its tokens are recomputed later
         (its blocks that were cached and not evicted meanwhile come back as hits)."""
         self.claims.settle(req, release_all=True)
-        self.kv.free(req.request_id)
+        self._free(req)
         req.num_computed_tokens = 0
         req.draft = None
         req.status = RequestStatus.PREEMPTED
@@ -402,6 +402,13 @@ class Scheduler:
             finished.append(req)
         return finished
 
+    def _free(self, req: Request) -> None:
+        """Free the request's blocks, keeping its partial last block cached (the next turn of
+        a conversation, or the request itself after a preemption, resumes there)."""
+        self.kv.keep_partial(req.request_id, req.block_hashes, req.all_token_ids,
+                             req.num_computed_tokens, req.cache_salt)
+        self.kv.free(req.request_id)
+
     def _finish(self, req: Request, status: RequestStatus) -> HeldBlocks | None:
         """End the request and free its blocks; a prefill-only request that ended normally
         keeps its prompt's cached blocks instead, returned for a decode instance to pull."""
@@ -417,7 +424,7 @@ class Scheduler:
                                                   RequestStatus.FINISHED_STOPPED):
             held = self.kv.hold(req.request_id, req.block_hashes, req.num_prompt_tokens)
         else:
-            self.kv.free(req.request_id)
+            self._free(req)
         self._forget_in_runner(req.request_id, self._dropped_since_last_step)
         del self.requests[req.request_id]
         del self._arrival_index[req.request_id]

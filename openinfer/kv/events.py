@@ -42,7 +42,7 @@ import msgpack
 import zmq
 import zmq.auth.thread
 
-from openinfer.kv.kv_manager import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from openinfer.kv.cache_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 

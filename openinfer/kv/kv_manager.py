@@ -28,58 +28,18 @@ model with window layers only) define what is "in the cache" for events and coun
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from openinfer.kv.block_hash import BlockHash
 from openinfer.kv.block_pool import BlockPool, GroupPool
+from openinfer.kv.cache_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from openinfer.kv.host_cache import HostCacheIndex
+from openinfer.kv.partial_blocks import PartialBlocks
 from openinfer.kv.plan import BlockCopy, BlockLoad, KVPlan
+from openinfer.kv.prefix_hit import PrefixHit
 from openinfer.kv.remote import KVTransferParams
-from openinfer.kv.spec import SKIPPED, LayerGroup, SlidingWindowSpec
+from openinfer.kv.spec import SKIPPED, FullAttentionSpec, LayerGroup, MLALatentSpec, SlidingWindowSpec
 
 TIERS = ("L1", "L2", "L3")
-
-
-@dataclass(frozen=True)
-class BlockStored:
-    """A full block became cached in a tier (vLLM's KV-event of the same name)."""
-    block_hash: BlockHash
-    parent_hash: BlockHash | None
-    token_ids: tuple[int, ...]
-    tier: str = "L1"
-
-
-@dataclass(frozen=True)
-class BlockRemoved:
-    block_hash: BlockHash
-    tier: str = "L1"
-
-
-@dataclass(frozen=True)
-class AllBlocksCleared:
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-@dataclass
-class PrefixHit:
-    """A request's cached prefix, tier by tier (each continues the one before)."""
-    blocks: list[list[int]]
-    """L1: device block ids per layer group."""
-    host_slots: list[tuple[BlockHash, int]] = field(default_factory=list)
-    """L2: (hash, host slot) of the blocks to copy back to the device."""
-    store_hashes: list[BlockHash] = field(default_factory=list)
-    """L3: blocks in the file store, to read into L2 before the request can start."""
-    block_size: int = 16
-    num_replayed_tokens: int = 0
-    """Tokens the full groups hold beyond the hit, recomputed for the window state."""
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the request can start after now (L1 + L2)."""
-        return (len(self.blocks[0]) + len(self.host_slots)) * self.block_size
 
 
 class KVCacheManager:
@@ -123,8 +83,11 @@ class KVCacheManager:
         """Per request: how many of its leading blocks are already in the cache index."""
         self.events: list[KVEvent] = []
         """What entered and left the cache since the last ``take_events``."""
-        anchors = set(self.anchors)
-        self.pool.on_evict = lambda group, h: group in anchors and self._on_device_evict(h)
+        self.partials = (PartialBlocks(self.pools, self.block_size) if enable_caching and all(
+            type(g.spec) in (FullAttentionSpec, MLALatentSpec) for g in groups) else None)
+        """Finished requests' partial last blocks (kv/partial_blocks.py; not with window or
+        compressed groups)."""
+        self.pool.on_evict = self._on_evict
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.hit_tokens_by_tier = dict.fromkeys(TIERS, 0)
@@ -168,17 +131,20 @@ class KVCacheManager:
         already, or the request ended first): the next step tells it to let go."""
         self.plan.releases.append(source)
 
-    def _on_device_evict(self, block_hash: BlockHash) -> None:
+    def _on_evict(self, group: int, block_hash: BlockHash) -> None:
         # A block is in L1 while every anchor group holds it: it leaves when the first one
         # evicts its page (one event, however many groups follow). The evicting pool has
-        # already dropped it.
-        if sum(block_hash in self.pools[g] for g in self.anchors) == len(self.anchors) - 1:
+        # already dropped it. Partial blocks come and go unannounced.
+        if self.partials is not None and self.partials.evicted(block_hash):
+            return
+        anchors = self.anchors
+        if group in anchors and sum(block_hash in self.pools[g] for g in anchors) == len(anchors) - 1:
             self.events.append(BlockRemoved(block_hash))
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks every anchor group holds in its prefix cache (device tier)."""
-        return min(self.pools[g].num_cached for g in self.anchors)
+        """Full blocks every anchor group holds in its prefix cache (device tier)."""
+        return min(self.pools[g].num_cached for g in self.anchors) - len(self.partials or ())
 
     @property
     def usage(self) -> float:
@@ -190,11 +156,14 @@ class KVCacheManager:
 
     # ---- prefix hits -----------------------------------------------------------------
 
-    def find_cached_prefix(self, block_hashes: list[BlockHash], num_tokens: int) -> PrefixHit:
+    def find_cached_prefix(self, block_hashes: list[BlockHash], num_tokens: int,
+                           token_ids: list[int] | None = None,
+                           cache_salt: str | None = None) -> PrefixHit:
         """The longest cached prefix of a request, through every tier.
 
-        At most ``num_tokens - 1`` tokens hit (whole blocks), so the last token is always
-        computed and yields the logits to sample from."""
+        At most ``num_tokens - 1`` tokens hit (whole blocks, then with ``token_ids`` a
+        kept partial block after a device hit), so the last token is always computed and
+        yields the logits to sample from."""
         hit = PrefixHit([[] for _ in self.groups], block_size=self.block_size)
         if not self.enable_caching:
             return hit
@@ -234,6 +203,13 @@ class KVCacheManager:
                 first = 0
             table.extend([SKIPPED] * first)
             table.extend(pool.lookup(h) for h in limit[first:l1])
+        if (self.partials is not None and token_ids is not None and l1 == i
+                and not hit.store_hashes):
+            found = self.partials.find(block_hashes, l1, token_ids, num_tokens, cache_salt)
+            if found is not None:
+                for table, block in zip(hit.blocks, found[0]):
+                    table.append(block)
+                hit.partial_rows = found[1]
         return hit
 
     def _spec(self, group: int) -> SlidingWindowSpec:
@@ -297,9 +273,9 @@ class KVCacheManager:
         ``num_from_store`` came from the file store, the last ``num_from_remote`` were pulled."""
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += hit.num_tokens - num_from_remote * self.block_size
-        blocks = (len(hit.blocks[0]), len(hit.host_slots) - num_from_store - num_from_remote,
-                  num_from_store)
-        by_tier = {tier: n * self.block_size for tier, n in zip(TIERS, blocks)}
+        blocks = (len(hit.host_slots) - num_from_store - num_from_remote, num_from_store)
+        by_tier = {"L1": hit.num_l1_tokens, **{tier: n * self.block_size
+                                               for tier, n in zip(TIERS[1:], blocks)}}
         self.hit_tokens_by_tier = {t: n + by_tier[t] for t, n in self.hit_tokens_by_tier.items()}
         self.num_replayed_tokens += hit.num_replayed_tokens
         return by_tier
@@ -335,6 +311,8 @@ class KVCacheManager:
         # shared pool would evict a later group's free cached hit, and hand it out twice.
         for hits, pool in zip(cached, self.pools):
             pool.touch([b for b in hits if b != SKIPPED])
+        if hit is not None and hit.partial_rows:
+            self.partials.take([hits[-1] for hits in cached])
         added = []
         for table, hits, n, pool in zip(tables, cached, wanted, self.pools):
             blocks = hits + pool.allocate(n)
@@ -351,7 +329,7 @@ class KVCacheManager:
                                                    for g, spec in self.windows if spec.replay_rows}
         self._tables[request_id] = tables
         if hit is not None and (hit.blocks[0] or hit.host_slots):
-            first = len(hit.blocks[0])
+            first = len(hit.blocks[0]) - bool(hit.partial_rows)
             for i, (block_hash, slot) in enumerate(hit.host_slots):
                 blocks = tuple(table[first + i] for table in tables)
                 for g, (pool, block) in enumerate(zip(self.pools, blocks)):
@@ -436,6 +414,14 @@ class KVCacheManager:
         self._num_cached_blocks[request_id] = max(done, full)
         return stored
 
+    def keep_partial(self, request_id: str, block_hashes: list[BlockHash], token_ids: list[int],
+                     num_computed_tokens: int, cache_salt: str | None) -> None:
+        """Before ``free``: keep the request's last block cached if it holds computed rows
+        short of a full block (kv/partial_blocks.py)."""
+        tables = self._tables.get(request_id)
+        if self.partials is not None and tables is not None:
+            self.partials.keep(tables, block_hashes, token_ids, num_computed_tokens, cache_salt)
+
     def free(self, request_id: str) -> None:
         """Release all of the request's blocks, tail first (so the tail is evicted first)."""
         tables = self._tables.pop(request_id, None)
@@ -478,6 +464,8 @@ class KVCacheManager:
         """Forget every cached prefix (admin reset); returns how many blocks were cached."""
         count = self.num_cached_blocks
         self.pool.reset_cache()
+        if self.partials is not None:
+            self.partials.clear()
         if self.host is not None:
             self.host.clear()
         self.events.append(AllBlocksCleared())

@@ -102,12 +102,15 @@ async def create_message(serving: OpenAIServing, body: MessagesRequest):
     tool_parser = serving.tool_parser
     plan = tool_plan(body, tool_parser.name if tool_parser else None,
                      serving.enable_auto_tool_choice)
-    token_ids = serving.renderer.anthropic_messages(body, tools=plan.tools or None)
+    encoding = serving.chat_encoding(None)
+    token_ids = serving.renderer.anthropic_messages(body, tools=plan.tools or None,
+                                                    encode=encoding)
     params = _sampling_params(body, plan, serving.sampling_defaults or {})
     serving.keep_tool_markers(params, plan)
     _, token_ids = serving.tokenized(token_ids, params, "tools", "messages")
     message_id = f"msg_{uuid.uuid4().hex}"
-    stream = serving.llm.generate(token_ids, params, message_id)
+    stream = serving.answer_ids.remembering(serving.llm.generate(token_ids, params, message_id),
+                                            encoding.text, params.cache_salt)
     message = {"id": message_id, "type": "message", "role": "assistant",
                "model": serving.model_name}
     output = ChatOutput(plan, tool_parser, None, None)

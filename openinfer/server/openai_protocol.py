@@ -324,6 +324,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     """A Jinja chat template for this request instead of the server's."""
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_ids: bool = False
+    """vLLM's: the response carries ``prompt_token_ids`` (what the engine ran) and each
+    choice its ``token_ids`` (not with ``stream``)."""
     # Refused by name when set (see REFUSED).
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -344,6 +347,9 @@ class ChatCompletionRequest(SamplingFields):
         if self.verbosity not in (None, "medium"):
             raise APIError(400, "verbosity: output verbosity controls are not supported",
                            "verbosity", code="unsupported_parameter")
+        if self.return_token_ids and self.stream:
+            raise APIError(400, "return_token_ids: not supported with stream",
+                           "return_token_ids", code="unsupported_parameter")
         if self.continue_final_message and self.add_generation_prompt:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both "
                            "be true", "continue_final_message")

@@ -15,7 +15,7 @@ which the server answers with a 400 naming ``param``.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,9 @@ from openinfer.server.chat_content import (
 )
 from openinfer.server.exceptions import PromptError
 from openinfer.server.openai_protocol import ChatCompletionRequest, TokenizeRequest
+
+ChatEncoder = Callable[[str, list[str]], list[int]]
+"""A rendered chat and its assistant messages' texts to ids (server/answer_ids.py)."""
 
 CompletionPrompt = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
 """``/v1/completions``' ``prompt``: a text, texts, token ids, or lists of token ids."""
@@ -65,8 +68,10 @@ class PromptRenderer:
              continue_final_message: bool = False, chat_template: str | None = None,
              chat_template_kwargs: Mapping[str, Any] | None = None,
              add_special_tokens: bool = False,
-             tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Chat messages through the chat template, then the tokenizer.
+             tools: list[dict[str, Any]] | None = None,
+             encode: ChatEncoder | None = None) -> list[int]:
+        """Chat messages through the chat template, then the tokenizer (or ``encode``: the
+        server's, which keeps generated answers' ids).
 
         ``add_special_tokens`` is off by default because the rendered template already
         holds the model's special tokens; a BOS added on top would double it.
@@ -87,10 +92,14 @@ class PromptRenderer:
                 tools=tools, **(chat_template_kwargs or {}))
         except Exception as e:  # a template that rejects these messages
             raise PromptError(f"chat template failed: {e}", "messages") from e
+        if encode is not None and not add_special_tokens:
+            return encode(text, [m["content"] for m in messages if m.get("role") == "assistant"
+                                 and isinstance(m.get("content"), str) and m["content"]])
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def openai_chat(self, request: ChatCompletionRequest | TokenizeRequest,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    encode: ChatEncoder | None = None) -> list[int]:
         """``/v1/chat/completions`` (and ``/tokenize`` with messages); ``tools`` as the
         template receives them (none under tool_choice "none")."""
         return self.chat(
@@ -100,10 +109,11 @@ class PromptRenderer:
             chat_template=request.chat_template,
             chat_template_kwargs=request.chat_template_kwargs,
             # /tokenize leaves it unset (None): no, as for chat completions.
-            add_special_tokens=bool(request.add_special_tokens), tools=tools)
+            add_special_tokens=bool(request.add_special_tokens), tools=tools, encode=encode)
 
     def anthropic_messages(self, request: MessagesRequest,
-                           tools: list[dict[str, Any]] | None = None) -> list[int]:
+                           tools: list[dict[str, Any]] | None = None,
+                           encode: ChatEncoder | None = None) -> list[int]:
         """``/v1/messages``: the system prompt becomes a leading system message; text blocks
         become content, ``tool_use`` blocks an assistant's ``tool_calls`` and
         ``tool_result`` blocks ``tool`` messages, as chat templates take them (OpenAI's
@@ -116,7 +126,7 @@ class PromptRenderer:
         for i, m in enumerate(request.messages):
             _check_anthropic_blocks(m.content, f"messages.{i}.content")
             chat.extend(_anthropic_to_chat(m.role, m.content))
-        return self.chat(chat, add_generation_prompt=True, tools=tools)
+        return self.chat(chat, add_generation_prompt=True, tools=tools, encode=encode)
 
     def completion(self, prompt: CompletionPrompt,
                    add_special_tokens: bool = True) -> list[RenderedPrompt]:

@@ -19,6 +19,7 @@ from openinfer.engine.async_llm import AsyncLLM
 from openinfer.engine.core_client import EngineDeadError
 from openinfer.outputs import CompletionOutput, PromptSources, RequestOutput
 from openinfer.sampling_params import SamplingParams
+from openinfer.server.answer_ids import AnswerIds, ChatEncoding
 from openinfer.server.chat_output import ChatOutput, ToolPlan, plan_tools
 from openinfer.server.exceptions import APIError
 from openinfer.server.limits import salted
@@ -56,7 +57,8 @@ class OpenAIServing:
     def __init__(self, llm: AsyncLLM, model_name: str, renderer: PromptRenderer, *,
                  sampling_defaults: dict[str, Any] | None = None,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None,
+                 answer_ids_cache_tokens: int = 0) -> None:
         self.llm = llm
         self.model_name = model_name
         self.renderer = renderer
@@ -68,6 +70,13 @@ class OpenAIServing:
                                                if tool_call_parser else None)
         self.reasoning: ReasoningParser | None = (
             get_reasoning_parser(reasoning_parser, llm.tokenizer) if reasoning_parser else None)
+        caching = llm.config.cache.enable_prefix_caching
+        self.answer_ids = AnswerIds(llm.tokenizer, answer_ids_cache_tokens if caching else 0)
+        """Generated answers' ids, for the conversations that resend them (answer_ids.py)."""
+
+    def chat_encoding(self, cache_salt: str | None) -> ChatEncoding:
+        """How a chat request's rendered prompt becomes ids (under its tenant's salt)."""
+        return ChatEncoding(self.answer_ids, salted(cache_salt))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -175,7 +184,8 @@ class OpenAIServing:
         self.check_model(body.model)
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
                           self.tool_call_parser, self.enable_auto_tool_choice)
-        token_ids = self.renderer.openai_chat(body, tools=plan.tools or None)
+        encoding = self.chat_encoding(body.cache_salt)
+        token_ids = self.renderer.openai_chat(body, tools=plan.tools or None, encode=encoding)
         # What the prompt's end says about reasoning (did the template open or close it?).
         prompt_tail = (self.llm.tokenizer.decode(token_ids[-16:]) if self.reasoning is not None
                        else None)
@@ -184,7 +194,8 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                   "model": self.model_name}
-        stream = self.llm.generate(token_ids, params, request_id)
+        stream = self.answer_ids.remembering(self.llm.generate(token_ids, params, request_id),
+                                             encoding.text, params.cache_salt)
         choices = _ChatChoices(plan, self.tool_parser, self.reasoning, prompt_tail,
                                bool(body.logprobs), body.top_logprobs or 0)
         if body.stream:
@@ -193,11 +204,13 @@ class OpenAIServing:
                                               len(token_ids))),
                 media_type="text/event-stream")
         whole = await final(stream)
-        return JSONResponse({**header, "choices": [choices.whole(c) for c in whole.outputs],
-                             "usage": usage(len(token_ids),
-                                            sum(len(c.token_ids) for c in whole.outputs),
-                                            whole.num_cached_tokens, whole.prompt_sources),
-                             **kv_transfer_field(whole)})
+        ids = body.return_token_ids
+        return JSONResponse({**header, "choices": [
+            {**choices.whole(c), **({"token_ids": c.token_ids} if ids else {})}
+            for c in whole.outputs],
+            "usage": usage(len(token_ids), sum(len(c.token_ids) for c in whole.outputs),
+                           whole.num_cached_tokens, whole.prompt_sources),
+            **({"prompt_token_ids": token_ids} if ids else {}), **kv_transfer_field(whole)})
 
     def _chat_params(self, body: ChatCompletionRequest, plan: ToolPlan,
                      prompt_tail: str | None) -> tuple[SamplingParams, str | None]:

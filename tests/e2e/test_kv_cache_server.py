@@ -1,5 +1,6 @@
 """The KV cache through the real server: file-store hits across a restart, KV events in
-vLLM's schema with replay, admin reset, and `openinfer cache inspect`."""
+vLLM's schema with replay, admin reset, `openinfer cache inspect`, and a conversation hitting
+through the answers it was given."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import msgpack
 import openai
 import pytest
 import zmq
-from server_process import MODEL, start_server
+from server_process import MODEL, start_server, start_servers
 from test_server import _metrics
 
 from openinfer import LLM, SamplingParams
@@ -137,3 +138,52 @@ def test_file_store_events_reset_and_restart(qwen3_checkpoint, tmp_path):
     finally:
         inspect.kill()
         inspect.wait()
+
+
+def _conversation(base: str, turns: int) -> list[dict]:
+    """A chat of ``turns`` requests, each resending the last one's answer as text; each turn's
+    answer with its prompt's ids (``return_token_ids``) and usage."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    history = [{"role": "user", "content": "Tell me about paged attention."}]
+    results = []
+    for turn in range(turns):
+        # Ten sampled ids of a random model: their text encodes to other ids. (Special
+        # tokens it samples stay in the text, as the ids hold them.)
+        out = client.chat.completions.create(
+            model=MODEL, messages=history, max_tokens=10, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True,
+                        "skip_special_tokens": False}).model_dump()
+        choice = out["choices"][0]
+        results.append({"prompt": out["prompt_token_ids"], "answer": choice["token_ids"],
+                        "cached": out["usage"]["prompt_tokens_details"]["cached_tokens"]})
+        history += [{"role": "assistant", "content": choice["message"]["content"]},
+                    {"role": "user", "content": f"And after step {turn}?"}]
+    return results
+
+
+def test_a_conversation_hits_through_the_answers_it_was_given(qwen3_checkpoint):
+    (base, proc), (plain_base, plain_proc) = start_servers(
+        (qwen3_checkpoint,), (qwen3_checkpoint, "--answer-ids-cache-tokens", "0"))
+    try:
+        turns = _conversation(base, 3)
+        plain = _conversation(plain_base, 3)
+    finally:
+        for p in (proc, plain_proc):
+            p.kill()
+            p.wait()
+    for last, turn in zip(turns, turns[1:]):
+        # The next prompt leads with the last one and the ids it generated, and hits all the
+        # last turn computed: its prompt and its answer but the answer's last id (which may
+        # also be a character's first byte, left out of the text).
+        ran = last["prompt"] + last["answer"][:-1]
+        assert turn["prompt"][:len(ran)] == ran
+        assert turn["cached"] == len(ran)
+    # Re-encoding the answers' text instead misses from the first one re-encoded otherwise.
+    assert any(turn["cached"] < len(last["prompt"]) + len(last["answer"]) - 1
+               for last, turn in zip(plain, plain[1:]))
+    assert [t["answer"] for t in plain[:1]] == [t["answer"] for t in turns[:1]]
+    # What a hit served is what computing it gives.
+    offline = LLM(str(qwen3_checkpoint), progress=False, enable_prefix_caching=False)
+    again = offline.generate([turns[-1]["prompt"]], SamplingParams(
+        temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0].token_ids
+    assert again == turns[-1]["answer"]

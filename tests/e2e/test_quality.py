@@ -145,3 +145,22 @@ def test_an_image_for_the_text_model_is_refused_by_name(smollm2_server):
             "role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
     assert refused.value.body["param"] == "messages.0.content.1"
     assert "image_url parts are not supported" in refused.value.body["message"]
+
+
+@pytest.mark.slow
+def test_a_conversation_hits_everything_its_last_turn_computed(smollm2_server):
+    """SmolLM2's own template and tokenizer: each turn resends the last answer as text and hits
+    the whole last turn (its prompt, and its answer to the last id computed: the EOS it stopped
+    at is not the text's, the template writes its own)."""
+    client = openai.OpenAI(base_url=f"{smollm2_server[0]}/v1", api_key="unused", max_retries=0)
+    history = [{"role": "user", "content": "Name a planet of the solar system."}]
+    last = None
+    for follow_up in ("Name another one.", "And one more?", "Thanks."):
+        out = client.chat.completions.create(model=NAME, messages=history, temperature=0,
+                                             max_tokens=24)
+        if last is not None:
+            assert out.usage.prompt_tokens_details.cached_tokens == (
+                last.usage.prompt_tokens + last.usage.completion_tokens - 1)
+        history += [{"role": "assistant", "content": out.choices[0].message.content},
+                    {"role": "user", "content": follow_up}]
+        last = out

@@ -43,10 +43,11 @@ def test_hits_from_prompts_and_from_generated_blocks_keep_greedy_tokens(qwen3_ch
     assert hit.num_cached_tokens == 64  # the four full blocks of the shared system prompt
     assert hit.outputs[0].token_ids == _alone(plain, sibling).outputs[0].token_ids
 
-    # The next turn resends the conversation: blocks filled while decoding hit too.
+    # The next turn resends the conversation: blocks filled while decoding hit too, and
+    # the partial last block (every token the first request computed: all but its last).
     turn2 = first + out.outputs[0].token_ids + _random_ids(20, seed=4)
     hit = _alone(llm, turn2)
-    assert hit.num_cached_tokens == (len(first) + 12 - 1) // 16 * 16
+    assert hit.num_cached_tokens == len(first) + 12 - 1
     assert hit.outputs[0].token_ids == _alone(plain, turn2).outputs[0].token_ids
     core = llm.engine.core
     assert core.kv.num_hit_tokens > 0 and core.kv.num_queried_tokens > core.kv.num_hit_tokens
@@ -56,6 +57,19 @@ def test_hits_from_prompts_and_from_generated_blocks_keep_greedy_tokens(qwen3_ch
     hits = core.kv.num_hit_tokens
     assert_same_pages(prompt_pages(llm, cousin), prompt_pages(plain, cousin))
     assert core.kv.num_hit_tokens - hits == 64
+
+
+def test_a_kept_partial_block_is_taken_by_one_continuation(qwen3_checkpoint, plain):
+    """Two continuations of one finished request arrive together: the first takes its partial
+    last block (and writes on it), the second recomputes those rows; both keep their tokens."""
+    llm = LLM(str(qwen3_checkpoint), progress=False)
+    first = _random_ids(40, seed=11)
+    turn = first + _alone(llm, first).outputs[0].token_ids  # 51 computed: 3 blocks + 3 rows
+    prompts = [turn + _random_ids(9, seed=12), turn + _random_ids(9, seed=13)]
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [51, 48]
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == _alone(plain, prompt).outputs[0].token_ids
 
 
 def test_cache_salt_isolates_tenants(qwen3_checkpoint):

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from openinfer.kv.block_hash import ROOT_HASH, extend_block_hashes, hash_block
 from openinfer.kv.block_pool import BlockPool
-from openinfer.kv.kv_manager import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheManager
+from openinfer.kv.cache_events import AllBlocksCleared, BlockRemoved, BlockStored
+from openinfer.kv.kv_manager import KVCacheManager
 from openinfer.kv.spec import FullAttentionSpec, group_layers
 
 BLOCK = 4
@@ -102,6 +103,7 @@ def test_random_alloc_hit_free_sequences_keep_the_pool_consistent(ops):
     live: dict[str, list[int]] = {}
     hashes: dict[str, list[bytes]] = {}
     content: dict[int, tuple[int, ...]] = {}  # block -> the tokens written when it was cached
+    partial: dict[int, tuple[int, ...]] = {}  # block -> the rows of a kept partial block
 
     def cache(rid: str) -> None:
         tokens = live[rid]
@@ -115,10 +117,13 @@ def test_random_alloc_hit_free_sequences_keep_the_pool_consistent(ops):
             tokens = [(who * n + i) % 2 for i in range(n)]
             hashes[rid] = []
             extend_block_hashes(hashes[rid], tokens, BLOCK)
-            hit = kv.find_cached_prefix(hashes[rid], len(tokens))
+            hit = kv.find_cached_prefix(hashes[rid], len(tokens), tokens)
             assert hit.num_tokens <= len(tokens) - 1
             for i, block in enumerate(hit.blocks[0]):  # a hit holds exactly the tokens asked for
-                assert content[block] == tuple(tokens[i * BLOCK:(i + 1) * BLOCK])
+                if hit.partial_rows and i == len(hit.blocks[0]) - 1:
+                    assert partial[block] == tuple(tokens[i * BLOCK:i * BLOCK + hit.partial_rows])
+                else:
+                    assert content[block] == tuple(tokens[i * BLOCK:(i + 1) * BLOCK])
             assert len(hit.blocks[0]) == len(hit.blocks[1])  # both layer groups agree
             if kv.allocate_slots(rid, len(tokens), hit) is not None:
                 live[rid] = tokens
@@ -130,6 +135,11 @@ def test_random_alloc_hit_free_sequences_keep_the_pool_consistent(ops):
                 extend_block_hashes(hashes[rid], tokens, BLOCK)
                 cache(rid)
         elif op == "free" and rid in live:
+            tokens = live[rid]
+            kv.keep_partial(rid, hashes[rid], tokens, len(tokens), None)
+            if len(tokens) % BLOCK:
+                partial[kv.block_table(rid)[0][len(tokens) // BLOCK]] = tuple(
+                    tokens[len(tokens) // BLOCK * BLOCK:])
             kv.free(rid)
             del live[rid]
         kv.check_integrity()
@@ -137,3 +147,60 @@ def test_random_alloc_hit_free_sequences_keep_the_pool_consistent(ops):
         kv.free(rid)
     kv.check_integrity()
     assert kv.usage == 0
+
+
+def _finished(kv: KVCacheManager, rid: str, tokens: list[int], salt: str | None = None) -> None:
+    """A request that computed ``tokens`` and ended."""
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, tokens, BLOCK, salt)
+    hit = kv.find_cached_prefix(hashes, len(tokens), tokens, salt)
+    assert kv.allocate_slots(rid, len(tokens), hit) is not None
+    kv.cache_blocks(rid, hashes, tokens, len(tokens))
+    kv.keep_partial(rid, hashes, tokens, len(tokens), salt)
+    kv.free(rid)
+
+
+def _hit(kv: KVCacheManager, tokens: list[int], salt: str | None = None):
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, tokens, BLOCK, salt)
+    return kv.find_cached_prefix(hashes, len(tokens), tokens, salt)
+
+
+def test_a_partial_last_block_is_kept_taken_once_and_evicted_without_events():
+    kv = _manager(10, groups=2)
+    _finished(kv, "a", list(range(10)))      # two full blocks, then 2 rows
+    assert kv.num_cached_blocks == 2          # partial blocks are not counted as cached
+    assert [type(e) for e in kv.events] == [BlockStored] * 2
+    turn2 = list(range(10)) + [50, 51, 52]
+    hit = _hit(kv, turn2)
+    assert (hit.num_tokens, hit.partial_rows, len(hit.blocks[1])) == (10, 2, 3)
+    assert _hit(kv, list(range(10))).num_tokens == 8   # its last token is computed
+    assert _hit(kv, list(range(9)) + [7, 7]).num_tokens == 8  # other rows: no hit
+    assert _hit(kv, turn2, salt="t").num_tokens == 0   # nor under another tenant's salt
+    assert kv.allocate_slots("b", len(turn2), hit) is not None
+    assert kv.block_table("b")[0][2] == hit.blocks[0][2]  # taken, written on by "b" ...
+    assert _hit(kv, turn2).num_tokens == 8    # ... so nobody else finds it
+    assert kv.record_prefix_query(len(turn2), hit, 0)["L1"] == 10
+    kv.free("b")
+    _finished(kv, "c", [9, 9, 9, 9, 9, 9])    # one full block, then 2 rows
+    kv.events.clear()
+    assert len(kv.partials) == 1
+    full = kv.num_cached_blocks
+    assert kv.allocate_slots("d", 20) is not None  # every block: the cache is emptied
+    assert all(isinstance(e, BlockRemoved) for e in kv.events)
+    assert len(kv.events) == full == len({e.block_hash for e in kv.events})  # full blocks, once
+    assert len(kv.partials) == 0 and kv.pool.num_cached == 0
+    kv.free("d")
+    _finished(kv, "e", list(range(6)))
+    assert len(kv.partials) == 1 and kv.reset_cache() == 1 and len(kv.partials) == 0
+    kv.check_integrity()
+
+
+def test_window_groups_keep_no_partial_blocks():
+    from openinfer.kv.spec import SlidingWindowSpec
+
+    kv = KVCacheManager(group_layers([FullAttentionSpec(BLOCK, 1, 8, "float32"),
+                                      SlidingWindowSpec(BLOCK, 2, 8, "float32", 8)]), 8)
+    assert kv.partials is None
+    _finished(kv, "a", list(range(10)))
+    assert _hit(kv, list(range(12))).num_tokens == 8

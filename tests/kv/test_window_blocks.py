@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from openinfer.kv.block_hash import extend_block_hashes
-from openinfer.kv.kv_manager import BlockRemoved, BlockStored, KVCacheManager
+from openinfer.kv.cache_events import BlockRemoved, BlockStored
+from openinfer.kv.kv_manager import KVCacheManager
 from openinfer.kv.spec import (
     SKIPPED,
     FullAttentionSpec,
