@@ -120,6 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     enable_auto_tool_choice=args.enable_auto_tool_choice,
                     reasoning_parser=args.reasoning_parser,
                     answer_ids_cache_tokens=args.answer_ids_cache_tokens,
+                    tool_call_kv_retention_s=args.tool_call_kv_retention,
                     chat_template_content_format=args.chat_template_content_format)
     # SIGINT/SIGTERM: uvicorn stops accepting, waits for in-flight requests (bounded), then
     # the app's lifespan shuts the engine-core process down.
@@ -222,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "conversation that resends an answer runs the ids the model "
                             "generated and hits the prefix cache through it; 0: encode the "
                             "resent text again")
+    serve.add_argument("--tool-call-kv-retention", type=float, default=300.0, metavar="SECONDS",
+                       help="an answer that ends in a tool call pins its conversation's KV for "
+                            "this long (kept in the host and file tiers while the client runs "
+                            "the tool; under --kv-pin-memory); 0: off")
     serve.add_argument("--generation-config", default="auto",
                        help="sampling defaults for fields a request leaves unset: auto (the "
                             "model's generation_config.json), vllm (none: OpenAI's), or a folder "

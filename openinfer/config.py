@@ -161,6 +161,12 @@ class CacheConfig:
     """Directory of tier L3, the file store (local disk, or a shared 3FS/NFS mount)."""
     kv_store_bytes: int = 16 * 1024**3
     """Most bytes the file store may hold; least recently used blocks are deleted past it."""
+    kv_pin_memory: int | None = None
+    """Most bytes of KV that prompts may pin in all (prompt caching: Anthropic's
+    ``cache_control``, OpenAI's ``prompt_cache_retention``); None: half the host tier, or half
+    the device pool without one."""
+    kv_pin_memory_per_key: int | None = None
+    """Most bytes of KV one API key's prompts may pin; None: a quarter of ``kv_pin_memory``."""
     kv_events_endpoint: str | None = None
     """ZMQ PUB address for KV events (vLLM's schema), e.g. tcp://*:5557; None: off."""
     kv_events_replay_endpoint: str | None = None

@@ -45,6 +45,8 @@ class EngineArgs:
     kv_host_memory: int | None = CacheConfig.kv_host_memory
     kv_store_dir: str | None = CacheConfig.kv_store_dir
     kv_store_bytes: int = CacheConfig.kv_store_bytes
+    kv_pin_memory: int | None = CacheConfig.kv_pin_memory
+    kv_pin_memory_per_key: int | None = CacheConfig.kv_pin_memory_per_key
     kv_events_endpoint: str | None = CacheConfig.kv_events_endpoint
     kv_events_replay_endpoint: str | None = CacheConfig.kv_events_replay_endpoint
     kv_events_topic: str = CacheConfig.kv_events_topic
@@ -115,6 +117,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_host_memory=self.kv_host_memory, kv_store_dir=self.kv_store_dir,
                 kv_store_bytes=self.kv_store_bytes, kv_events_endpoint=self.kv_events_endpoint,
+                kv_pin_memory=self.kv_pin_memory, kv_pin_memory_per_key=self.kv_pin_memory_per_key,
                 kv_events_replay_endpoint=self.kv_events_replay_endpoint,
                 kv_events_topic=self.kv_events_topic, window_snapshots=self.window_snapshots,
                 window_snapshot_interval=self.window_snapshot_interval),

@@ -68,6 +68,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                           "shared 3FS/NFS mount); survives restarts")
     g.add_argument("--kv-store-bytes", type=parse_bytes, default="16GiB",
                    help="most bytes the file store holds")
+    g.add_argument("--kv-pin-memory", type=parse_bytes,
+                   help="most KV bytes prompts may pin in all (Anthropic cache_control, OpenAI "
+                        "prompt_cache_retention); default: half the host tier, else half the "
+                        "device pool")
+    g.add_argument("--kv-pin-memory-per-key", type=parse_bytes,
+                   help="most KV bytes one API key's prompts may pin (default: a quarter of "
+                        "--kv-pin-memory)")
     g.add_argument("--kv-events-endpoint", help="publish KV events (vLLM's schema) on this ZMQ "
                                                 "PUB address, e.g. tcp://*:5557 (port *: a "
                                                 "free one, shown on GET /kv_events)")
@@ -189,6 +196,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         kv_host_memory=args.kv_host_memory, kv_store_dir=args.kv_store_dir,
         kv_store_bytes=args.kv_store_bytes, kv_events_endpoint=args.kv_events_endpoint,
+        kv_pin_memory=args.kv_pin_memory, kv_pin_memory_per_key=args.kv_pin_memory_per_key,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic, window_snapshots=args.window_snapshots,
         window_snapshot_interval=args.window_snapshot_interval,

@@ -100,5 +100,8 @@ class RequestOutput:
     """Prompt tokens served from the prefix cache (the first sample's, when n > 1)."""
     prompt_sources: PromptSources | None = None
     """Where the prompt's tokens came from, by tier (the first sample's, when n > 1)."""
+    pinned_tokens: list[int] | None = None
+    """Per ``SamplingParams.cache_pins`` entry, the prompt tokens it pinned (whole blocks;
+    0 where a cap refused it); None without pins."""
     kv_transfer_params: dict | None = None
     """A prefill-only request's held KV: where a decode instance pulls it from."""

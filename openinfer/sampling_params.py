@@ -56,6 +56,15 @@ class SamplingParams:
     cache_salt: str | None = None
     """Prefix-cache isolation key (e.g. per tenant): requests with different salts never
     share cached KV, even for identical prompts."""
+    cache_pins: list[list] | None = None
+    """Prompt caching's breakpoints: ``[num_tokens, ttl_s]`` pairs (at most 4), each keeping
+    the prompt's first ``num_tokens`` tokens (its whole blocks) cached for ``ttl_s`` seconds
+    from when they are computed or hit: kept in the host and file tiers until then (the device
+    may let them go under pressure). Refreshed by every request that pins them again. A pin
+    past the engine's caps (``--kv-pin-memory``, per owner and in all) is not taken;
+    ``RequestOutput.pinned_tokens`` says what was."""
+    cache_pin_owner: str | None = None
+    """Whose pin cap the pins count against (the server passes the API key's tenant)."""
     kv_transfer_params: KVTransferParams | dict | None = None
     """Disaggregation: {"do_remote_decode": true} asks a prefill instance to hold the
     prompt's KV for pickup; a prefill instance's answer (remote_host, remote_port,
@@ -100,6 +109,12 @@ class SamplingParams:
         self.structured_outputs = StructuredOutputsParams.parse(self.structured_outputs)
         _require(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
                 "cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
+        if self.cache_pins is not None:
+            self.cache_pins = [list(pin) for pin in self.cache_pins]
+            _require(len(self.cache_pins) <= 4 and all(
+                len(pin) == 2 and _is_int(pin[0]) and pin[0] >= 1 and _is_number(pin[1])
+                and pin[1] > 0 for pin in self.cache_pins), "cache_pins",
+                f"must be at most 4 [num_tokens >= 1, ttl_s > 0] pairs, got {self.cache_pins!r}")
         _require(
             self.truncate_prompt_tokens is None
             or (_is_int(self.truncate_prompt_tokens)

@@ -33,6 +33,8 @@ ROWS: list[tuple[tuple[str, ...], str, object]] = [
     (("--kv-host-memory", "5MiB"), "cache.kv_host_memory", 5 * 2**20),
     (("--kv-store-dir", "/tmp/store"), "cache.kv_store_dir", "/tmp/store"),
     (("--kv-store-bytes", "7MiB"), "cache.kv_store_bytes", 7 * 2**20),
+    (("--kv-pin-memory", "6MiB"), "cache.kv_pin_memory", 6 * 2**20),
+    (("--kv-pin-memory-per-key", "2MiB"), "cache.kv_pin_memory_per_key", 2 * 2**20),
     (("--kv-events-endpoint", "tcp://127.0.0.1:5999"), "cache.kv_events_endpoint",
      "tcp://127.0.0.1:5999"),
     (("--kv-events-replay-endpoint", "tcp://127.0.0.1:5998"), "cache.kv_events_replay_endpoint",

@@ -30,7 +30,7 @@ from concurrent.futures import Future
 
 import torch
 
-from openinfer.config import EngineConfig
+from openinfer.config import CacheConfig, EngineConfig
 from openinfer.cpu_features import cpu_model_name
 from openinfer.engine.kv_connector import KVConnector
 from openinfer.engine.outputs import (
@@ -42,9 +42,12 @@ from openinfer.engine.outputs import (
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
 from openinfer.executor import make_executor
+from openinfer.kv.block_hash import extend_block_hashes
 from openinfer.kv.cache_events import KVEvent
 from openinfer.kv.events import KVEventPublisher, to_wire
+from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.kv_manager import KVCacheManager
+from openinfer.kv.pins import PinLimits
 from openinfer.kv.spec import SlidingWindowSpec, group_layers, page_bytes
 from openinfer.sampling_params import SamplingParams
 from openinfer.spec.confidence import PROFILE_ROWS, StepRateProfile
@@ -93,6 +96,7 @@ class EngineCore:
                                    else None)
         self.connector = KVConnector(config, self.executor, self.kv, self.scheduler, groups)
         """The core's half of the KV connector: the tiers and disaggregation."""
+        self.kv.pins.limits = pin_limits(cache, num_blocks, page_bytes(groups), self.kv.host)
         self.num_aborted = 0
         """Live requests ended from outside (a client gone, a stop string met)."""
         self.structured: StructuredOutputManager | None = None
@@ -290,6 +294,15 @@ class EngineCore:
         self._flush_events()
         return count
 
+    def pin_tokens(self, token_ids: list[int], cache_salt: str | None, ttl_s: float,
+                   owner: str | None) -> int:
+        """Pin the cached whole blocks of ``token_ids`` (a finished request's prompt and
+        output, under its salt) for ``ttl_s`` seconds (kv/pins.py); returns the tokens
+        pinned. The server keeps an agent's context so while its tool call runs."""
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, token_ids, self.kv.block_size, cache_salt)
+        return self.kv.pin_prefix(hashes, len(token_ids), ttl_s, owner, time.time())
+
     def stats(self) -> dict:
         """Scheduler and KV-cache figures, as running totals (for /metrics)."""
         s, kv = self.scheduler, self.kv
@@ -301,6 +314,7 @@ class EngineCore:
             "prefix_cache_queries": kv.num_queried_tokens, "prefix_cache_hits": kv.num_hit_tokens,
             "prefix_cache_hits_by_tier": dict(kv.hit_tokens_by_tier),
             "prefix_cache_blocks": kv.num_cached_blocks,
+            "kv_pinned_blocks": len(kv.pins), "kv_pins_refused": kv.pins.num_refused,
             "prompt_tokens_computed": s.num_prompt_tokens_computed,
             "gc_frozen_objects": gc.get_freeze_count(),
         }
@@ -350,3 +364,15 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+def pin_limits(cache: CacheConfig, num_blocks: int, block_bytes: int,
+               host: HostCacheIndex | None) -> PinLimits:
+    """``--kv-pin-memory`` (per key and in all) in blocks: by default half the tier that keeps
+    pinned blocks (the host tier when there is one, else the device pool), a quarter of that
+    per key."""
+    held = host.num_slots if host is not None else num_blocks
+    total = held // 2 if cache.kv_pin_memory is None else cache.kv_pin_memory // block_bytes
+    per_key = (total // 4 if cache.kv_pin_memory_per_key is None
+               else cache.kv_pin_memory_per_key // block_bytes)
+    return PinLimits(total, min(per_key, total))

@@ -120,15 +120,16 @@ class EngineCoreClient:
         if request_ids and self._dead is None:
             self._send(protocol.ABORT, list(request_ids))
 
-    async def call(self, method: str, timeout_s: float = 60.0):
-        """Run an admin method in the core between steps (e.g. reset_prefix_cache)."""
+    async def call(self, method: str, *args: object, timeout_s: float = 60.0):
+        """Run a utility method in the core between steps (e.g. reset_prefix_cache), with
+        msgpack-safe ``args``."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         call_id = self._next_call_id
         self._next_call_id += 1
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send(protocol.UTILITY, {"call_id": call_id, "method": method})
+        self._send(protocol.UTILITY, {"call_id": call_id, "method": method, "args": list(args)})
         try:
             reply = await asyncio.wait_for(future, timeout_s)
         finally:

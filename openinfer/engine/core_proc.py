@@ -110,7 +110,8 @@ def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid
             periodic.record(sum(len(o.new_token_ids) for o in step_outputs), stats)
 
 
-UTILITY_METHODS = {"reset_prefix_cache": EngineCore.reset_prefix_cache, "stats": EngineCore.stats}
+UTILITY_METHODS = {"reset_prefix_cache": EngineCore.reset_prefix_cache, "stats": EngineCore.stats,
+                   "pin_tokens": EngineCore.pin_tokens}
 
 
 def _call(core: EngineCore, body: dict) -> dict:
@@ -119,6 +120,6 @@ def _call(core: EngineCore, body: dict) -> dict:
     if method is None:
         return {"call_id": body["call_id"], "error": f"unknown method {body['method']!r}"}
     try:
-        return {"call_id": body["call_id"], "result": method(core)}
+        return {"call_id": body["call_id"], "result": method(core, *body.get("args", ()))}
     except Exception as e:  # an admin call must not take the engine down
         return {"call_id": body["call_id"], "error": f"{type(e).__name__}: {e}"}

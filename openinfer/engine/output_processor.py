@@ -76,6 +76,7 @@ class _RequestState:
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int | None = None
     prompt_sources: PromptSources | None = None
+    pinned_tokens: list[int] | None = None
     kv_transfer_params: dict | None = None
 
 
@@ -124,6 +125,7 @@ class OutputProcessor:
             if state.num_cached_tokens is None and (out.new_token_ids or out.finish_reason):
                 state.num_cached_tokens = out.num_cached_tokens
                 state.prompt_sources = out.prompt_sources
+                state.pinned_tokens = out.pinned_tokens
             if out.kv_transfer_params is not None:  # the offline API's (and vLLM's) plain dict
                 state.kv_transfer_params = out.kv_transfer_params.to_dict()
             if out.first_scheduled_time is not None:  # the earliest of its samples'
@@ -211,7 +213,7 @@ class OutputProcessor:
                 prompt_token_ids=state.prompt_token_ids, outputs=deltas,
                 prompt_logprobs=prompt_logprobs, finished=finished, metrics=state.metrics,
                 num_cached_tokens=state.num_cached_tokens or 0,
-                prompt_sources=state.prompt_sources,
+                prompt_sources=state.prompt_sources, pinned_tokens=state.pinned_tokens,
                 kv_transfer_params=state.kv_transfer_params if finished else None)
         completions = [
             CompletionOutput(
@@ -234,5 +236,6 @@ class OutputProcessor:
             metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens or 0,
             prompt_sources=state.prompt_sources,
+            pinned_tokens=state.pinned_tokens,
             kv_transfer_params=state.kv_transfer_params,
         )

@@ -118,6 +118,9 @@ class EngineCoreOutput:
     """Prompt tokens the request took from the prefix cache."""
     prompt_sources: PromptSources | None = None
     """Where its prompt's tokens came from, by tier (None before it was scheduled)."""
+    pinned_tokens: list[int] | None = None
+    """Per ``cache_pins`` entry, the prompt tokens pinned (0: refused by a cap); on its
+    outputs up to its first token."""
     kv_transfer_params: KVTransferParams | None = None
     """On the last output of a prefill-only request: where a decode instance pulls its KV
     (set by the engine core's KV connector, which leases the blocks)."""

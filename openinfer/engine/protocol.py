@@ -64,12 +64,13 @@ def pack_output(out: EngineCoreOutput) -> list:
             prompt, out.finish_reason, out.stop_reason, out.num_cached_tokens,
             None if out.kv_transfer_params is None else out.kv_transfer_params.to_dict(),
             out.first_scheduled_time,
-            None if out.prompt_sources is None else out.prompt_sources.to_wire()]
+            None if out.prompt_sources is None else out.prompt_sources.to_wire(),
+            out.pinned_tokens]
 
 
 def unpack_output(packed: list) -> EngineCoreOutput:
     (request_id, tokens, logprobs, prompt, finish_reason, stop_reason, num_cached, kv,
-     scheduled, sources) = packed
+     scheduled, sources, pinned) = packed
     return EngineCoreOutput(
         request_id=request_id,
         new_token_ids=tokens,
@@ -82,4 +83,5 @@ def unpack_output(packed: list) -> EngineCoreOutput:
         kv_transfer_params=KVTransferParams.parse(kv),
         first_scheduled_time=scheduled,
         prompt_sources=None if sources is None else PromptSources(*sources),
+        pinned_tokens=pinned,
     )

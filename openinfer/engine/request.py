@@ -51,6 +51,9 @@ class Request:
     """Where its prompt's tokens came from, by tier (set when first scheduled)."""
     first_scheduled_time: float | None = None
     """time.monotonic() when the scheduler first gave it tokens (None until then)."""
+    pinned_tokens: list[int] = field(default_factory=list)
+    """Per ``cache_pins`` entry taken so far, the tokens it pinned (a pin is taken once its
+    tokens are computed)."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Content hashes of the request's full blocks (prompt, then outputs)."""
     store_load_tried: bool = False

@@ -128,6 +128,7 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._dropped_since_last_step,
                               step_id=next(self._step_ids))
         self._dropped_since_last_step = set()
+        self.kv.pins.expire(time.time())
         budget, preempted = self._schedule_running(out, in_flight)
         if self.spec is not None:
             out.draft_budget = self.spec.draft_budget
@@ -360,6 +361,7 @@ class Scheduler:
                 self.kv.cache_blocks(request_id, req.block_hashes, req.all_token_ids,
                                      req.num_computed_tokens)
                 self.claims.settle(req)
+                self._pin(req)
             prompt_logprobs = result.prompt_logprobs.get(request_id)
             if not new_tokens and prompt_logprobs is None:
                 continue
@@ -375,6 +377,8 @@ class Scheduler:
                 stop_reason=req.stop_reason,
                 num_cached_tokens=max(0, req.num_cached_tokens),
                 prompt_sources=req.prompt_tokens_by_source,
+                pinned_tokens=list(req.pinned_tokens) if req.sampling_params.cache_pins
+                and len(req.output_token_ids) <= 1 else None,
                 # Until the front end has seen its first token (then it is known there).
                 first_scheduled_time=req.first_scheduled_time
                 if len(req.output_token_ids) <= 1 else None,
@@ -402,11 +406,24 @@ class Scheduler:
             finished.append(req)
         return finished
 
+    def _pin(self, req: Request) -> None:
+        """Take the request's prompt pins (``cache_pins``) whose tokens it has computed."""
+        pins = req.sampling_params.cache_pins or ()
+        while len(req.pinned_tokens) < len(pins):
+            num_tokens, ttl_s = pins[len(req.pinned_tokens)]
+            num_tokens = min(num_tokens, req.num_prompt_tokens)
+            if req.num_computed_tokens < num_tokens:
+                return
+            req.pinned_tokens.append(self.kv.pin_prefix(
+                req.block_hashes, num_tokens, ttl_s, req.sampling_params.cache_pin_owner,
+                time.time()))
+
     def _free(self, req: Request) -> None:
         """Free the request's blocks, keeping its partial last block cached (the next turn of
         a conversation, or the request itself after a preemption, resumes there)."""
-        self.kv.keep_partial(req.request_id, req.block_hashes, req.all_token_ids,
-                             req.num_computed_tokens, req.cache_salt)
+        if self.kv.partials is not None:
+            self.kv.partials.keep(self.kv.block_table(req.request_id), req.block_hashes,
+                                  req.all_token_ids, req.num_computed_tokens, req.cache_salt)
         self.kv.free(req.request_id)
 
     def _finish(self, req: Request, status: RequestStatus) -> HeldBlocks | None:

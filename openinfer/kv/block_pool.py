@@ -10,6 +10,7 @@ blocks wait in eviction order (first = reused next):
 Uncached blocks go to the front when freed, so reusing them never pushes a cached
 prefix out; cached blocks go to the back, a request's tail before its head, so a
 finished request loses its private tail before the head it shares with others.
+Pinned blocks (kv/pins.py) wait apart and are reused only when no other block is free.
 
 One pool serves every layer group of a model (each group's device tensor is a view of
 one buffer of ``num_blocks`` pages): a block id belongs to one group at a time, and each
@@ -34,6 +35,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free_pinned: OrderedDict[int, None] = OrderedDict()
+        """Free blocks holding pinned content: reused last."""
+        self._pinned: set[int] = set()
         self._ref_count = [0] * num_blocks
         self._hash_of: list[tuple[int, BlockHash] | None] = [None] * num_blocks
         """(layer group, content hash) of each cached block."""
@@ -45,7 +49,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks that can be allocated now (free, cached or not)."""
-        return len(self._free)
+        return len(self._free) + len(self._free_pinned)
 
     @property
     def num_cached(self) -> int:
@@ -60,16 +64,16 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests (cached free blocks count as free)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free / self.num_blocks
 
     # ---- plain allocation ------------------------------------------------------------
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"BlockPool: asked for {n} blocks, {len(self._free)} free")
+        if n > self.num_free:
+            raise RuntimeError(f"BlockPool: asked for {n} blocks, {self.num_free} free")
         blocks = []
         for _ in range(n):
-            block, _ = self._free.popitem(last=False)
+            block, _ = (self._free or self._free_pinned).popitem(last=False)
             self._evict(block)
             self._ref_count[block] = 1
             blocks.append(block)
@@ -81,7 +85,9 @@ class BlockPool:
             if self._ref_count[b] <= 0:
                 raise RuntimeError(f"BlockPool: block {b} freed more often than allocated")
             self._ref_count[b] -= 1
-            if self._ref_count[b] == 0:
+            if self._ref_count[b] == 0 and b in self._pinned:
+                self._free_pinned[b] = None
+            elif self._ref_count[b] == 0:
                 self._free[b] = None
                 if self._hash_of[b] is None:
                     self._free.move_to_end(b, last=False)
@@ -102,7 +108,7 @@ class BlockPool:
         """Take a reference to cached blocks (a prefix hit), reviving free ones."""
         for b in blocks:
             if self._ref_count[b] == 0:
-                del self._free[b]
+                del (self._free_pinned if b in self._pinned else self._free)[b]
             self._ref_count[b] += 1
 
     def cache(self, block: int, block_hash: BlockHash, group: int = 0) -> bool:
@@ -116,6 +122,16 @@ class BlockPool:
         index[block_hash] = block
         return True
 
+    def set_pinned(self, block: int, pinned: bool) -> None:
+        """Whether a cached block's content is pinned (a free one is then reused last)."""
+        if pinned == (block in self._pinned) or (pinned and self._hash_of[block] is None):
+            return
+        src, dst = (self._free, self._free_pinned) if pinned else (self._free_pinned, self._free)
+        (self._pinned.add if pinned else self._pinned.discard)(block)
+        if block in src:
+            del src[block]
+            dst[block] = None
+
     def uncache(self, block: int) -> None:
         """Forget the content hash of a held block (told to ``on_evict``): freed, it is
         reused first."""
@@ -126,6 +142,8 @@ class BlockPool:
         count = self.num_cached
         for index in self._block_of:
             index.clear()
+        for block in list(self._pinned):
+            self.set_pinned(block, False)
         self._hash_of = [None] * self.num_blocks
         return count
 
@@ -133,6 +151,7 @@ class BlockPool:
         key = self._hash_of[block]
         if key is None:
             return
+        self.set_pinned(block, False)
         self._hash_of[block] = None
         del self._block_of[key[0]][key[1]]
         if self.on_evict is not None:
@@ -140,8 +159,9 @@ class BlockPool:
 
     def check_integrity(self, held: dict[int, int] | None = None) -> None:
         """Assert free list, refcounts and cache index agree (and match ``held``)."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is on the free list twice"
+        free = set(self._free) | set(self._free_pinned)
+        assert len(free) == self.num_free, "a block is on the free list twice"
+        assert set(self._free_pinned) <= self._pinned and not self._pinned & set(self._free)
         for b, count in enumerate(self._ref_count):
             assert count >= 0, f"block {b} has a negative refcount"
             assert (count == 0) == (b in free), f"block {b}: refcount {count} vs free list"

@@ -4,7 +4,8 @@ The host pool (tensor side: kv/transfer.py) has ``num_slots`` slots, each one wh
 block of every layer. Blocks are written through: when a device block becomes cached
 its bytes are copied to a slot at the start of the next step, so evicting it from the
 device later costs nothing and a hit here is one copy back. Slots are reused least
-recently used first; a pinned slot (a copy to or from a file in flight) is never reused.
+recently used first; a pinned slot (a copy to or from a file in flight) is never reused,
+nor a slot whose block ``keep`` names (a pinned prefix, kv/pins.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class HostCacheIndex:
         self._free = list(range(num_slots - 1, -1, -1))
         self._pins = [0] * num_slots
         self.on_evict: Callable[[BlockHash], None] | None = None
+        self.keep: Callable[[BlockHash], bool] = lambda block_hash: False
 
     @property
     def num_used(self) -> int:
@@ -47,7 +49,8 @@ class HostCacheIndex:
         if self._free:
             slot = self._free.pop()
         else:
-            victim = next((h for h, s in self._slot_of.items() if not self._pins[s]), None)
+            victim = next((h for h, s in self._slot_of.items()
+                           if not self._pins[s] and not self.keep(h)), None)
             if victim is None:
                 return None
             slot = self._slot_of.pop(victim)

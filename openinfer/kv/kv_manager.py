@@ -34,6 +34,7 @@ from openinfer.kv.block_pool import BlockPool, GroupPool
 from openinfer.kv.cache_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from openinfer.kv.host_cache import HostCacheIndex
 from openinfer.kv.partial_blocks import PartialBlocks
+from openinfer.kv.pins import PinLimits, PinTable
 from openinfer.kv.plan import BlockCopy, BlockLoad, KVPlan
 from openinfer.kv.prefix_hit import PrefixHit
 from openinfer.kv.remote import KVTransferParams
@@ -44,11 +45,13 @@ TIERS = ("L1", "L2", "L3")
 
 class KVCacheManager:
     def __init__(self, groups: list[LayerGroup], num_blocks: int, enable_caching: bool = True,
-                 snapshot_interval: int | None = None, lends_windows: bool = False) -> None:
+                 snapshot_interval: int | None = None, lends_windows: bool = False,
+                 pin_limits: PinLimits | None = None) -> None:
         """``snapshot_interval``: window groups keep pages cached only at window snapshots
         every that many tokens (and at a request's last full block); None: every page.
         ``lends_windows`` (an instance that serves KV to decode instances): window groups
-        release nothing, so every block of a held request can be lent whole."""
+        release nothing, so every block of a held request can be lent whole.
+        ``pin_limits``: how many blocks prompts may pin (kv/pins.py), per owner and in all."""
         if not groups:
             raise ValueError("the model has no KV cache layers")
         sizes = {g.spec.block_size for g in groups}
@@ -83,11 +86,11 @@ class KVCacheManager:
         """Per request: how many of its leading blocks are already in the cache index."""
         self.events: list[KVEvent] = []
         """What entered and left the cache since the last ``take_events``."""
+        # Freed requests' partial last blocks (not for window or compressed groups).
         self.partials = (PartialBlocks(self.pools, self.block_size) if enable_caching and all(
             type(g.spec) in (FullAttentionSpec, MLALatentSpec) for g in groups) else None)
-        """Finished requests' partial last blocks (kv/partial_blocks.py; not with window or
-        compressed groups)."""
         self.pool.on_evict = self._on_evict
+        self.pins = PinTable(pin_limits or PinLimits(num_blocks // 2, num_blocks // 8), self.pools)
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.hit_tokens_by_tier = dict.fromkeys(TIERS, 0)
@@ -115,6 +118,7 @@ class KVCacheManager:
         self.can_pull = can_pull
         if host is not None:
             host.on_evict = lambda h: self.events.append(BlockRemoved(h, "L2"))
+            host.keep = self.pins.__contains__
 
     def take_plan(self) -> KVPlan:
         """The byte movement decided since the last call (for this step's SchedulerOutput)."""
@@ -399,6 +403,7 @@ class KVCacheManager:
             if not all(new[g] for g in self.anchors):
                 continue
             stored.append(block_hashes[i])
+            self.pins.cached_again(block_hashes[i])  # (after the device let it go)
             bs = self.block_size
             parent, tokens = block_hashes[i - 1] if i else None, tuple(token_ids[i * bs:(i + 1) * bs])
             self.events.append(BlockStored(block_hashes[i], parent, tokens))
@@ -414,13 +419,18 @@ class KVCacheManager:
         self._num_cached_blocks[request_id] = max(done, full)
         return stored
 
-    def keep_partial(self, request_id: str, block_hashes: list[BlockHash], token_ids: list[int],
-                     num_computed_tokens: int, cache_salt: str | None) -> None:
-        """Before ``free``: keep the request's last block cached if it holds computed rows
-        short of a full block (kv/partial_blocks.py)."""
-        tables = self._tables.get(request_id)
-        if self.partials is not None and tables is not None:
-            self.partials.keep(tables, block_hashes, token_ids, num_computed_tokens, cache_salt)
+    # ---- pinned prefixes ---------------------------------------------------------------
+
+    def pin_prefix(self, block_hashes: list[BlockHash], num_tokens: int, ttl_s: float,
+                   owner: str | None, now: float) -> int:
+        """Pin the cached whole blocks of a prompt's first ``num_tokens`` tokens until
+        ``now + ttl_s`` (kv/pins.py); returns the tokens pinned (0: refused by a cap)."""
+        cached = lambda h: (all(h in self.pools[g] for g in self.anchors)  # noqa: E731
+                            or (self.host is not None and h in self.host))
+        pinned = self.pins.pin_cached(block_hashes[:num_tokens // self.block_size], cached,
+                                      ttl_s, owner, now) if self.enable_caching else []
+        self.plan.pins += pinned
+        return len(pinned) * self.block_size
 
     def free(self, request_id: str) -> None:
         """Release all of the request's blocks, tail first (so the tail is evicted first)."""
@@ -466,6 +476,7 @@ class KVCacheManager:
         self.pool.reset_cache()
         if self.partials is not None:
             self.partials.clear()
+        self.pins.clear()
         if self.host is not None:
             self.host.clear()
         self.events.append(AllBlocksCleared())

@@ -7,6 +7,7 @@ carried in ``SchedulerOutput.kv``, done by the worker that owns the tensors.
     reads    file store or prefill instance -> reserved host slots, asynchronously; each
              finishes with a ``finish_load`` on the scheduler a later step
     releases prefill instances whose blocks this side turned out not to need
+    pins     (hash, until): the file store keeps these blocks' files until then
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class KVPlan:
     loads: list[BlockCopy] = field(default_factory=list)
     reads: list[BlockLoad] = field(default_factory=list)
     releases: list[KVTransferParams] = field(default_factory=list)
+    pins: list[tuple[BlockHash, float]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.stores or self.loads or self.reads or self.releases)
+        return bool(self.stores or self.loads or self.reads or self.releases or self.pins)

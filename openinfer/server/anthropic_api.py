@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +19,12 @@ from openinfer.engine.core_client import EngineDeadError
 from openinfer.kv.remote import KVTransferParams
 from openinfer.outputs import CompletionOutput, RequestOutput
 from openinfer.sampling_params import SamplingParams
+from openinfer.server import prompt_caching
 from openinfer.server.anthropic_protocol import MessagesRequest, openai_tools
 from openinfer.server.chat_output import ChatOutput, ToolPlan, plan_tools
 from openinfer.server.error_bodies import anthropic_error_body
 from openinfer.server.exceptions import APIError
+from openinfer.server.limits import PIN_OWNER
 from openinfer.server.openai_protocol import kv_transfer_field, structured_param
 from openinfer.server.serving import OpenAIServing
 from openinfer.server.streaming import final
@@ -75,11 +77,10 @@ def _stop(c: CompletionOutput, tool_use: bool = False) -> tuple[str, str | None]
     return "end_turn", None
 
 
-def _input_usage(prompt_tokens: int, out: RequestOutput) -> dict:
-    # Anthropic counts cache reads apart: input_tokens are the prompt tokens not read from cache.
-    cached = out.num_cached_tokens
-    body = {"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0}
+def _input_usage(prompt_tokens: int, out: RequestOutput,
+                 points: list[prompt_caching.Breakpoint]) -> dict:
+    # Anthropic counts cache reads and writes apart from input_tokens (server/prompt_caching.py).
+    body = prompt_caching.usage(prompt_tokens, out.num_cached_tokens, points, out.pinned_tokens)
     if out.prompt_sources is not None:  # openinfer's: by KV tier, pulled, computed
         body["prompt_tokens_by_source"] = out.prompt_sources.as_dict()
     return body
@@ -102,10 +103,17 @@ async def create_message(serving: OpenAIServing, body: MessagesRequest):
     tool_parser = serving.tool_parser
     plan = tool_plan(body, tool_parser.name if tool_parser else None,
                      serving.enable_auto_tool_choice)
+    points = prompt_caching.breakpoints(body)
     encoding = serving.chat_encoding(None)
     token_ids = serving.renderer.anthropic_messages(body, tools=plan.tools or None,
                                                     encode=encoding)
+    shown = prompt_caching.pins(
+        body, points, serving.renderer, plan.tools or None, encoding.text,
+        lambda text: serving.answer_ids.encode(text, (), encoding.salt)) if points else []
     params = _sampling_params(body, plan, serving.sampling_defaults or {})
+    if shown:
+        params.cache_pins, params.cache_pin_owner = [pin for _, pin in shown], PIN_OWNER.get()
+    points = [point for point, _ in shown]
     serving.keep_tool_markers(params, plan)
     _, token_ids = serving.tokenized(token_ids, params, "tools", "messages")
     message_id = f"msg_{uuid.uuid4().hex}"
@@ -115,15 +123,20 @@ async def create_message(serving: OpenAIServing, body: MessagesRequest):
                "model": serving.model_name}
     output = ChatOutput(plan, tool_parser, None, None)
     if body.stream:
-        return StreamingResponse(_message_events(stream, message, output, len(token_ids)),
+        retain = lambda ids: serving.retain(  # noqa: E731
+            token_ids + ids, params.cache_salt, params.cache_pin_owner)
+        return StreamingResponse(_message_events(stream, message, output, len(token_ids),
+                                                 points, retain),
                                  media_type="text/event-stream")
     whole = await final(stream)
     out = whole.outputs[0]
     content = _content_blocks(output.message(out.text))
     stop_reason, stop_sequence = _stop(out, output.has_tool_calls)
+    if stop_reason == "tool_use":
+        serving.retain(token_ids + out.token_ids, params.cache_salt, params.cache_pin_owner)
     return JSONResponse({**message, "content": content,
                          "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                         "usage": {**_input_usage(len(token_ids), whole),
+                         "usage": {**_input_usage(len(token_ids), whole, points),
                                    "output_tokens": len(out.token_ids)},
                          **kv_transfer_field(whole)})
 
@@ -169,29 +182,33 @@ class _Blocks:
         return events
 
 
-def _message_start(message: dict, prompt_tokens: int, delta: RequestOutput) -> list[str]:
+def _message_start(message: dict, prompt_tokens: int, delta: RequestOutput,
+                   points: list[prompt_caching.Breakpoint]) -> list[str]:
     """The opening events, at the first delta (when the cache hit is known)."""
     return [_event("message_start", {"message": {
                 **message, "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": {**_input_usage(prompt_tokens, delta),
+                "usage": {**_input_usage(prompt_tokens, delta, points),
                           "output_tokens": 0}}}),
             _event("content_block_start", {"index": 0, "content_block": {
                 "type": "text", "text": ""}})]
 
 
 async def _message_events(stream: AsyncIterator[RequestOutput], message: dict,
-                          output: ChatOutput, prompt_tokens: int) -> AsyncIterator[str]:
-    output_tokens, last, started = 0, None, False
+                          output: ChatOutput, prompt_tokens: int,
+                          points: list[prompt_caching.Breakpoint],
+                          on_tool_use: Callable[[list[int]], None]) -> AsyncIterator[str]:
+    output_tokens, last, started, ids = 0, None, False, []
     blocks = _Blocks()
     try:
         async with contextlib.aclosing(stream):
             async for delta in stream:
                 if not started:
                     started = True
-                    for event in _message_start(message, prompt_tokens, delta):
+                    for event in _message_start(message, prompt_tokens, delta, points):
                         yield event
                 for c in delta.outputs:
                     output_tokens += len(c.token_ids)
+                    ids += c.token_ids
                     last = c
                     pieces = output.feed(c.text)
                     if c.finish_reason is not None:
@@ -207,6 +224,8 @@ async def _message_events(stream: AsyncIterator[RequestOutput], message: dict,
         return
     yield _event("content_block_stop", {"index": blocks.index})
     stop_reason, stop_sequence = _stop(last, output.has_tool_calls)
+    if stop_reason == "tool_use":
+        on_tool_use(ids)
     yield _event("message_delta", {
         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
         "usage": {"output_tokens": output_tokens}})

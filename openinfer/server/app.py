@@ -37,6 +37,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
               enable_auto_tool_choice: bool = False,
               reasoning_parser: str | None = None,
               answer_ids_cache_tokens: int = 0,
+              tool_call_kv_retention_s: float = 0.0,
               chat_template_content_format: str = "auto") -> FastAPI:
     """The API over ``llm``. ``sampling_defaults`` fill the sampling fields a request leaves
     unset (the model's generation config under ``--generation-config auto``); ``on_ready``
@@ -44,7 +45,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
     ``<metrics_prefix>:...`` and labels them ``engine=metrics_engine`` (server/metrics.py).
     ``tool_call_parser``, ``enable_auto_tool_choice`` and ``reasoning_parser`` are vLLM's
     serve options of those names (server/chat_output.py), ``chat_template_content_format``
-    too (server/chat_content.py). ``answer_ids_cache_tokens``: server/answer_ids.py."""
+    too (server/chat_content.py). ``answer_ids_cache_tokens``: server/answer_ids.py;
+    ``tool_call_kv_retention_s``: ``OpenAIServing.retain``."""
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await llm.start()
@@ -73,7 +75,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
                             tool_call_parser=tool_call_parser,
                             enable_auto_tool_choice=enable_auto_tool_choice,
                             reasoning_parser=reasoning_parser,
-                            answer_ids_cache_tokens=answer_ids_cache_tokens)
+                            answer_ids_cache_tokens=answer_ids_cache_tokens,
+                            tool_call_kv_retention_s=tool_call_kv_retention_s)
     _install_engine_routes(app, llm, metrics)
     _install_openai_routes(app, serving)
     install_anthropic_routes(app, serving)

@@ -27,6 +27,11 @@ TENANT_SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("tenant
 are salted per API key; the handler's task inherits it)."""
 
 
+PIN_OWNER: contextvars.ContextVar[str | None] = contextvars.ContextVar("pin_owner", default=None)
+"""Whose cap a request's prompt-caching pins count against: its API key's tenant (set by the
+middleware when the server has API keys)."""
+
+
 def salted(cache_salt: str | None) -> str | None:
     """A request's ``cache_salt`` within its tenant's: blocks hashed under one API key never
     match another's, so a tenant cannot hit, or time, another's cached prefix."""
@@ -140,6 +145,8 @@ class Admission:
         limits = self.limits
         if limits.cache_salt_per_api_key:
             TENANT_SALT.set(tenant_salt(bearer_token(request)))
+        if limits.api_keys:
+            PIN_OWNER.set(tenant_salt(bearer_token(request)))
         if not is_generation(scope["method"], scope["path"]):
             await self.app(scope, receive, send)
             return

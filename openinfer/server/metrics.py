@@ -291,6 +291,8 @@ class _EngineStats(Collector):
          "last counted them"),
         ("kv_leases", "kv_leases", "Finished prompts whose KV a prefill instance holds for "
          "decode instances to pull"),
+        ("kv_pinned_blocks", "kv_pinned_blocks", "Blocks pinned by prompt caching or tool-call "
+         "retention, until their TTLs end"),
         ("gc_frozen_objects", "gc_frozen_objects", "Objects the engine-core process froze out "
          "of Python's garbage collection at start-up"),
     )
@@ -302,6 +304,8 @@ class _EngineStats(Collector):
          "Prefix cache hits, in terms of number of cached tokens."),
         ("kv_store_read_failures", "kv_store_read_failures",
          "Store files rejected (corrupt, truncated, other model)"),
+        ("kv_pins_refused", "kv_pins_refused",
+         "Pins not taken because they would pass --kv-pin-memory (per key or in all)"),
         ("kv_host_stores_skipped", "kv_host_stores_skipped",
          "Cached blocks not offloaded to host memory (every slot pinned)"),
         ("kv_store_writes_skipped", "kv_store_writes_skipped",

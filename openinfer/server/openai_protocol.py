@@ -27,6 +27,9 @@ from openinfer.sampling_params import SamplingParams
 from openinfer.server.exceptions import APIError
 from openinfer.structured.params import StructuredOutputsParams
 
+PROMPT_PIN_TOKENS = 1 << 30
+"""A pin of the whole prompt (the engine pins at most the prompt's tokens)."""
+
 # Caps on what one request may ask for (beyond them: a 400 naming the field and the cap).
 # A request's cost is bounded by them and the body size (--max-body-bytes): no single
 # client can queue unbounded work with one call.
@@ -104,6 +107,9 @@ class SamplingFields(BaseModel):
     prompt_cache_key: str | None = None
     """OpenAI's cache-routing hint: prefix caching here is automatic, keyed by content; the
     router keeps the requests of one key on one replica (router/forward.py)."""
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    """OpenAI's: ``24h`` pins the prompt's blocks for 24 hours (kept in the host and file
+    tiers, under ``--kv-pin-memory``; kv/pins.py); ``in_memory`` is the default caching."""
     safety_identifier: str | None = None
     # vLLM's extras
     top_k: int | None = None
@@ -227,6 +233,8 @@ class SamplingFields(BaseModel):
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words, truncate_prompt_tokens=self.truncate_prompt_tokens,
             priority=self.priority, cache_salt=self.cache_salt,
+            cache_pins=[[PROMPT_PIN_TOKENS, 86400.0]] if self.prompt_cache_retention == "24h"
+            else None,
             kv_transfer_params=KVTransferParams.parse(self.kv_transfer_params),
             structured_outputs=structured_outputs,
         )
@@ -326,7 +334,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: bool = False
     """vLLM's: the response carries ``prompt_token_ids`` (what the engine ran) and each
-    choice its ``token_ids`` (not with ``stream``)."""
+    choice its ``token_ids`` (streamed: the first chunk, and each delta's)."""
     # Refused by name when set (see REFUSED).
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -347,9 +355,6 @@ class ChatCompletionRequest(SamplingFields):
         if self.verbosity not in (None, "medium"):
             raise APIError(400, "verbosity: output verbosity controls are not supported",
                            "verbosity", code="unsupported_parameter")
-        if self.return_token_ids and self.stream:
-            raise APIError(400, "return_token_ids: not supported with stream",
-                           "return_token_ids", code="unsupported_parameter")
         if self.continue_final_message and self.add_generation_prompt:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both "
                            "be true", "continue_final_message")

@@ -76,6 +76,19 @@ class PromptRenderer:
         ``add_special_tokens`` is off by default because the rendered template already
         holds the model's special tokens; a BOS added on top would double it.
         """
+        messages = self._chat_messages(messages, chat_template)
+        text = self.chat_text(messages, add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final_message,
+                              chat_template=chat_template,
+                              chat_template_kwargs=chat_template_kwargs, tools=tools)
+        if encode is not None and not add_special_tokens:
+            return encode(text, [m["content"] for m in messages if m.get("role") == "assistant"
+                                 and isinstance(m.get("content"), str) and m["content"]])
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _chat_messages(self, messages: Sequence[Mapping[str, Any]],
+                       chat_template: str | None) -> list[dict[str, Any]]:
+        """The messages as the template takes them (content parts joined or not)."""
         if self.tokenizer is None:
             raise PromptError("chat needs a tokenizer", "messages")
         template = chat_template or self.chat_template
@@ -84,18 +97,22 @@ class PromptRenderer:
                               "--chat-template or use /v1/completions", "messages")
         content_format = resolve_content_format(
             self.content_format, template or self.tokenizer.chat_template)
-        messages = chat_messages(messages, content_format)
+        return chat_messages(messages, content_format)
+
+    def chat_text(self, messages: Sequence[Mapping[str, Any]], *,
+                  add_generation_prompt: bool = True, continue_final_message: bool = False,
+                  chat_template: str | None = None,
+                  chat_template_kwargs: Mapping[str, Any] | None = None,
+                  tools: list[dict[str, Any]] | None = None) -> str:
+        """The rendered chat template (``messages`` as ``_chat_messages`` gives them)."""
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=template,
-                tools=tools, **(chat_template_kwargs or {}))
+                continue_final_message=continue_final_message,
+                chat_template=chat_template or self.chat_template, tools=tools,
+                **(chat_template_kwargs or {}))
         except Exception as e:  # a template that rejects these messages
             raise PromptError(f"chat template failed: {e}", "messages") from e
-        if encode is not None and not add_special_tokens:
-            return encode(text, [m["content"] for m in messages if m.get("role") == "assistant"
-                                 and isinstance(m.get("content"), str) and m["content"]])
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def openai_chat(self, request: ChatCompletionRequest | TokenizeRequest,
                     tools: list[dict[str, Any]] | None = None,
@@ -114,10 +131,21 @@ class PromptRenderer:
     def anthropic_messages(self, request: MessagesRequest,
                            tools: list[dict[str, Any]] | None = None,
                            encode: ChatEncoder | None = None) -> list[int]:
-        """``/v1/messages``: the system prompt becomes a leading system message; text blocks
-        become content, ``tool_use`` blocks an assistant's ``tool_calls`` and
-        ``tool_result`` blocks ``tool`` messages, as chat templates take them (OpenAI's
-        shape). ``tools``: OpenAI-shaped, for the template."""
+        """``/v1/messages`` (``anthropic_chat``); ``tools``: OpenAI-shaped, for the template."""
+        return self.chat(self.anthropic_chat(request), add_generation_prompt=True, tools=tools,
+                         encode=encode)
+
+    def anthropic_text(self, request: MessagesRequest,
+                       tools: list[dict[str, Any]] | None = None) -> str:
+        """``/v1/messages``' rendered template (where prompt caching finds its breakpoints)."""
+        return self.chat_text(self._chat_messages(self.anthropic_chat(request), None),
+                              tools=tools)
+
+    @staticmethod
+    def anthropic_chat(request: MessagesRequest) -> list[dict[str, Any]]:
+        """The system prompt becomes a leading system message; text blocks become content,
+        ``tool_use`` blocks an assistant's ``tool_calls`` and ``tool_result`` blocks ``tool``
+        messages, as chat templates take them (OpenAI's shape)."""
         chat: list[dict[str, Any]] = []
         if request.system is not None:
             if not isinstance(request.system, str):
@@ -126,7 +154,7 @@ class PromptRenderer:
         for i, m in enumerate(request.messages):
             _check_anthropic_blocks(m.content, f"messages.{i}.content")
             chat.extend(_anthropic_to_chat(m.role, m.content))
-        return self.chat(chat, add_generation_prompt=True, tools=tools, encode=encode)
+        return chat
 
     def completion(self, prompt: CompletionPrompt,
                    add_special_tokens: bool = True) -> list[RenderedPrompt]:

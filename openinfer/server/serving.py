@@ -7,9 +7,10 @@ Anthropic Messages API (server/anthropic_api.py) call it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from openinfer.sampling_params import SamplingParams
 from openinfer.server.answer_ids import AnswerIds, ChatEncoding
 from openinfer.server.chat_output import ChatOutput, ToolPlan, plan_tools
 from openinfer.server.exceptions import APIError
-from openinfer.server.limits import salted
+from openinfer.server.limits import PIN_OWNER, salted
 from openinfer.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,6 +48,8 @@ from openinfer.server.streaming import (
 )
 from openinfer.server.tool_parsers import ToolParser, get_tool_parser
 
+logger = logging.getLogger(__name__)
+
 
 class OpenAIServing:
     """``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``, ``/detokenize`` and
@@ -58,7 +61,8 @@ class OpenAIServing:
                  sampling_defaults: dict[str, Any] | None = None,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
                  reasoning_parser: str | None = None,
-                 answer_ids_cache_tokens: int = 0) -> None:
+                 answer_ids_cache_tokens: int = 0,
+                 tool_call_kv_retention_s: float = 0.0) -> None:
         self.llm = llm
         self.model_name = model_name
         self.renderer = renderer
@@ -73,6 +77,26 @@ class OpenAIServing:
         caching = llm.config.cache.enable_prefix_caching
         self.answer_ids = AnswerIds(llm.tokenizer, answer_ids_cache_tokens if caching else 0)
         """Generated answers' ids, for the conversations that resend them (answer_ids.py)."""
+        self.tool_call_kv_retention_s = tool_call_kv_retention_s if caching else 0.0
+        self._retaining: set[asyncio.Task] = set()
+
+    def retain(self, token_ids: list[int], cache_salt: str | None, owner: str | None) -> None:
+        """An answer ended in a tool call: pin the conversation's KV (its prompt and answer)
+        for ``--tool-call-kv-retention`` seconds, so the agent's context waits in the host
+        and file tiers while the client runs the tool and comes back. In the background: the
+        answer is not held up by it, and a failure only loses the retention."""
+        if self.tool_call_kv_retention_s <= 0:
+            return
+
+        async def pin() -> None:
+            try:
+                await self.llm.client.call("pin_tokens", token_ids, cache_salt,
+                                           self.tool_call_kv_retention_s, owner)
+            except Exception as e:  # an engine gone, a call timed out
+                logger.warning("tool-call KV retention not taken: %s", e)
+        task = asyncio.create_task(pin())
+        self._retaining.add(task)
+        task.add_done_callback(self._retaining.discard)
 
     def chat_encoding(self, cache_salt: str | None) -> ChatEncoding:
         """How a chat request's rendered prompt becomes ids (under its tenant's salt)."""
@@ -123,6 +147,7 @@ class OpenAIServing:
         if llm.client.dead_reason is not None:  # fail before a stream sends its 200
             raise EngineDeadError(llm.client.dead_reason)
         params.cache_salt = salted(params.cache_salt)  # within the API key's, if so salted
+        params.cache_pin_owner = PIN_OWNER.get()
         if not isinstance(prompt, str):
             # Checked here, not left to the engine's ValueError, to carry OpenAI's code as the
             # max_tokens check below does (clients tell an overflow from other 400s by it).
@@ -200,14 +225,20 @@ class OpenAIServing:
                                bool(body.logprobs), body.top_logprobs or 0)
         if body.stream:
             return StreamingResponse(
-                with_error_event(_chat_events(stream, header, choices, body.include_usage,
-                                              len(token_ids))),
+                with_error_event(_chat_events(
+                    stream, header, choices, body.include_usage, token_ids,
+                    body.return_token_ids, lambda ids: self.retain(
+                        token_ids + ids, params.cache_salt, params.cache_pin_owner))),
                 media_type="text/event-stream")
         whole = await final(stream)
         ids = body.return_token_ids
+        answers = [choices.whole(c) for c in whole.outputs]
+        for c, answer in zip(whole.outputs, answers):
+            if answer["finish_reason"] == "tool_calls":
+                self.retain(token_ids + c.token_ids, params.cache_salt, params.cache_pin_owner)
         return JSONResponse({**header, "choices": [
-            {**choices.whole(c), **({"token_ids": c.token_ids} if ids else {})}
-            for c in whole.outputs],
+            {**answer, **({"token_ids": c.token_ids} if ids else {})}
+            for c, answer in zip(whole.outputs, answers)],
             "usage": usage(len(token_ids), sum(len(c.token_ids) for c in whole.outputs),
                            whole.num_cached_tokens, whole.prompt_sources),
             **({"prompt_token_ids": token_ids} if ids else {}), **kv_transfer_field(whole)})
@@ -319,36 +350,55 @@ class _ChatChoices:
 
 
 async def _chat_events(stream: AsyncIterator[RequestOutput], header: dict, choices: _ChatChoices,
-                       include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
+                       include_usage: bool, prompt_ids: list[int],
+                       return_token_ids: bool = False,
+                       on_tool_calls: Callable[[list[int]], None] | None = None,
+                       ) -> AsyncIterator[str]:
+    """The chunks of a streamed chat; with ``return_token_ids`` (vLLM's), the first chunk
+    carries ``prompt_token_ids`` and each delta's first chunk its ``token_ids``.
+    ``on_tool_calls`` gets the ids of each sample that ends in tool calls."""
     chunk = {**header, "object": "chat.completion.chunk"}
     outs: dict[int, ChatOutput] = {}
     completion_tokens = cached = 0
     sources: PromptSources | None = None
 
     def event(index: int, delta: dict, finish: str | None = None,
-              logprobs: dict | None = None) -> str:
+              logprobs: dict | None = None, **extra: Any) -> str:
         return sse({**chunk, "choices": [{"index": index, "delta": delta,
-                                          "finish_reason": finish, "logprobs": logprobs}]})
+                                          "finish_reason": finish, "logprobs": logprobs,
+                                          **extra}]})
+    first = {"prompt_token_ids": prompt_ids} if return_token_ids else {}
+    ids: dict[int, list[int]] = {}
     async for _, delta in merged([stream]):
         cached = delta.num_cached_tokens
         sources = delta.prompt_sources or sources
         for c in delta.outputs:
             completion_tokens += len(c.token_ids)
+            ids.setdefault(c.index, []).extend(c.token_ids)
             if c.index not in outs:
                 outs[c.index] = choices.output()
-                yield event(c.index, {"role": "assistant", "content": ""})
+                yield sse({**chunk, "choices": [{"index": c.index, "finish_reason": None,
+                                                 "logprobs": None, "delta": {
+                                                     "role": "assistant", "content": ""}}],
+                           **first})
+                first = {}
             out = outs[c.index]
             pieces = out.feed(c.text)
             if c.finish_reason is not None:
                 pieces += out.finish()
             logprobs = choices.logprobs_of(c)
-            if logprobs is not None and not pieces:
+            if (logprobs is not None or return_token_ids and c.token_ids) and not pieces:
                 pieces = [{"content": ""}]
+            delta_ids = {"token_ids": c.token_ids} if return_token_ids else {}
             for i, piece in enumerate(pieces):
-                yield event(c.index, piece, None, logprobs if i == 0 else None)
+                yield event(c.index, piece, None, logprobs if i == 0 else None,
+                            **(delta_ids if i == 0 else {}))
             if c.finish_reason is not None:
-                yield event(c.index, {}, choices.finish_reason(c, out))
+                finish = choices.finish_reason(c, out)
+                if finish == "tool_calls" and on_tool_calls is not None:
+                    on_tool_calls(ids[c.index])
+                yield event(c.index, {}, finish)
     if include_usage:
         yield sse({**chunk, "choices": [],
-                   "usage": usage(prompt_tokens, completion_tokens, cached, sources)})
+                   "usage": usage(len(prompt_ids), completion_tokens, cached, sources)})
     yield DONE

@@ -18,7 +18,10 @@ never read under another.
 Writes go to a temporary file in the same directory and are renamed into place, so a
 reader (this process or another sharing the directory) sees a whole file or none.
 The store is bounded by ``capacity_bytes``: when a write takes it over, the least
-recently used files (by mtime, which a read refreshes) are deleted down to 90%.
+recently used files (by mtime, which a read refreshes) are deleted down to 90%. A pinned
+block's file (a prompt-caching pin, kv/pins.py) has its mtime set to when the pin ends: the
+collector never deletes a file dated in the future, whichever process pinned it, and a
+restarted engine finds it still there.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import json
 import os
 import struct
 import threading
+import time
 import uuid
 import zlib
 from dataclasses import dataclass
@@ -130,6 +134,8 @@ class FileStore:
         self.num_deleted_bad = 0
         self.num_evicted = 0
         self._lock = threading.Lock()
+        self._pins: dict[BlockHash, float] = {}
+        """Pins of blocks not written yet: hash -> until (applied when written)."""
 
     def write_probe(self) -> str:
         """A file of this process's own name in the directory, for the engine core to look
@@ -163,10 +169,26 @@ class FileStore:
             self._delete(tmp)
             raise
         with self._lock:  # I/O threads write concurrently; the budget is counted under it
+            until = self._pins.pop(block_hash, None)
+            if until is not None:
+                _date(path, until)
             self.bytes_used += _file_size(path)
             if self.bytes_used > self.capacity_bytes:
                 self._collect_garbage()
         return True
+
+    def pin(self, block_hash: BlockHash, until: float) -> None:
+        """Keep the block's file until ``until`` (unix time): its mtime moves there (never
+        back). A block not written yet is dated when it is."""
+        path = self.path_of(block_hash)
+        with self._lock:
+            try:
+                _date(path, until)
+            except FileNotFoundError:
+                if len(self._pins) > 65536:  # (blocks never written: drop the ended pins)
+                    now = time.time()
+                    self._pins = {h: t for h, t in self._pins.items() if t > now}
+                self._pins[block_hash] = max(until, self._pins.get(block_hash, 0.0))
 
     def read(self, block_hash: BlockHash) -> bytes:
         """The block's payload; raises StoreFileError (deleting the file) if it is bad,
@@ -179,7 +201,7 @@ class FileStore:
             self._delete(path)
             self.num_deleted_bad += 1
             raise
-        os.utime(path)  # recently used: last to be collected
+        _date(path, time.time())  # recently used: last to be collected (a pinned one stays)
         return payload
 
     def _verify(self, data: bytes, block_hash: BlockHash) -> bytes:
@@ -223,8 +245,9 @@ class FileStore:
         self.bytes_used = sum(size for _, size, _ in entries)
         entries.sort()
         target = int(self.capacity_bytes * 0.9)
-        for _, size, path in entries:
-            if self.bytes_used <= target:
+        now = time.time()
+        for mtime, size, path in entries:
+            if self.bytes_used <= target or mtime > now:  # (the rest are pinned)
                 break
             self._delete(path)
             self.bytes_used -= size
@@ -237,6 +260,12 @@ class FileStore:
     def _delete(path: Path) -> None:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+def _date(path: Path, when: float) -> None:
+    """Move the file's mtime forward to ``when`` (FileNotFoundError if it is gone)."""
+    if path.stat().st_mtime < when:
+        os.utime(path, (when, when))
 
 
 def _file_size(path: Path) -> int:

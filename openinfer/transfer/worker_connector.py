@@ -96,6 +96,8 @@ class WorkerKVConnector:
         if self.mover.store is not None and get_cp().rank == 0:
             for copy in plan.stores:
                 self.mover.submit_write(copy.block_hash, copy.slot)
+            for block_hash, until in plan.pins:
+                self.mover.store.pin(block_hash, until)
         self.mover.copy_to_device(plan.loads)
         tp = get_tp()
         for load in plan.reads:  # (a pull: this rank's share, from the same rank)

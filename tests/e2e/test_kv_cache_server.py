@@ -148,12 +148,21 @@ def _conversation(base: str, turns: int) -> list[dict]:
     results = []
     for turn in range(turns):
         # Ten sampled ids of a random model: their text encodes to other ids. (Special
-        # tokens it samples stay in the text, as the ids hold them.)
-        out = client.chat.completions.create(
-            model=MODEL, messages=history, max_tokens=10, temperature=0,
-            extra_body={"ignore_eos": True, "return_token_ids": True,
-                        "skip_special_tokens": False}).model_dump()
-        choice = out["choices"][0]
+        # tokens it samples stay in the text, as the ids hold them.) The second turn streams.
+        request = dict(model=MODEL, messages=history, max_tokens=10, temperature=0,
+                       extra_body={"ignore_eos": True, "return_token_ids": True,
+                                   "skip_special_tokens": False})
+        if turn == 1:
+            chunks = [c.model_dump() for c in client.chat.completions.create(
+                **request, stream=True, stream_options={"include_usage": True})]
+            choices = [c["choices"][0] for c in chunks if c["choices"]]
+            out = {"prompt_token_ids": chunks[0]["prompt_token_ids"], "usage": chunks[-1]["usage"]}
+            choice = {"token_ids": [t for c in choices for t in c.get("token_ids") or ()],
+                      "message": {"content": "".join(c["delta"]["content"] or ""
+                                                     for c in choices)}}
+        else:
+            out = client.chat.completions.create(**request).model_dump()
+            choice = out["choices"][0]
         results.append({"prompt": out["prompt_token_ids"], "answer": choice["token_ids"],
                         "cached": out["usage"]["prompt_tokens_details"]["cached_tokens"]})
         history += [{"role": "assistant", "content": choice["message"]["content"]},

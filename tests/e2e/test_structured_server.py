@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+import urllib.request
 
 import anthropic
 import grammar_check
@@ -270,3 +272,29 @@ def test_reasoning_parser_and_constraints_after_the_reasoning(checkpoint):
         assert info.value.body["param"] == "tool_choice"
     finally:
         stop(proc)
+
+
+def _pinned_blocks(client) -> float:
+    text = urllib.request.urlopen(str(client.base_url).removesuffix("v1/") + "metrics",
+                                  timeout=30).read().decode()
+    return float(re.search(r"^openinfer:kv_pinned_blocks\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+
+def test_an_answer_ending_in_tool_calls_keeps_its_conversation_pinned(client):
+    """The agent runs the tool meanwhile: its prompt and the call stay pinned (tool-call
+    retention), streamed or whole; a plain answer pins nothing."""
+    before = _pinned_blocks(client)
+    long = [{"role": "user", "content": "What is the weather in Paris this week? " * 8}]
+    out = _chat(client, messages=long, tools=[WEATHER], tool_choice="required", max_tokens=200)
+    assert out.choices[0].finish_reason == "tool_calls"
+    # (The engine's figures reach /metrics with its next step's output: a plain answer,
+    # which pins nothing.)
+    deadline = time.monotonic() + 10
+    while True:
+        _chat(client, messages=[{"role": "user", "content": "Just say hi"}], max_tokens=2)
+        pinned = _pinned_blocks(client)
+        if pinned != before or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    computed = out.usage.prompt_tokens + out.usage.completion_tokens - 1
+    assert pinned - before == computed // 16  # every whole block it computed

@@ -6,6 +6,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 from kv_pages import assert_same_pages, prompt_pages
@@ -146,3 +147,52 @@ def test_file_store_stays_within_its_budget(qwen3_checkpoint, tmp_path):
     assert file_store.num_evicted > 0 and len(files) < 40
     # Names come from hashes only (hex), never from request content.
     assert all(p.name.removesuffix(SUFFIX).isalnum() for p in files)
+
+
+BLOCK_BYTES = 16 * 2 * 2 * 2 * 16 * 4  # the test checkpoint's 16-token block: K and V, fp32
+
+
+def test_a_pinned_prefix_outlives_evictions_the_file_budget_and_a_restart(
+        qwen3_checkpoint, plain, tmp_path):
+    store = tmp_path / "store"
+    llm = LLM(str(qwen3_checkpoint), kv_store_dir=str(store), kv_cache_memory=12 * BLOCK_BYTES,
+              kv_host_memory=12 * BLOCK_BYTES, max_model_len=96, progress=False)
+    core, file_store = llm.engine.core, llm.engine.core.executor.worker.kv.mover.store
+    prompt = _prompts(1, 70, seed=9)[0]
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, prompt, 16)
+    pin = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, cache_pins=[[64, 3600]])
+    out = llm.generate([prompt], pin)[0]
+    assert out.pinned_tokens == [64] and _tokens([out]) == _tokens(plain.generate([prompt], GREEDY))
+    assert all(h in core.kv.pins for h in hashes[:4])
+    file_store.capacity_bytes = 8 * (BLOCK_BYTES + 1024)  # room for ~8 block files
+    llm.generate(_prompts(10, 70, seed=10), GREEDY)  # 40 blocks through every tier
+    assert all(h in core.kv.host for h in hashes[:4])  # the host tier kept them (12 slots)
+    llm.engine.core.shutdown()
+    assert file_store.num_evicted > 0 and all(file_store.contains(h) for h in hashes[:4])
+    # A restarted engine finds them in the store (its files are dated to the pin's end),
+    # but for a corrupted one: refused, recomputed from there, the tokens unchanged.
+    path = file_store.path_of(hashes[3])
+    path.write_bytes(path.read_bytes()[:-7] + b"garbage")
+    fresh = LLM(str(qwen3_checkpoint), kv_store_dir=str(store), progress=False)
+    again = fresh.generate([prompt], GREEDY)[0]
+    assert again.prompt_sources == PromptSources(0, 0, 48, 0, 22) and again.pinned_tokens is None
+    assert _tokens([again]) == _tokens([out])
+
+
+def test_pins_past_the_cap_are_refused_and_pins_end(qwen3_checkpoint):
+    llm = LLM(str(qwen3_checkpoint), kv_pin_memory=3 * BLOCK_BYTES, progress=False)
+    core = llm.engine.core
+    wide, short = _prompts(2, 70, seed=11)
+    pins = lambda *p: SamplingParams(temperature=0, max_tokens=2, cache_pins=[*p])  # noqa: E731
+    assert llm.generate([wide], pins([64, 60]))[0].pinned_tokens == [0]  # 4 blocks > 3
+    assert llm.generate([short], pins([32, 0.3]))[0].pinned_tokens == [32]
+    assert len(core.kv.pins) == 2 and core.kv.pins.num_refused == 1
+    time.sleep(0.4)
+    llm.generate([wide], GREEDY)  # a step: the pin ended
+    assert len(core.kv.pins) == 0
+    # Two TTLs on one prefix: its first blocks are held until the longer one ends.
+    assert llm.generate([short], pins([32, 0.3], [48, 60]))[0].pinned_tokens == [32, 48]
+    time.sleep(0.4)
+    llm.generate([wide], GREEDY)
+    assert len(core.kv.pins) == 3

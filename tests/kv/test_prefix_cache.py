@@ -136,7 +136,7 @@ def test_random_alloc_hit_free_sequences_keep_the_pool_consistent(ops):
                 cache(rid)
         elif op == "free" and rid in live:
             tokens = live[rid]
-            kv.keep_partial(rid, hashes[rid], tokens, len(tokens), None)
+            kv.partials.keep(kv.block_table(rid), hashes[rid], tokens, len(tokens), None)
             if len(tokens) % BLOCK:
                 partial[kv.block_table(rid)[0][len(tokens) // BLOCK]] = tuple(
                     tokens[len(tokens) // BLOCK * BLOCK:])
@@ -156,7 +156,8 @@ def _finished(kv: KVCacheManager, rid: str, tokens: list[int], salt: str | None 
     hit = kv.find_cached_prefix(hashes, len(tokens), tokens, salt)
     assert kv.allocate_slots(rid, len(tokens), hit) is not None
     kv.cache_blocks(rid, hashes, tokens, len(tokens))
-    kv.keep_partial(rid, hashes, tokens, len(tokens), salt)
+    if kv.partials is not None:
+        kv.partials.keep(kv.block_table(rid), hashes, tokens, len(tokens), salt)
     kv.free(rid)
 
 
