@@ -280,13 +280,44 @@ def _pinned_blocks(client) -> float:
     return float(re.search(r"^openinfer:kv_pinned_blocks\{[^}]*\} (\S+)$", text, re.M).group(1))
 
 
-def test_an_answer_ending_in_tool_calls_keeps_its_conversation_pinned(client):
+def _tool_call(client, how: str, words: str) -> int:
+    """A forced tool call, ``how``: chat whole or streamed, Anthropic whole or streamed; the
+    tokens it computed (its prompt and its answer but the last id)."""
+    ask = [{"role": "user", "content": f"{words}: " + "What is the weather in Paris? " * 4}]
+    if how.startswith("chat"):
+        kwargs = {"stream": True, "stream_options": {"include_usage": True}} if how == (
+            "chat-stream") else {}
+        out = _chat(client, messages=ask, tools=[WEATHER], tool_choice="required",
+                    max_tokens=200, **kwargs)
+        if how == "chat-stream":
+            chunks = list(out)
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+            usage = chunks[-1].usage
+        else:
+            assert out.choices[0].finish_reason == "tool_calls"
+            usage = out.usage
+        return usage.prompt_tokens + usage.completion_tokens - 1
+    messages = anthropic.Anthropic(base_url=str(client.base_url).rstrip("/").removesuffix("/v1"),
+                                   api_key="unused", max_retries=0).messages
+    tool = {"name": "get_weather", "description": "",
+            "input_schema": WEATHER["function"]["parameters"]}
+    kwargs = dict(model=MODEL, max_tokens=200, messages=ask, tools=[tool],
+                  tool_choice={"type": "tool", "name": "get_weather"})
+    if how == "anthropic-stream":
+        with messages.stream(**kwargs) as stream:
+            out = stream.get_final_message()
+    else:
+        out = messages.create(**kwargs)
+    assert out.stop_reason == "tool_use"
+    return out.usage.input_tokens + out.usage.output_tokens - 1
+
+
+@pytest.mark.parametrize("how", ["chat", "chat-stream", "anthropic", "anthropic-stream"])
+def test_an_answer_ending_in_tool_calls_keeps_its_conversation_pinned(client, how):
     """The agent runs the tool meanwhile: its prompt and the call stay pinned (tool-call
-    retention), streamed or whole; a plain answer pins nothing."""
+    retention), every whole block it computed; a plain answer pins nothing."""
     before = _pinned_blocks(client)
-    long = [{"role": "user", "content": "What is the weather in Paris this week? " * 8}]
-    out = _chat(client, messages=long, tools=[WEATHER], tool_choice="required", max_tokens=200)
-    assert out.choices[0].finish_reason == "tool_calls"
+    computed = _tool_call(client, how, how.replace("-", " "))
     # (The engine's figures reach /metrics with its next step's output: a plain answer,
     # which pins nothing.)
     deadline = time.monotonic() + 10
@@ -296,5 +327,4 @@ def test_an_answer_ending_in_tool_calls_keeps_its_conversation_pinned(client):
         if pinned != before or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    computed = out.usage.prompt_tokens + out.usage.completion_tokens - 1
-    assert pinned - before == computed // 16  # every whole block it computed
+    assert pinned - before == computed // 16
