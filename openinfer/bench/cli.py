@@ -43,7 +43,7 @@ def add_bench_parser(subparsers) -> None:
     serve.add_argument("--range-ratio", type=float, default=0.0,
                        help="lengths uniform in [len*(1-r), len*(1+r)]")
     serve.add_argument("--prefix-len", type=int, default=512,
-                       help="shared-prefix / multi-turn: system prompt tokens")
+                       help="shared-prefix / multi-turn / agentic: system prompt tokens")
     serve.add_argument("--num-groups", type=int, default=4)
     serve.add_argument("--prompts-per-group", type=int, default=8)
     serve.add_argument("--num-users", type=int, default=8)
@@ -52,6 +52,11 @@ def add_bench_parser(subparsers) -> None:
                        help="multi-turn: all users share one system prompt")
     serve.add_argument("--think-time", type=float, default=0.0, help="seconds between turns")
     serve.add_argument("--replay-block-size", type=int, default=512)
+    serve.add_argument("--tool-time", type=float, default=2.0,
+                       help="agentic: mean seconds a tool runs before its result is sent "
+                            "(exponential)")
+    serve.add_argument("--abandon-rate", type=float, default=0.1,
+                       help="agentic: share of sessions that stop after a random turn")
     serve.add_argument("--request-rate", default="inf",
                        help="sessions/s; a comma list sweeps (e.g. 1,2,4,inf)")
     serve.add_argument("--arrival", choices=("poisson", "fixed"), default="poisson")
@@ -130,7 +135,8 @@ async def _measure(args: argparse.Namespace, model: str, tokenizer: BenchTokeniz
         range_ratio=args.range_ratio, prefix_len=args.prefix_len, num_groups=args.num_groups,
         prompts_per_group=args.prompts_per_group, num_users=args.num_users,
         num_turns=args.num_turns, shared_system_prompt=args.shared_system_prompt,
-        think_time_s=args.think_time, dataset=args.dataset,
+        think_time_s=args.think_time, dataset=args.dataset, tool_time_s=args.tool_time,
+        abandon_rate=args.abandon_rate,
         replay_block_size=args.replay_block_size, seed=args.seed)
     workload = build_workload(args.workload, options, tokenizer)  # fails early if it cannot
     result = {"tool": "openinfer bench serve", "date": now.isoformat(timespec="seconds"),

@@ -37,7 +37,8 @@ class RequestResult:
     from a server without it."""
     expected_output_tokens: int = 0
     sent_prompt_tokens: int | None = None
-    """The prompt's length by this client's tokenizer (the server's count should agree);
+    """The prompt's length by this client's tokenizer (the server's count should agree, but
+    for a returning chat turn where the server runs the answers as the ids it generated);
     None where it could not be counted."""
     oracle_hit_tokens: int | None = None
     """Prompt tokens an infinite prefix cache would have held when this was sent; None where

@@ -70,8 +70,11 @@ def summarize(results: list[RequestResult], duration_s: float,
         "prompt_tokens": prompt,
         "output_tokens": output,
         "output_tokens_exact": all(r.output_tokens == r.expected_output_tokens for r in done),
+        # A session's first turn: later ones resend answers, which a server may run as the
+        # ids it generated (openinfer does), not as this client encodes their text.
         "prompt_tokens_agree": (None if any(r.sent_prompt_tokens is None for r in done)
-                                else all(r.prompt_tokens == r.sent_prompt_tokens for r in done)),
+                                else all(r.prompt_tokens == r.sent_prompt_tokens
+                                         for r in done if r.turn == 0)),
         "cached_tokens": cached,
         "request_throughput": len(done) / duration_s,
         "input_token_throughput": prompt / duration_s,
@@ -83,6 +86,9 @@ def summarize(results: list[RequestResult], duration_s: float,
         "prompt_tokens_by_source": _sources(done),
         "oracle_hit_rate": None if oracle is None else oracle / prompt if prompt else 0.0,
         "ttft_ms": latency_stats([r.ttft_s for r in done]),
+        # Sessions of several turns: a session's first turn (cold) vs those that come back.
+        "ttft_first_turn_ms": latency_stats([r.ttft_s for r in done if r.turn == 0]),
+        "ttft_returning_ms": latency_stats([r.ttft_s for r in done if r.turn > 0]),
         "tpot_ms": latency_stats([t for r in done if (t := r.tpot_s) is not None]),
         "itl_ms": latency_stats([gap for r in done for gap in r.itl_s]),
         "e2e_ms": latency_stats([r.e2e_s for r in done]),

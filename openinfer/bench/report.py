@@ -25,6 +25,8 @@ _ROWS: list[tuple[str, str, str]] = [
      "summary.prompt_tokens_by_source.computed", "{} / {} / {} / {} / {}"),
     ("TTFT mean / p50 / p99 (ms)", "summary.ttft_ms.mean|summary.ttft_ms.p50|summary.ttft_ms.p99",
      "{:.0f} / {:.0f} / {:.0f}"),
+    ("TTFT p50 first turn / returning turns (ms)",
+     "summary.ttft_first_turn_ms.p50|summary.ttft_returning_ms.p50", "{:.0f} / {:.0f}"),
     ("TPOT mean / p50 / p99 (ms)", "summary.tpot_ms.mean|summary.tpot_ms.p50|summary.tpot_ms.p99",
      "{:.1f} / {:.1f} / {:.1f}"),
     ("ITL mean / p50 / p99 (ms)", "summary.itl_ms.mean|summary.itl_ms.p50|summary.itl_ms.p99",

@@ -133,8 +133,11 @@ class _Sender:
             self.events.append((sent_index, True))
             if self.workload.endpoint == "chat":
                 history.append({"role": "assistant", "content": result.text})
-            if t + 1 < len(session.turns) and self.workload.think_time_s:
-                await asyncio.sleep(self.workload.think_time_s)
+            if t + 1 < len(session.turns):
+                pause = session.turns[t + 1].pause_s
+                pause = self.workload.think_time_s if pause is None else pause
+                if pause:
+                    await asyncio.sleep(pause)
 
     def _body(self, output_len: int) -> dict:
         body = {"model": self.config.model, "max_tokens": output_len, "stream": True,

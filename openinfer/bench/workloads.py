@@ -26,7 +26,7 @@ from typing import Any, Literal
 from openinfer.bench import BenchError
 from openinfer.bench.tokenizer import BenchTokenizer, as_bench_tokenizer
 
-WORKLOADS = ("random", "shared-prefix", "multi-turn", "sharegpt", "replay")
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "agentic", "sharegpt", "replay")
 
 _WORDS = ["".join(letters) for n in (1, 2, 3) for letters in itertools.product(string.ascii_lowercase,
                                                                                 repeat=n)]
@@ -49,6 +49,9 @@ class Turn:
     """Completions: the whole prompt as token ids."""
     user_text: str | None = None
     """Chat: this turn's user message (the history is added when it is sent)."""
+    pause_s: float | None = None
+    """Seconds to wait after the last answer before sending this turn (a tool running);
+    None: the workload's think time."""
 
 
 @dataclass
@@ -91,6 +94,10 @@ class WorkloadOptions:
     dataset: str | None = None
     replay_block_size: int = 512
     """replay: tokens behind one hash id of a Mooncake-format trace."""
+    tool_time_s: float = 2.0
+    """agentic: mean of the (exponential) pause while a tool runs, before its result is sent."""
+    abandon_rate: float = 0.1
+    """agentic: the share of sessions that stop after a random turn and never come back."""
     seed: int = 0
 
 
@@ -112,6 +119,8 @@ def build_workload(name: str, options: WorkloadOptions, tokenizer: BenchTokenize
         return _shared_prefix(options, rng, vocab)
     if name == "multi-turn":
         return _multi_turn(options, rng, vocab, tokenizer)
+    if name == "agentic":
+        return _agentic(options, rng, vocab, tokenizer)
     if name == "sharegpt":
         return _sharegpt(options, rng, tokenizer)
     if name == "replay":
@@ -153,6 +162,37 @@ def _multi_turn(options: WorkloadOptions, rng: random.Random, vocab: list[int],
                                 system=system_text))
     return Workload("multi-turn", "chat", sessions, think_time_s=options.think_time_s,
                     options=_dict(options))
+
+
+def _agentic(options: WorkloadOptions, rng: random.Random, vocab: list[int],
+             tokenizer: BenchTokenizer) -> Workload:
+    """Agents of one app: a long system prompt with the tool definitions (``prefix_len``
+    tokens, shared by every session), a task, then tool results: each turn after the first
+    is a tool's output (``input_len`` tokens), sent after the tool ran (a pause drawn from an
+    exponential of mean ``tool_time_s``). ``abandon_rate`` of the sessions stop after a
+    random turn and never come back (their context, kept for them, is wasted)."""
+    if not 0 <= options.abandon_rate <= 1 or options.tool_time_s < 0:
+        raise WorkloadError("agentic: --abandon-rate is in [0, 1] and --tool-time >= 0")
+    system = _random_ids(rng, vocab, options.prefix_len)
+    plans = []  # (number of turns, [(output_len, ids, pause)])
+    for _ in range(options.num_users):
+        turns = options.num_turns
+        if rng.random() < options.abandon_rate:
+            turns = rng.randint(1, max(1, options.num_turns - 1))
+        plans.append([(_length(options.output_len, options, rng),
+                       _random_ids(rng, vocab, _length(options.input_len, options, rng)),
+                       None if t == 0 else rng.expovariate(1 / options.tool_time_s)
+                       if options.tool_time_s else 0.0) for t in range(turns)])
+    texts = tokenizer.decode([system, *(ids for plan in plans for _, ids, _ in plan)])
+    system_text, at, sessions = texts[0], 1, []
+    for plan in plans:
+        turns = []
+        for t, (output_len, _, pause) in enumerate(plan):
+            text = texts[at] if t == 0 else f"Tool result:\n{texts[at]}"
+            turns.append(Turn(output_len, user_text=text, pause_s=pause))
+            at += 1
+        sessions.append(Session(turns, system="Tools you may call:\n" + system_text))
+    return Workload("agentic", "chat", sessions, options=_dict(options))
 
 
 def _sharegpt(options: WorkloadOptions, rng: random.Random, tokenizer: BenchTokenizer) -> Workload:

@@ -63,6 +63,7 @@ def test_server_tokenizer_builds_the_workloads_a_local_one_builds(tokenizer, ser
              "multi-turn": WorkloadOptions(num_users=5, num_turns=3),
              "multi-turn-shared": WorkloadOptions(num_users=5, num_turns=3,
                                                   shared_system_prompt=True),
+             "agentic": WorkloadOptions(num_users=5, num_turns=3, abandon_rate=0.4),
              "sharegpt": WorkloadOptions(dataset=str(sharegpt), num_requests=50),
              "replay": WorkloadOptions(dataset=str(trace), replay_block_size=16)}
     for case, options in cases.items():
@@ -82,6 +83,8 @@ def test_server_tokenizer_builds_the_workloads_a_local_one_builds(tokenizer, ser
             assert asked == 5 * (1 + 3), case
         elif case == "multi-turn-shared":
             assert asked == 1 + 5 * 3, case
+        elif case == "agentic":  # each turn's text (its system prompt, drawn first from the
+            assert asked == remote.num_turns, case  # same seed, is multi-turn-shared's)
         else:  # sharegpt: 39 distinct replies among the 50 chosen
             assert asked == 39, case
     # Multi-turn texts are decoded random tokens, about as long as asked: a 512-token system
@@ -160,3 +163,20 @@ def test_a_run_without_an_oracle_reports_none_not_zero():
     rows = table([("run", {"summary": summary})]).splitlines()
     assert [row.split() for row in rows if row.startswith("oracle hit rate")] == [
         ["oracle", "hit", "rate", "-"]]
+
+
+def test_agentic_sessions_share_the_tools_pause_for_them_and_some_stop(tokenizer):
+    options = WorkloadOptions(num_users=200, num_turns=4, input_len=8, tool_time_s=0.5,
+                              abandon_rate=0.25, prefix_len=64)
+    workload = build_workload("agentic", options, LocalTokenizer(tokenizer))
+    sessions = workload.sessions
+    assert workload.endpoint == "chat" and len({s.system for s in sessions}) == 1
+    assert sessions[0].system.startswith("Tools you may call:")
+    lengths = [len(s.turns) for s in sessions]
+    assert set(lengths) <= {1, 2, 3, 4} and 0.15 < lengths.count(4) / 200 < 0.85 + 0.1
+    assert 0.1 < sum(n < 4 for n in lengths) / 200 < 0.4  # a quarter abandoned
+    pauses = [t.pause_s for s in sessions for t in s.turns[1:]]
+    assert all(s.turns[0].pause_s is None for s in sessions) and min(pauses) >= 0
+    assert 0.4 < sum(pauses) / len(pauses) < 0.6  # exponential, mean 0.5 s
+    assert all(t.user_text.startswith("Tool result:") for s in sessions for t in s.turns[1:])
+    assert build_workload("agentic", options, LocalTokenizer(tokenizer)).sessions == sessions

@@ -56,6 +56,9 @@ def test_every_workload_runs_with_exact_token_counts(server, qwen3_checkpoint, t
                            "--input-len", "8", "--output-len", "4", "--concurrency", "2"], 6),
         "multi-turn": (["--num-users", "2", "--num-turns", "3", "--prefix-len", "16",
                         "--input-len", "8", "--output-len", "4", "--think-time", "0.05"], 6),
+        "agentic": (["--num-users", "2", "--num-turns", "3", "--prefix-len", "16",
+                     "--input-len", "8", "--output-len", "4", "--tool-time", "0.1",
+                     "--abandon-rate", "0"], 6),
         "sharegpt": (["--dataset", str(sharegpt), "--num-requests", "3"], 3),
         "replay": (["--dataset", str(trace), "--replay-block-size", "16"], 2),
     }
@@ -89,6 +92,13 @@ def test_every_workload_runs_with_exact_token_counts(server, qwen3_checkpoint, t
         for before, after in zip(turns, turns[1:]):
             assert after["oracle_hit_tokens"] >= before["prompt_tokens"] + before["output_tokens"] - 1
             assert after["prompt_tokens"] > before["prompt_tokens"] + before["output_tokens"]
+    # agentic: tool results come back after the tool's pause; first and returning turns timed
+    # apart.
+    agentic = results["agentic"]["runs"][0]
+    assert agentic["summary"]["ttft_first_turn_ms"]["p50"] > 0
+    assert agentic["summary"]["ttft_returning_ms"]["p50"] > 0
+    for r in agentic["requests"]:
+        assert r["turn"] == 0 or r["oracle_hit_tokens"] > 16
     # replay: the second record shares two 16-token blocks with the first.
     replay = _requests(results["replay"])
     assert [r["oracle_hit_tokens"] for r in replay] == [0, 32]
