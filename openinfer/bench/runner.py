@@ -117,6 +117,8 @@ class _Sender:
             if self.workload.endpoint == "chat":
                 history.append({"role": "user", "content": turn.user_text})
                 body["messages"] = list(history)
+                if self.workload.name == "agentic":  # as agent frameworks name their user
+                    body["user"] = f"agent-{index}"
                 sent = SentRequest(result, messages=list(history))
             else:
                 body["prompt"] = turn.prompt_ids

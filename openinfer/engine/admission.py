@@ -138,6 +138,16 @@ class Admission:
         tokens = req.all_token_ids if req.remote_prefill is None else None
         return self.kv.find_cached_prefix(req.block_hashes, req.num_tokens, tokens, req.cache_salt)
 
+    def prefetch(self, queued: list[Request]) -> None:
+        """Start the file-store reads of requests waiting behind the head, so that their
+        blocks reach the host tier while they queue (an agent's context coming back after a
+        tool call), not only once they reach the head."""
+        if self.kv.store_contains is None:
+            return
+        for req in queued:
+            if req.status is RequestStatus.WAITING and not req.store_load_tried:
+                self._starts_store_load(req, self._cached_prefix(req))
+
     def _starts_store_load(self, req: Request, hit: PrefixHit) -> bool:
         """Once per request: read its prefix blocks found in the file store."""
         if not hit.store_hashes or req.store_load_tried:

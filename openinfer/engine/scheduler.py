@@ -61,6 +61,9 @@ from openinfer.spec.confidence import StepRateProfile
 from openinfer.spec.config import SpeculativeConfig
 from openinfer.spec.planner import SpeculationPlanner
 
+PREFETCH_DEPTH = 16
+"""Waiting requests behind the head whose file-store reads start while they queue."""
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
@@ -201,6 +204,7 @@ class Scheduler:
             budget -= decision.num_tokens
         for item in stepped_aside:
             heapq.heappush(self._waiting, item)
+        self.admission.prefetch([r for _, r in heapq.nsmallest(PREFETCH_DEPTH, self._waiting)])
 
     def _start(self, req: Request, admitted: Admit, out: SchedulerOutput) -> None:
         """An admitted request runs: its first chunk goes into this step."""

@@ -196,3 +196,32 @@ def test_pins_past_the_cap_are_refused_and_pins_end(qwen3_checkpoint):
     time.sleep(0.4)
     llm.generate([wide], GREEDY)
     assert len(core.kv.pins) == 3
+
+
+def test_a_queued_request_reads_its_prefix_from_files_while_it_waits(qwen3_checkpoint, plain,
+                                                                      tmp_path):
+    """One request at a time: the second waits behind the first, and its blocks come from the
+    file store meanwhile (an agent coming back while the engine is busy)."""
+    store = tmp_path / "store"
+    prompt = _prompts(1, 70, seed=12)[0]
+    writer = LLM(str(qwen3_checkpoint), kv_store_dir=str(store), progress=False)
+    writer.generate([prompt], GREEDY)
+    writer.engine.core.shutdown()
+    llm = LLM(str(qwen3_checkpoint), kv_store_dir=str(store), max_num_seqs=1, progress=False)
+    core = llm.engine.core
+    busy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    core.add_request("busy", _prompts(1, 20, seed=13)[0], busy)
+    core.add_request("back", prompt, GREEDY)
+    done: dict[str, list[int]] = {}
+    sources = {}
+    loaded_while_queued = False
+    while core.has_unfinished_requests():
+        for out in core.step():
+            done.setdefault(out.request_id, []).extend(out.new_token_ids)
+            sources[out.request_id] = out.prompt_sources or sources.get(out.request_id)
+        back = core.scheduler.requests.get("back")
+        loaded_while_queued |= (back is not None and back.store_load_tried
+                                and "busy" in core.scheduler.requests)
+    assert loaded_while_queued and core.scheduler.num_waiting_for_kv == 0
+    assert sources["back"] == PromptSources(0, 0, 64, 0, 6)
+    assert done["back"] == _tokens(plain.generate([prompt], GREEDY))[0]
