@@ -140,7 +140,13 @@ class ChatEncoding:
     answer_ids: AnswerIds
     salt: str | None
     text: str | None = None
+    answers: Sequence[str] = ()
 
     def __call__(self, text: str, answers: Sequence[str]) -> list[int]:
-        self.text = text
+        self.text, self.answers = text, answers
         return self.answer_ids.encode(text, answers, self.salt)
+
+    def prefix_length(self, end: int) -> int:
+        """How many of the prompt's ids its text's first ``end`` characters are (as this
+        request's ids were made: answers before ``end`` as their generated ids)."""
+        return len(self.answer_ids.encode(self.text[:end], self.answers, self.salt))

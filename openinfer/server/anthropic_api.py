@@ -107,9 +107,8 @@ async def create_message(serving: OpenAIServing, body: MessagesRequest):
     encoding = serving.chat_encoding(None)
     token_ids = serving.renderer.anthropic_messages(body, tools=plan.tools or None,
                                                     encode=encoding)
-    shown = prompt_caching.pins(
-        body, points, serving.renderer, plan.tools or None, encoding.text,
-        lambda text: serving.answer_ids.encode(text, (), encoding.salt)) if points else []
+    shown = prompt_caching.pins(body, points, serving.renderer, plan.tools or None,
+                                encoding.text, encoding.prefix_length) if points else []
     params = _sampling_params(body, plan, serving.sampling_defaults or {})
     if shown:
         params.cache_pins, params.cache_pin_owner = [pin for _, pin in shown], PIN_OWNER.get()

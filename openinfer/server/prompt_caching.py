@@ -69,10 +69,10 @@ def breakpoints(body: MessagesRequest) -> list[Breakpoint]:
 
 def pins(body: MessagesRequest, points: list[Breakpoint], renderer: PromptRenderer,
          tools: list[dict[str, Any]] | None, text: str,
-         encode: Callable[[str], list[int]]) -> list[tuple[Breakpoint, list]]:
+         prefix_length: Callable[[int], int]) -> list[tuple[Breakpoint, list]]:
     """The breakpoints the prompt shows, each with its ``cache_pins`` entry: [tokens before
-    the end of the block, TTL seconds]. ``text`` is the rendered prompt; ``encode`` its
-    prefixes to ids. A breakpoint the template does not show (a tool under tool_choice none)
+    the end of the block, TTL seconds]. ``text`` is the rendered prompt; ``prefix_length``
+    the ids of its first characters. A breakpoint the template does not show (a tool under tool_choice none)
     pins nothing; if marking the blocks changes the rendering otherwise, none does."""
     marked, marked_tools = copy.deepcopy(body), copy.deepcopy(tools)
     for n, point in enumerate(points):
@@ -85,7 +85,7 @@ def pins(body: MessagesRequest, points: list[Breakpoint], renderer: PromptRender
         plain = plain.replace(MARK.format(n), "")
     if plain != text:
         return []
-    return [(point, [len(encode(text[:at])), TTLS[point.ttl]])
+    return [(point, [prefix_length(at), TTLS[point.ttl]])
             for at, point in zip(offsets, points) if at > 0]
 
 
