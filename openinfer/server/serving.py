@@ -74,9 +74,10 @@ class OpenAIServing:
                                                if tool_call_parser else None)
         self.reasoning: ReasoningParser | None = (
             get_reasoning_parser(reasoning_parser, llm.tokenizer) if reasoning_parser else None)
-        caching = llm.config.cache.enable_prefix_caching
-        self.answer_ids = AnswerIds(llm.tokenizer, answer_ids_cache_tokens if caching else 0)
+        # (With prefix caching on or off alike: what a prompt runs as must not depend on it.)
+        self.answer_ids = AnswerIds(llm.tokenizer, answer_ids_cache_tokens)
         """Generated answers' ids, for the conversations that resend them (answer_ids.py)."""
+        caching = llm.config.cache.enable_prefix_caching
         self.tool_call_kv_retention_s = tool_call_kv_retention_s if caching else 0.0
         self._retaining: set[asyncio.Task] = set()
 

@@ -1,15 +1,18 @@
 """Prompt caching through the real server: Anthropic's ``cache_control`` breakpoints pin the
 prompt up to them, usage counts what was read and written exactly, caps per API key and in all
-hold, and OpenAI's ``prompt_cache_retention`` is taken."""
+hold, OpenAI's ``prompt_cache_retention`` is taken, and a session pinned to a replica that is
+lost goes on, from the file store, on another."""
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
+import httpx
 import pytest
-from server_process import MODEL, start_server
+from server_process import MODEL, start_router, start_server, start_servers, stop
 
 BLOCK_BYTES = 16 * 2 * 2 * 2 * 16 * 4  # the test checkpoint's 16-token block (K and V, fp32)
 KEYS = ("key-a", "key-b")
@@ -127,3 +130,43 @@ def test_prompt_cache_retention_pins_the_prompt_for_a_day(server):
     assert code == 200, out
     code, out = _post(server, "/v1/completions", {**body, "prompt_cache_retention": "7d"})
     assert code == 400 and out["error"]["param"] == "prompt_cache_retention", out
+
+
+def test_a_session_whose_replica_is_lost_goes_on_from_the_shared_store(qwen3_checkpoint,
+                                                                      tmp_path):
+    """Two replicas over one file store behind the router: a session's pinned prompt is
+    written there; its replica is killed; the session's next request is served by the other,
+    which reads the pinned blocks from the store (nothing lost, nothing recomputed)."""
+    store = tmp_path / "store"
+    (a, proc_a), (b, proc_b) = start_servers(*[(qwen3_checkpoint, "--kv-store-dir", str(store))] * 2)
+    router, router_proc = start_router([a, b], qwen3_checkpoint, "--policy", "cache_aware")
+    prompt = list(range(100, 170))  # 4 whole blocks, then 6 tokens
+    session = {"x-session-id": "agent-7"}
+
+    def complete(base: str, tokens: list[int]) -> httpx.Response:
+        resp = httpx.post(f"{base}/v1/completions", headers=session, timeout=120, json={
+            "model": MODEL, "prompt": tokens, "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "prompt_cache_retention": "24h"})
+        assert resp.status_code == 200, resp.text
+        return resp
+    try:
+        first = complete(router, prompt)
+        served, other = first.headers["x-openinfer-worker"], {a: b, b: a}
+        dead = proc_a if served == a else proc_b
+        deadline = time.monotonic() + 30
+        while len(list(store.rglob("*.kvblock"))) < 4:  # written through to the shared store
+            assert time.monotonic() < deadline
+            complete(served, [7, 8, 9])  # (a step: the last blocks' copies run at its start)
+        dead.kill()
+        dead.wait()
+        again = complete(router, prompt + [5, 6, 7])
+        assert again.headers["x-openinfer-worker"] == other[served]
+        sources = again.json()["usage"]["prompt_tokens_by_source"]
+        assert sources["L3"] == 64 and sources["computed"] == 73 - 64
+        assert again.json()["choices"][0]["text"] == complete(other[served], prompt + [
+            5, 6, 7]).json()["choices"][0]["text"]
+    finally:
+        stop(router_proc)
+        for proc in (proc_a, proc_b):
+            proc.kill()
+            proc.wait()
