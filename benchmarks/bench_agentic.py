@@ -11,14 +11,13 @@ Writes the ``bench_agentic`` section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench_server import (  # benchmarks/ is on sys.path as a script
+    bench_serve,
     ensure_demo_model,
     start_cli,
     start_vllm,
@@ -36,13 +35,7 @@ WORKLOAD = ["--workload", "agentic", "--num-users", "24", "--num-turns", "6",
 
 
 def bench(base: str, model: str, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "openinfer.cli", "bench", "serve", "--base-url", base,
-           "--model", "bench", "--tokenizer", model, "--no-progress", "--output", str(out),
-           *WORKLOAD]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench failed:\n{proc.stderr[-3000:]}")
-    run = json.loads(out.read_text())["runs"][0]
+    run = bench_serve(base, model, out, *WORKLOAD)
     return {"summary": run["summary"], "economics": run["economics"]}
 
 

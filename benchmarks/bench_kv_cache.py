@@ -38,12 +38,13 @@ import urllib.request
 from pathlib import Path
 
 from bench_server import (  # benchmarks/ is on sys.path when run as a script
+    bench_serve,
     ensure_demo_model,
     start_server,
     start_vllm,
+    stop,
     vllm_version,
 )
-from bench_server import stop as stop_vllm
 from doc_sections import write_section
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,13 +53,7 @@ MiB = 1024**2
 
 
 def bench(base: str, model: str, out: Path, *flags: str) -> dict:
-    cmd = [sys.executable, "-m", "openinfer.cli", "bench", "serve", "--base-url", base,
-           "--model", "bench", "--tokenizer", model, "--no-progress", "--output", str(out),
-           *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench failed:\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())["runs"][0]["summary"]
+    return bench_serve(base, model, out, *flags)["summary"]
 
 
 def engine_stats(base: str) -> dict:
@@ -76,11 +71,6 @@ def engine_stats(base: str) -> dict:
 
 def serve(model: str, *flags: str):
     return start_server(model, "--dtype", "float32", *flags)
-
-
-def stop(proc) -> None:
-    proc.terminate()
-    proc.wait(timeout=120)
 
 
 MULTI_TURN = ["--workload", "multi-turn", "--num-users", "64", "--num-turns", "8",
@@ -122,7 +112,7 @@ def multi_turn(model: str, tmp: Path, block_bytes: int, working_set_blocks: int,
             results[name] = {"summary": bench(base, model, tmp / "mt.json", *MULTI_TURN),
                              "metrics": None}
         finally:
-            stop_vllm(proc)
+            stop(proc)
     return results
 
 

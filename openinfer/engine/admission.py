@@ -142,10 +142,9 @@ class Admission:
         """Start the file-store reads of requests waiting behind the head, so that their
         blocks reach the host tier while they queue (an agent's context coming back after a
         tool call), not only once they reach the head."""
-        if self.kv.store_contains is None:
-            return
         for req in queued:
-            if req.status is RequestStatus.WAITING and not req.store_load_tried:
+            if req.status is RequestStatus.WAITING and not req.store_prefetched:
+                req.store_prefetched = True  # (once while queued: no lookup per step)
                 self._starts_store_load(req, self._cached_prefix(req))
 
     def _starts_store_load(self, req: Request, hit: PrefixHit) -> bool:

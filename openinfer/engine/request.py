@@ -59,6 +59,8 @@ class Request:
     store_load_tried: bool = False
     """Its prefix blocks were looked for in the file store once (a failed read is not retried)."""
     num_blocks_from_store: int = 0
+    store_prefetched: bool = False
+    """Looked for in the file store while queued behind the head (once)."""
     remote_load_tried: bool = False
     """Its prompt's blocks were pulled from a prefill instance once (not retried)."""
     num_blocks_from_remote: int = 0

@@ -204,7 +204,9 @@ class Scheduler:
             budget -= decision.num_tokens
         for item in stepped_aside:
             heapq.heappush(self._waiting, item)
-        self.admission.prefetch([r for _, r in heapq.nsmallest(PREFETCH_DEPTH, self._waiting)])
+        if self.kv.store_contains is not None and self._waiting:
+            self.admission.prefetch([r for _, r in heapq.nsmallest(PREFETCH_DEPTH,
+                                                                    self._waiting)])
 
     def _start(self, req: Request, admitted: Admit, out: SchedulerOutput) -> None:
         """An admitted request runs: its first chunk goes into this step."""

@@ -59,10 +59,19 @@ def test_hits_from_prompts_and_from_generated_blocks_keep_greedy_tokens(qwen3_ch
     assert core.kv.num_hit_tokens - hits == 64
 
 
-def test_a_kept_partial_block_is_taken_by_one_continuation(qwen3_checkpoint, plain):
+@pytest.mark.parametrize("dtype,backend", [("float32", "auto"), ("float32", "torch"),
+                                           ("bfloat16", "cpu"), ("bfloat16", "torch")])
+def test_a_kept_partial_block_is_taken_by_one_continuation(qwen3_checkpoint, dtype, backend):
     """Two continuations of one finished request arrive together: the first takes its partial
-    last block (and writes on it), the second recomputes those rows; both keep their tokens."""
-    llm = LLM(str(qwen3_checkpoint), progress=False)
+    last block (and writes on it: a prefill that starts mid-block), the second recomputes
+    those rows; both keep the tokens of an engine without caching, in each dtype and on the
+    attention path this CPU picks and on the one it does not. (bf16 under --batch-invariant:
+    the kept rows were computed by decode steps, whose GEMMs round otherwise in bf16 than
+    the plain engine's prefill; fp32 is exact without it.)"""
+    options = {"dtype": dtype, "attention_backend": backend, "progress": False,
+               "batch_invariant": dtype == "bfloat16"}
+    llm = LLM(str(qwen3_checkpoint), **options)
+    plain = LLM(str(qwen3_checkpoint), enable_prefix_caching=False, **options)
     first = _random_ids(40, seed=11)
     turn = first + _alone(llm, first).outputs[0].token_ids  # 51 computed: 3 blocks + 3 rows
     prompts = [turn + _random_ids(9, seed=12), turn + _random_ids(9, seed=13)]
