@@ -1,8 +1,9 @@
 """DeepSeek-V4 end to end (issue 15): offline greedy generation of a small random V4 (every
 attention type, hash and scored MoE layers, hyper-connections) built here with transformers, by
-openinfer's LLM and by transformers' cached generate, same prompts, same process. Its
-attention runs per sequence in torch (the reference path), so this is where the model stands
-before a fused kernel, not a kernel figure.
+openinfer's LLM and by transformers' cached generate, same prompts, same process; and the
+prefill of many prompts of mixed lengths at once (openinfer alone: its steps attend over every
+sequence's chunk in padded batches). Attention runs in torch (no fused kernel), so this is
+where the model stands before one, not a kernel figure.
 
     .venv/bin/python benchmarks/bench_deepseek_v4.py [--no-write]
 """
@@ -40,7 +41,9 @@ def transformers_generate(hf, prompts: torch.Tensor, new_tokens: int) -> tuple[f
     return time.perf_counter() - start, out
 
 
-def figures(batch: int = 8, prompt_len: int = 128, new_tokens: int = 32) -> str:
+def figures(batch: int = 8, prompt_len: int = 128, new_tokens: int = 32,
+            prefill_only: bool = False) -> tuple[str, str]:
+    """(the end-to-end table, the prefill table)."""
     import transformers
 
     from openinfer import LLM, SamplingParams
@@ -54,6 +57,10 @@ def figures(batch: int = 8, prompt_len: int = 128, new_tokens: int = 32) -> str:
     rows = ["| engine | wall s | output tokens/s | sequences equal to transformers' |", "|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as path:
         hf.save_pretrained(path)
+        prefill = "\n".join(["| prompts | wall s (best of 3) | prompt tokens/s |", "|---|---|---|",
+                             prefill_figures(path)])
+        if prefill_only:
+            return "", prefill
         llm = LLM(path, progress=False, enable_prefix_caching=False, skip_tokenizer_init=True)
         sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         llm.generate(prompts[:2, :16].tolist(), sp)  # warm-up
@@ -68,14 +75,41 @@ def figures(batch: int = 8, prompt_len: int = 128, new_tokens: int = 32) -> str:
     rows.append(f"| transformers (cached generate, one at a time) | {theirs_s:.2f} | "
                 f"{total / theirs_s:.1f} | - |")
     rows.append(f"| openinfer / transformers | | {theirs_s / ours_s:.2f}x | |")
-    return "\n".join(rows)
+    return "\n".join(rows), prefill
+
+
+def prefill_figures(path: str, prompts: int = 32, shortest: int = 32, longest: int = 256,
+                    reps: int = 3) -> str:
+    """Prompt tokens/s of ``prompts`` prompts of mixed lengths, one output token each, with a
+    step budget that takes them all in one or two steps (best of ``reps``)."""
+    from openinfer import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.randint(shortest, longest + 1, (prompts,), generator=g).tolist()
+    batch = [torch.randint(10, CONFIG["vocab_size"], (n,), generator=g).tolist() for n in lengths]
+    llm = LLM(path, progress=False, enable_prefix_caching=False, skip_tokenizer_init=True,
+              max_num_batched_tokens=4096, max_num_seqs=prompts)
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate(batch[:2], sp)  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        llm.generate(batch, sp)
+        best = min(best, time.perf_counter() - start)
+    total = sum(lengths)
+    return (f"| {prompts} prompts of {shortest}-{longest} tokens ({total} in all), 1 output token "
+            f"each | {best:.3f} | {total / best:.0f} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--prefill-only", action="store_true", help="the prefill figure alone (print only)")
     args = parser.parse_args()
-    table = figures()
+    table, prefill = figures(prefill_only=args.prefill_only)
+    if args.prefill_only:
+        print(prefill)
+        return
     body = f"""## DeepSeek-V4 end to end (benchmarks/bench_deepseek_v4.py)
 
 A random DeepSeek-V4 (4 layers: sliding, CSA, HCA, CSA; hidden 256, 8 heads of 64, window 32,

@@ -34,6 +34,9 @@ class CausalLM(nn.Module):
     supports_fp8_kv_cache: ClassVar[bool] = True
     """Whether its caches may be float8 (``--kv-cache-dtype``): every layer's cache is written
     and read through an attention backend's scaled float8 paths."""
+    supports_decode_graphs: ClassVar[bool] = True
+    """Whether a decode step's forward pass can replay as a CUDA graph: its attention reads
+    the step only through the backend's buffers, never plans from host-side lengths."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:

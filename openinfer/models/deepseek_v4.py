@@ -118,31 +118,23 @@ class Compressor(nn.Module):
         """Per-offset gate bias ("absolute position embedding" of a token within its group)."""
         self.norm = RMSNorm(dim, eps, fp32_weight=True)
 
-    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: int, count: int,
-             rope: V4Rope) -> torch.Tensor:
-        """Entries ``first .. first + count - 1`` from the raw rows of their tokens: ``kv``/``gate``
-        hold tokens ``(first - 1) * ratio ..`` (overlap; the rows before position 0 absent) or
-        ``first * ratio ..``, up to the last entry's last token. Returns [count, dim]."""
-        m, d = self.ratio, self.dim
+    def pool(self, group: tuple[torch.Tensor, torch.Tensor],
+             previous: tuple[torch.Tensor, torch.Tensor] | None, has_previous: torch.Tensor,
+             positions: torch.Tensor, rope: V4Rope) -> torch.Tensor:
+        """Entries from their groups' raw rows: ``group`` (kv, gate) [E, ratio, width] of each
+        entry's own tokens; with overlap, ``previous`` those of the group before it, absent
+        where ``has_previous`` [E] is False (entry 0). Roped at ``positions`` [E]: [E, dim]."""
+        d = self.dim
+        kv, gate = group
+        gate = gate + self.ape  # (float32)
         if self.overlap:
-            lead = m if first > 0 else 0  # rows of group first - 1
-            kv_g = kv[lead:].view(count, m, 2 * d)
-            gate_g = gate[lead:].view(count, m, 2 * d) + self.ape
-            slots_kv = kv.new_zeros(count, 2 * m, d)
-            slots_gate = torch.full((count, 2 * m, d), float("-inf"), dtype=torch.float32,
-                                    device=kv.device)
-            slots_kv[:, m:], slots_gate[:, m:] = kv_g[..., d:], gate_g[..., d:]
-            slots_kv[1:, :m], slots_gate[1:, :m] = kv_g[:-1, :, :d], gate_g[:-1, :, :d]
-            if lead:
-                slots_kv[0, :m] = kv[:m, :d]
-                slots_gate[0, :m] = gate[:m, :d] + self.ape[:, :d]
-            kv_g, gate_g = slots_kv, slots_gate
-        else:
-            kv_g = kv.view(count, m, d)
-            gate_g = gate.view(count, m, d) + self.ape
-        pooled = (kv_g * gate_g.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(1)
+            kv_before, gate_before = previous
+            gate_before = (gate_before[..., :d] + self.ape[:, :d]).masked_fill(
+                ~has_previous[:, None, None], float("-inf"))
+            kv = torch.cat([kv_before[..., :d], kv[..., d:]], 1)
+            gate = torch.cat([gate_before, gate[..., d:]], 1)
+        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(1)
         pooled = self.norm(pooled)
-        positions = torch.arange(first, first + count, device=kv.device) * m
         return rope(pooled, *rope.cos_sin(positions, pooled.dtype))
 
 
@@ -253,32 +245,14 @@ class V4Attention(SinkAttention):
             self._write_raw(self.compressor, x, caches[1], metas[1])
             if self.kind == CSA:
                 self._write_raw(self.indexer.compressor, x, caches[3], metas[3])
-        meta = metas[0]
-        starts = meta.query_start_loc.tolist()
+            self._pool_new(self.compressor, caches[1:3], metas[1:3])
+            if self.kind == CSA:
+                self._pool_new(self.indexer.compressor, caches[3:5], metas[3:5])
         out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
-        # Entries whose groups complete in this step, pooled and stored first.
-        for b in range(meta.num_seqs):
-            end = meta.seq_lens_list[b]
-            ctx = end - meta.query_lens_list[b]
-            if self.kind != SLIDING:
-                self._pool_new(self.compressor, b, ctx, end, caches[1:3], metas[1:3])
-                if self.kind == CSA:
-                    self._pool_new(self.indexer.compressor, b, ctx, end, caches[3:5], metas[3:5])
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._attend_decodes(q[:nd], qr[:nd], x[:nd], caches, metas)
-        for b in range(nd, meta.num_seqs):  # prefill chunks, one sequence at a time
-            s, n, end = starts[b], meta.query_lens_list[b], meta.seq_lens_list[b]
-            if n == 0:
-                continue
-            ctx = end - n
-            entries = index_keys = None
-            if self.kind != SLIDING:
-                entries = compressed.sequence_entries(caches[2], metas[2], b, self.ratio, end)
-                if self.kind == CSA:
-                    index_keys = compressed.sequence_entries(caches[4], metas[4], b, self.ratio, end)
-            out[s:s + n] = self._attend(b, q[s:s + n], qr[s:s + n], x[s:s + n], ctx, end,
-                                        caches[0], meta, entries, index_keys)
+        for batch in compressed.step_batches(metas[0]):  # the decodes; groups of prefill chunks
+            rows = batch.rows
+            got = self._attend(batch, q[rows], qr[rows], x[rows], caches, metas)
+            out.index_copy_(0, batch.to_rows, got.flatten(0, 1).index_select(0, batch.take))
         return self.project_out(out, cos, sin)
 
     @staticmethod
@@ -288,76 +262,56 @@ class V4Attention(SinkAttention):
         kv, gate = pooler.wkv(x), pooler.wgate(x)
         write_kv(cache, kv[:, None], gate[:, None], meta.slot_mapping)
 
-    def _pool_new(self, pooler: Compressor, b: int, ctx: int, end: int,
-                  caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> None:
-        """Pool sequence b's entries whose groups complete in this step (tokens ctx .. end - 1)
-        from the raw rows (this step's included) and store them in their pages."""
-        m, bs = pooler.ratio, metas[0].block_size
-        first, last = ctx // m, end // m  # entries first .. last - 1 complete now
-        if last <= first:
+    def _pool_new(self, pooler: Compressor, caches: list[torch.Tensor],
+                  metas: list[AttentionMetadata]) -> None:
+        """Pool every sequence's entries whose groups complete in this step from the raw rows
+        (this step's included) and store them in their pages."""
+        new = compressed.new_entries(metas[1], pooler.ratio, metas[0])
+        if new is None:
             return
         raw_cache, entry_cache = caches
-        raw_table = metas[0].block_tables[b].tolist()
-        lo = max(0, (first - 1) * m) if pooler.overlap else first * m
-        rows = range(lo, last * m)
-        kv = compressed.paged_rows(raw_cache[0], raw_table, rows, bs)
-        gate = compressed.paged_rows(raw_cache[1], raw_table, rows, bs)
-        new = pooler.pool(kv, gate, first, last - first, self.rope)
-        compressed.store_entries(entry_cache, metas[1].block_tables[b].tolist(), first, new, m, bs)
 
-    def _attend(self, b: int, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor, ctx: int,
-                end: int, window_cache: torch.Tensor, meta: AttentionMetadata,
-                entries: torch.Tensor | None, index_keys: torch.Tensor | None) -> torch.Tensor:
-        """One sequence's queries (positions ctx .. end - 1) over its window keys, its visible
-        (CSA: selected) entries and the sinks: [n, H, D]."""
-        keys, allowed, t = compressed.sequence_window(window_cache, meta, b, ctx, end, self.window)
-        if entries is not None and entries.shape[0]:
-            num = entries.shape[0]
-            visible = torch.arange(num, device=q.device)[None, :] < ((t + 1) // self.ratio)[:, None]
-            if index_keys is not None:
-                visible = self._select(qr, x, t, index_keys, visible)
-            keys = torch.cat([keys, entries], 0)
-            allowed = torch.cat([allowed, visible], 1)
-        return compressed.attend_with_sinks(q, keys, allowed, self.attn_sink, self.head_dim**-0.5)
+        def rows(at: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            return raw_cache[0][at[0], at[1], 0], raw_cache[1][at[0], at[1], 0]
 
-    def _attend_decodes(self, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
-                        caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
-        """The step's decodes together (one query each, at position seq_len - 1): their window
-        keys and entries gathered into padded [B, keys, D] tensors, masked. [B, H, D]."""
-        nd = q.shape[0]
-        keys, allowed, pos = compressed.decode_window(caches[0], metas[0], nd, self.window)
+        entries = pooler.pool(rows(new.group), rows(new.previous) if pooler.overlap else None,
+                              new.has_previous, new.positions, self.rope)
+        entry_cache[new.slot] = entries.to(entry_cache.dtype)
+
+    def _attend(self, batch: compressed.SequenceBatch, q: torch.Tensor, qr: torch.Tensor,
+                x: torch.Tensor, caches: list[torch.Tensor],
+                metas: list[AttentionMetadata]) -> torch.Tensor:
+        """A batch's queries ([P, N, ...]) over their window keys, their visible (CSA:
+        selected) entries and the sinks: [P, N, H, D]."""
+        keys, allowed = compressed.batch_window(caches[0], metas[0], batch, self.window)
         if self.kind != SLIDING:
-            m = self.ratio
-            counts = (pos + 1) // m
-            count = int(counts.max())
-            if count:
-                visible = torch.arange(count, device=q.device)[None, :] < counts[:, None]
-                entries = compressed.decode_entries(caches[2], metas[2], nd, m, count)
+            found = compressed.batch_entries(caches[2], metas[2], batch, self.ratio)
+            if found is not None:
+                entries, visible = found
                 if self.kind == CSA:
-                    index_keys = compressed.decode_entries(caches[4], metas[4], nd, m, count)
-                    visible = self._select(qr, x, pos, index_keys, visible)
+                    index_keys, _ = compressed.batch_entries(caches[4], metas[4], batch, self.ratio)
+                    visible = self._select(qr, x, batch.positions, index_keys, visible)
                 keys = torch.cat([keys, entries], 1)
-                allowed = torch.cat([allowed, visible], 1)
+                allowed = torch.cat([allowed, visible], 2)
         return compressed.attend_with_sinks(q, keys, allowed, self.attn_sink, self.head_dim**-0.5)
 
     def _select(self, qr: torch.Tensor, x: torch.Tensor, t: torch.Tensor, index_keys: torch.Tensor,
                 visible: torch.Tensor) -> torch.Tensor:
-        """CSA: the entries each query's indexer scores put in its top ``index_topk``.
-        ``index_keys``: [L, DI] shared by the queries (one sequence's), or [n, L, DI] per
-        query (a batch of decodes)."""
+        """CSA: the entries each query's indexer scores put in its top ``index_topk``. A batch:
+        qr, x [P, N, ...], positions t [P, N], index keys [P, C, DI], visible [P, N, C]."""
         ix = self.indexer
-        n = qr.shape[0]
-        cos, sin = self.rope.cos_sin(t, qr.dtype)
-        qi = self.rope(ix.wq_b(qr).view(n, ix.num_heads, ix.head_dim), cos, sin)
-        keys = index_keys.float() if index_keys.dim() == 3 else index_keys.float().expand(n, -1, -1)
-        scores = F.relu(torch.einsum("nhd,nld->nhl", qi.float(), keys)) * ix.head_dim**-0.5
-        weights = ix.weights_proj(x).float() * ix.num_heads**-0.5
-        score = (scores * weights[..., None]).sum(1).masked_fill(~visible, float("-inf"))
+        (P, N), heads = t.shape, ix.num_heads
+        qi = self.rope(ix.wq_b(qr.flatten(0, 1)).view(P * N, heads, ix.head_dim),
+                       *self.rope.cos_sin(t.flatten(), qr.dtype)).view(P, N, heads, ix.head_dim)
+        scores = F.relu(torch.einsum("pnhd,pld->pnhl", qi.float(), index_keys.float()))
+        scores = scores * ix.head_dim**-0.5
+        weights = ix.weights_proj(x.flatten(0, 1)).float().view(P, N, heads, 1) * heads**-0.5
+        score = (scores * weights).sum(2).masked_fill(~visible, float("-inf"))
         # ReLU scores tie at 0 often: ties go to the earlier entry (a stable sort), so the choice
         # never depends on how many entries the step scores (its chunking, a prefix hit).
         order = torch.sort(score, dim=-1, descending=True, stable=True).indices
-        top = order[:, :min(ix.topk, score.shape[1])]
-        return torch.zeros_like(visible).scatter_(1, top, True) & visible
+        top = order[..., :min(ix.topk, score.shape[-1])]
+        return torch.zeros_like(visible).scatter_(-1, top, True) & visible
 
 
 class V4MoE(nn.Module):
@@ -455,6 +409,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     ``hc_attn_fn``, ``head``: what transformers writes and the Hub holds)."""
 
     supports_tensor_parallel = True
+    supports_decode_graphs = False  # its batches are made from the step's lengths on the host
     supports_fp8_kv_cache = False  # the compressed and indexer caches are read in torch, unscaled
 
     # Per-expert w1 (gate) / w3 (up) / w2 (down) into the stacked expert tensors; the

@@ -68,18 +68,30 @@ GRAM_DIGITS = len(GRAM_SHIFTS)
 @dataclass
 class V41Step:
     """What one forward step's layers hand each other: the Engram n-grams, the consumers'
-    shared hidden state, each KV source's new entries before RoPE (per sequence: first entry,
-    rows) for the layers that index them, each index source's top-k choice for the layers
-    that reuse it, and the candidate source's blocks."""
+    shared hidden state, each KV source's new entries before RoPE (with the positions their
+    index keys are roped at), each index source's top-k choice for the layers that reuse it,
+    and the candidate source's blocks; choices are per row of the whole step."""
 
+    num_rows: int
+    """The step's rows (a consumer on the last rows of each prefill attends for a subset)."""
     shared_hidden: torch.Tensor | None = None
     grams: torch.Tensor | None = None
     """Engram: [T, N] the compressed tokens at t, t - 1, .. t - N + 1 of each step token."""
-    fresh: dict[int, list[tuple[int, torch.Tensor] | None]] = field(default_factory=dict)
-    choices: dict[int, dict[int | str, torch.Tensor]] = field(default_factory=dict)
-    """index source -> {sequence b: [n, entries] of a prefill, "decodes": [B, entries]}."""
-    candidates: dict[int | str, torch.Tensor] = field(default_factory=dict)
-    """The candidate source's blocks as entries: {sequence b or "decodes": [n, entries]}."""
+    fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """KV source -> (positions [E], entries before RoPE [E, D]) of the entries made this step."""
+    choices: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Index source -> [num_rows, entries] bool: each row's chosen entries."""
+    candidates: torch.Tensor | None = None
+    """[num_rows, entries] bool: the candidate source's blocks, as entries, per row."""
+
+    def keep(self, chosen: torch.Tensor | None, count: int, rows: torch.Tensor,
+             visible: torch.Tensor) -> torch.Tensor:
+        """``visible`` ([Q, C], of step rows ``rows``) into a per-row table of ``count``
+        entries (``chosen``, made here when None)."""
+        if chosen is None:
+            chosen = torch.zeros(self.num_rows, count, dtype=torch.bool, device=visible.device)
+        chosen[rows, :visible.shape[1]] = visible
+        return chosen
 
 
 class V41Attention(SinkAttention):
@@ -139,15 +151,10 @@ class V41Attention(SinkAttention):
         if not published:
             self.publish(positions, x, slots, step)
         out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._attend_decodes(q[:nd], qr[:nd], x[:nd], slots, step)
-        starts = meta.query_start_loc.tolist()
-        for b in range(nd, meta.num_seqs):  # prefill chunks, one sequence at a time
-            s, n, end = starts[b], meta.query_lens_list[b], meta.seq_lens_list[b]
-            if n:
-                out[s:s + n] = self._attend(b, q[s:s + n], qr[s:s + n], x[s:s + n], end - n, end,
-                                            slots, step)
+        for batch in compressed.step_batches(meta):  # the decodes; groups of prefill chunks
+            rows = batch.rows
+            got = self._attend(batch, q[rows], qr[rows], x[rows], slots, step)
+            out.index_copy_(0, batch.to_rows, got.flatten(0, 1).index_select(0, batch.take))
         return self.project_out(out, cos, sin)
 
     def publish(self, positions: torch.Tensor, x: torch.Tensor, slots: dict[str, Slot],
@@ -164,119 +171,90 @@ class V41Attention(SinkAttention):
         ``step.fresh`` (before RoPE) for the index keys."""
         c, m = self.compressor, self.ratio
         entry_cache, entry_meta = slots["entries"]
-        meta = slots["window"][1]
-        starts = meta.query_start_loc.tolist()
-        if m == 1:
+        if m == 1:  # one entry per token
             pre = c.norm(c.wkv(h))
-            roped = self.rope(pre, *self.rope.cos_sin(positions, pre.dtype))
-            # One entry per token: the token's own slot (a padded decode graph's rows are -1).
-            written = entry_meta.slot_mapping >= 0
-            slot = entry_meta.slot_mapping[written].long()
-            bs = entry_meta.block_size
-            entry_cache[slot // bs, slot % bs] = roped[written]
-            fresh = [(meta.seq_lens_list[b] - meta.query_lens_list[b],
-                      pre[starts[b]:starts[b] + meta.query_lens_list[b]])
-                     for b in range(meta.num_seqs)]
-        else:
-            raw_cache, raw_meta = slots["raw"]
-            write_kv(raw_cache, c.wkv(h)[:, None], c.wgate(h)[:, None], raw_meta.slot_mapping)
-            fresh = []
-            for b in range(meta.num_seqs):
-                end = meta.seq_lens_list[b]
-                first, last = (end - meta.query_lens_list[b]) // m, end // m
-                if last <= first:
-                    fresh.append(None)
-                    continue
-                table = raw_meta.block_tables[b].tolist()
-                rows = range(first * m, last * m)
-                pooled = c.pool_pairs(compressed.paged_rows(raw_cache[0], table, rows, raw_meta.block_size),
-                                      compressed.paged_rows(raw_cache[1], table, rows, raw_meta.block_size))
-                pre = c.norm(pooled)
-                at = torch.arange(first, last, device=h.device) * m
-                compressed.store_entries(entry_cache, entry_meta.block_tables[b].tolist(), first,
-                                         self.rope(pre, *self.rope.cos_sin(at, pre.dtype)), m,
-                                         entry_meta.block_size)
-                fresh.append((first, pre))
-        step.fresh[self.layer] = fresh
+            compressed.store_token_entries(entry_cache, entry_meta,
+                                           self.rope(pre, *self.rope.cos_sin(positions, pre.dtype)))
+            step.fresh[self.layer] = (positions, pre)
+            return
+        raw_cache, raw_meta = slots["raw"]
+        write_kv(raw_cache, c.wkv(h)[:, None], c.wgate(h)[:, None], raw_meta.slot_mapping)
+        new = compressed.new_entries(entry_meta, m, raw_meta)
+        if new is None:
+            step.fresh[self.layer] = (positions[:0], h.new_empty(0, self.head_dim))
+            return
+        page, offset = new.group
+        pre = c.norm(c.pool_pairs(raw_cache[0][page, offset, 0].flatten(0, 1),
+                                  raw_cache[1][page, offset, 0].flatten(0, 1)))
+        roped = self.rope(pre, *self.rope.cos_sin(new.positions, pre.dtype))
+        entry_cache[new.slot] = roped.to(entry_cache.dtype)
+        step.fresh[self.layer] = (new.positions, pre)
 
     def _make_index_keys(self, slots: dict[str, Slot], step: V41Step) -> None:
-        ix, m = self.indexer, self.ratio
+        ix = self.indexer
         key_cache, key_meta = slots["index_keys"]
-        for b, new in enumerate(step.fresh[self.kv_source]):
-            if new is None or not new[1].shape[0]:
-                continue
-            first, pre = new
-            keys = ix.k_norm(ix.wk(pre))
-            at = torch.arange(first, first + keys.shape[0], device=pre.device) * m
-            compressed.store_entries(key_cache, key_meta.block_tables[b].tolist(), first,
-                                     self.rope(keys, *self.rope.cos_sin(at, keys.dtype)), m,
-                                     key_meta.block_size)
+        at, pre = step.fresh[self.kv_source]
+        if not pre.shape[0]:
+            return
+        keys = ix.k_norm(ix.wk(pre))
+        keys = self.rope(keys, *self.rope.cos_sin(at, keys.dtype))
+        if self.ratio == 1:
+            compressed.store_token_entries(key_cache, key_meta, keys)
+        else:
+            key_cache[compressed.new_entries(key_meta, self.ratio).slot] = keys.to(key_cache.dtype)
 
-    def _attend(self, b: int, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor, ctx: int,
-                end: int, slots: dict[str, Slot], step: V41Step) -> torch.Tensor:
-        """One sequence's queries (positions ctx .. end - 1): [n, H, D]."""
+    def _attend(self, batch: compressed.SequenceBatch, q: torch.Tensor, qr: torch.Tensor,
+                x: torch.Tensor, slots: dict[str, Slot], step: V41Step) -> torch.Tensor:
+        """A batch's queries ([P, N, ...]) over their window keys, their chosen entries and
+        the sinks: [P, N, H, D]."""
         window_cache, meta = slots["window"]
-        keys, allowed, t = compressed.sequence_window(window_cache, meta, b, ctx, end, self.window)
-        computed_from = meta.derived.get(REPLAYED_FROM)
-        if computed_from is not None:  # keys before the layer's first computed row: never written
-            allowed[:, :max(0, computed_from[b] - max(0, ctx - self.window + 1))] = False
-        if self.ratio and end // self.ratio:
+        # (a consumer on a prefill's last rows: its keys before its first computed row were
+        # never written)
+        keys, allowed = compressed.batch_window(window_cache, meta, batch, self.window,
+                                                meta.derived.get(REPLAYED_FROM))
+        found = None
+        if self.ratio:
             entry_cache, entry_meta = slots["entries"]
-            entries = compressed.sequence_entries(entry_cache, entry_meta, b, self.ratio, end)
-            visible = (torch.arange(entries.shape[0], device=q.device)[None, :]
-                       < ((t + 1) // self.ratio)[:, None])
+            found = compressed.batch_entries(entry_cache, entry_meta, batch, self.ratio)
+        if found is not None:
+            entries, visible = found
+            rows = compressed.step_rows(meta, batch.rows)  # [P, N] rows of the whole step
             if self.index_source == self.layer:
                 key_cache, key_meta = slots["index_keys"]
-                index_keys = compressed.sequence_entries(key_cache, key_meta, b, self.ratio, end)
-                visible = self._select(qr, x, t, index_keys, visible, step, b)
-                step.choices.setdefault(self.layer, {})[b] = visible
-            else:  # the source's rows for b end with these (a consumer's rows are a suffix)
-                visible = step.choices[self.index_source][b][-q.shape[0]:]
-            keys = torch.cat([keys, entries], 0)
-            allowed = torch.cat([allowed, visible], 1)
+                index_keys, _ = compressed.batch_entries(key_cache, key_meta, batch, self.ratio)
+                count = max(meta.seq_lens_list) // self.ratio  # the step's most entries
+                visible = self._select(qr, x, batch, index_keys, visible, step, rows, count)
+                step.choices[self.layer] = step.keep(
+                    step.choices.get(self.layer), count, rows.flatten()[batch.take],
+                    visible.flatten(0, 1)[batch.take])
+            else:  # the source's rows include these (a consumer's rows are a suffix)
+                visible = step.choices[self.index_source][rows][..., :visible.shape[-1]]
+            keys = torch.cat([keys, entries], 1)
+            allowed = torch.cat([allowed, visible], 2)
         return compressed.attend_with_sinks(q, keys, allowed, self.attn_sink, self.head_dim**-0.5)
 
-    def _attend_decodes(self, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
-                        slots: dict[str, Slot], step: V41Step) -> torch.Tensor:
-        """The step's decodes together, padded to the longest window and entry count: [B, H, D]."""
-        nd = q.shape[0]
-        window_cache, meta = slots["window"]
-        keys, allowed, pos = compressed.decode_window(window_cache, meta, nd, self.window)
-        if self.ratio:
-            counts = (pos + 1) // self.ratio
-            count = int(counts.max())
-            if count:
-                entry_cache, entry_meta = slots["entries"]
-                entries = compressed.decode_entries(entry_cache, entry_meta, nd, self.ratio, count)
-                visible = torch.arange(count, device=q.device)[None, :] < counts[:, None]
-                if self.index_source == self.layer:
-                    key_cache, key_meta = slots["index_keys"]
-                    index_keys = compressed.decode_entries(key_cache, key_meta, nd, self.ratio, count)
-                    visible = self._select(qr, x, pos, index_keys, visible, step, "decodes")
-                    step.choices.setdefault(self.layer, {})["decodes"] = visible
-                else:
-                    visible = step.choices[self.index_source]["decodes"]
-                keys = torch.cat([keys, entries], 1)
-                allowed = torch.cat([allowed, visible], 1)
-        return compressed.attend_with_sinks(q, keys, allowed, self.attn_sink, self.head_dim**-0.5)
-
-    def _select(self, qr: torch.Tensor, x: torch.Tensor, t: torch.Tensor, index_keys: torch.Tensor,
-                visible: torch.Tensor, step: V41Step, key: int | str) -> torch.Tensor:
-        """The visible entries each query's indexer scores put in its top ``index_topk``
-        (after the candidate source: among its candidate blocks' entries). ``index_keys``:
-        [L, DI] shared by one sequence's queries, or [n, L, DI] per query; ``key``: the
-        sequence (or "decodes") the queries are, for the candidates."""
+    def _select(self, qr: torch.Tensor, x: torch.Tensor, batch: compressed.SequenceBatch,
+                index_keys: torch.Tensor, visible: torch.Tensor, step: V41Step,
+                rows: torch.Tensor, count: int) -> torch.Tensor:
+        """[P, N, C]: the visible entries each query's indexer scores put in its top
+        ``index_topk`` (after the candidate source: among its candidate blocks' entries).
+        ``index_keys`` [P, C, DI]; ``rows`` [P, N]: the queries' rows in the whole step;
+        ``count``: the step's most entries (the candidates' width)."""
         ix = self.indexer
-        n = qr.shape[0]
-        qi = self.rope(ix.wq_b(qr).view(n, ix.num_heads, ix.head_dim), *self.rope.cos_sin(t, qr.dtype))
-        keys = index_keys.float() if index_keys.dim() == 3 else index_keys.float().expand(n, -1, -1)
-        scores = F.relu(torch.einsum("nhd,nld->nhl", qi.float(), keys))
-        score = (scores * ix.weights_proj(x).float()[..., None]).sum(1)
+        (P, N), heads, C = batch.positions.shape, ix.num_heads, visible.shape[-1]
+        qi = self.rope(ix.wq_b(qr.flatten(0, 1)).view(P * N, heads, ix.head_dim),
+                       *self.rope.cos_sin(batch.positions.flatten(), qr.dtype))
+        scores = F.relu(torch.einsum("pnhd,pld->pnhl", qi.view(P, N, heads, -1).float(),
+                                     index_keys.float()))
+        score = (scores * ix.weights_proj(x.flatten(0, 1)).float().view(P, N, heads, 1)).sum(2)
+        score, visible = score.flatten(0, 1), visible.flatten(0, 1)
         if self.candidate is not None and self.layer == self.candidate.source:
-            step.candidates[key] = candidate_entries(score, visible, self.candidate)
+            step.candidates = step.keep(step.candidates, count,
+                                        rows.flatten()[batch.take],
+                                        candidate_entries(score, visible, self.candidate)[batch.take])
         elif self.candidate is not None and self.layer > self.candidate.source:
-            visible = visible & step.candidates[key][-n:]
-        return top_k_entries(score, visible, ix.topk)
+            visible = visible & step.candidates[rows.flatten()][:, :C]
+        return top_k_entries(score, visible, ix.topk).view(P, N, C)
 
 
 class V41DecoderLayer(nn.Module):
@@ -335,6 +313,7 @@ class DeepseekV41ForCausalLM(CausalLM):
     loaded (the loader names them in its log)."""
 
     supports_tensor_parallel = True
+    supports_decode_graphs = False  # its batches are made from the step's lengths on the host
     supports_fp8_kv_cache = False  # entries and index keys are read in torch, unscaled
 
     # DeepSeek's names of expert, shared-expert and mHC tensors, as V4's.
@@ -430,7 +409,7 @@ class DeepseekV41ForCausalLM(CausalLM):
                 kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
         x = self.embed(input_ids)
         h = x.unsqueeze(1).expand(-1, self.streams, -1).contiguous()
-        step, pre = V41Step(), None
+        step, pre = V41Step(num_rows=input_ids.shape[0]), None
         if self.engram is not None:
             step.grams = self._grams(input_ids, positions, kv_caches[0], metas[0])
         for index, (layer, slots) in enumerate(zip(self.layers, self._slots, strict=True)):

@@ -15,6 +15,7 @@ import os
 import torch
 
 from openinfer.attention.base import AttentionMetadata
+from openinfer.attention.compressed import STEP_ROWS
 from openinfer.models.arch import V41Arch
 
 REPLAY_ROWS_ENV = "OPENINFER_V41_REPLAY_ROWS"
@@ -51,7 +52,7 @@ def rows_view(meta: AttentionMetadata, rows: torch.Tensor,
         meta, slot_mapping=meta.slot_mapping[rows],
         query_start_loc=torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(meta.query_start_loc.dtype),
         max_query_len=max(query_lens, default=0), query_lens_list=query_lens,
-        derived={REPLAYED_FROM: computed_from})
+        derived={REPLAYED_FROM: computed_from, STEP_ROWS: rows})
 
 
 def replayed_from(rows: int, meta: AttentionMetadata) -> list[int]:

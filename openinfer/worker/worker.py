@@ -318,6 +318,8 @@ class Worker:
 
     def _decode_graphs_refusal(self) -> str | None:
         """Why decode steps cannot replay graphs here (not yet built for these), or None."""
+        if not self.model.supports_decode_graphs:
+            return f"{type(self.model).__name__} plans its attention from each step's lengths"
         if self.attention.name != "triton":
             return f"the {self.attention.name} attention backend plans from each step's lengths"
         if self.runner.drafter is not None:

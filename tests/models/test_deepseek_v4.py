@@ -168,3 +168,55 @@ def test_speculative_decoding_keeps_greedy_tokens(v4_family):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.core.stats()["spec_num_draft_tokens"] > 0
     llm.engine.check_integrity()
+
+
+def test_a_step_of_many_sequences_gives_each_the_logits_of_its_own_steps(v4_family):
+    """A step's sequences attend in padded batches (its decodes together, its prefill chunks
+    in groups of similar length, padded to the longest): every sequence's logits are those
+    of steps that hold it alone, in V4 and V4.1 (whose consumers reuse the index source's
+    per-row choices and candidate blocks)."""
+    lengths = [40, 7, 23, 33, 3, 18]
+    first = [20, 6, 23, 10, 2, 17]  # then: decodes of 1, 4, 5; continuations of 0 and 3
+    prompts = _prompts(1000, lengths, seed=4)
+    together = PagedModel(v4_family, attention="torch", dtype="float32")
+    step1 = together.step([(i, p[:c], 0) for i, (p, c) in enumerate(zip(prompts, first))])
+    order = [1, 4, 5, 0, 3]  # decodes first
+    step2 = together.step([(i, prompts[i][first[i]:], first[i]) for i in order])
+    alone = PagedModel(v4_family, attention="torch", dtype="float32")
+    offset = 0
+    for i, (p, c) in enumerate(zip(prompts, first)):
+        torch.testing.assert_close(step1[offset:offset + c], alone.step([(i, p[:c], 0)]),
+                                   atol=1e-5, rtol=1e-5)
+        offset += c
+    offset = 0
+    for i in order:
+        rest = prompts[i][first[i]:]
+        torch.testing.assert_close(step2[offset:offset + len(rest)], alone.step([(i, rest, first[i])]),
+                                   atol=1e-5, rtol=1e-5)
+        offset += len(rest)
+
+
+def test_a_step_is_batched_in_groups_that_at_most_double_a_chunk():
+    """Decodes in one batch; prefill chunks longest first, a new group wherever a chunk is
+    under half its group's longest; padding repeats a sequence's last row and position, and
+    only real queries are written back."""
+    from openinfer.attention.base import build_attention_metadata
+    from openinfer.attention.compressed import step_batches
+    from openinfer.attention.reference import TorchAttentionBackend
+
+    query_lens = [1, 1, 12, 40, 0, 25, 19, 3]
+    seq_lens = [9, 5, 12, 60, 4, 25, 30, 3]
+    meta = build_attention_metadata(TorchAttentionBackend(), query_lens, seq_lens,
+                                    [[i] * 16 for i in range(8)], 4)
+    batches = step_batches(meta)
+    assert [b.seqs.tolist() for b in batches] == [[0, 1], [3, 5], [6, 2], [7]]
+    assert step_batches(meta) is batches  # once per step
+    starts = [0, 1, 2, 14, 54, 54, 79, 98]
+    for batch in batches:
+        for p, b in enumerate(batch.seqs.tolist()):
+            n = query_lens[b]
+            assert batch.rows[p, :n].tolist() == list(range(starts[b], starts[b] + n))
+            assert batch.positions[p, :n].tolist() == list(range(seq_lens[b] - n, seq_lens[b]))
+            assert not batch.valid[p, n:].any() and (batch.rows[p, n:] == starts[b] + n - 1).all()
+        assert batch.rows.flatten()[batch.take].tolist() == batch.to_rows.tolist()
+    assert sorted(r for b in batches for r in b.to_rows.tolist()) == list(range(sum(query_lens)))
