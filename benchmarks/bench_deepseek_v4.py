@@ -1,11 +1,12 @@
 """DeepSeek-V4 end to end (issue 15): offline greedy generation of a small random V4 (every
 attention type, hash and scored MoE layers, hyper-connections) built here with transformers, by
-openinfer's LLM and by transformers' cached generate, same prompts, same process; and the
-prefill of many prompts of mixed lengths at once (openinfer alone: its steps attend over every
-sequence's chunk in padded batches). Attention runs in torch (no fused kernel), so this is
-where the model stands before one, not a kernel figure.
+openinfer's LLM and by transformers' cached generate, same prompts, same process; and steps of
+many sequences (openinfer alone: prefills of many prompts of mixed lengths, decodes of 8 and 32
+sequences), whose attention runs over padded batches of the step's sequences. Attention runs
+in torch (no fused kernel), so this is where the model stands before one, not a kernel figure.
 
     .venv/bin/python benchmarks/bench_deepseek_v4.py [--no-write]
+    PYTHONPATH=<a checkout> .venv/bin/python benchmarks/bench_deepseek_v4.py --steps-only
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def transformers_generate(hf, prompts: torch.Tensor, new_tokens: int) -> tuple[f
 
 
 def figures(batch: int = 8, prompt_len: int = 128, new_tokens: int = 32,
-            prefill_only: bool = False) -> tuple[str, str]:
-    """(the end-to-end table, the prefill table)."""
+            steps_only: bool = False) -> tuple[str, str]:
+    """(the end-to-end table, the many-sequence steps' table)."""
     import transformers
 
     from openinfer import LLM, SamplingParams
@@ -57,10 +58,9 @@ def figures(batch: int = 8, prompt_len: int = 128, new_tokens: int = 32,
     rows = ["| engine | wall s | output tokens/s | sequences equal to transformers' |", "|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as path:
         hf.save_pretrained(path)
-        prefill = "\n".join(["| prompts | wall s (best of 3) | prompt tokens/s |", "|---|---|---|",
-                             prefill_figures(path)])
-        if prefill_only:
-            return "", prefill
+        steps = step_figures(path)
+        if steps_only:
+            return "", steps
         llm = LLM(path, progress=False, enable_prefix_caching=False, skip_tokenizer_init=True)
         sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         llm.generate(prompts[:2, :16].tolist(), sp)  # warm-up
@@ -75,50 +75,67 @@ def figures(batch: int = 8, prompt_len: int = 128, new_tokens: int = 32,
     rows.append(f"| transformers (cached generate, one at a time) | {theirs_s:.2f} | "
                 f"{total / theirs_s:.1f} | - |")
     rows.append(f"| openinfer / transformers | | {theirs_s / ours_s:.2f}x | |")
-    return "\n".join(rows), prefill
+    return "\n".join(rows), steps
 
 
-def prefill_figures(path: str, prompts: int = 32, shortest: int = 32, longest: int = 256,
-                    reps: int = 3) -> str:
-    """Prompt tokens/s of ``prompts`` prompts of mixed lengths, one output token each, with a
-    step budget that takes them all in one or two steps (best of ``reps``)."""
+def step_figures(path: str, reps: int = 3) -> str:
+    """Steps of many sequences (best of ``reps``): prefills of many prompts of mixed lengths,
+    one output token each, with a step budget that takes them in one or two steps; decodes of
+    8 and 32 sequences."""
     from openinfer import LLM, SamplingParams
 
     g = torch.Generator().manual_seed(2)
-    lengths = torch.randint(shortest, longest + 1, (prompts,), generator=g).tolist()
-    batch = [torch.randint(10, CONFIG["vocab_size"], (n,), generator=g).tolist() for n in lengths]
     llm = LLM(path, progress=False, enable_prefix_caching=False, skip_tokenizer_init=True,
-              max_num_batched_tokens=4096, max_num_seqs=prompts)
-    sp = SamplingParams(temperature=0, max_tokens=1)
-    llm.generate(batch[:2], sp)  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        llm.generate(batch, sp)
-        best = min(best, time.perf_counter() - start)
-    total = sum(lengths)
-    return (f"| {prompts} prompts of {shortest}-{longest} tokens ({total} in all), 1 output token "
-            f"each | {best:.3f} | {total / best:.0f} |")
+              max_num_batched_tokens=4096, max_num_seqs=64)
+
+    def best(prompts: list[list[int]], sp: SamplingParams) -> float:
+        llm.generate(prompts[:2], sp)  # warm-up
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            llm.generate(prompts, sp)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    rows = ["| load | wall s (best of 3) | tokens/s |", "|---|---|---|"]
+    for count, shortest, longest in [(64, 8, 24), (32, 32, 256)]:
+        lengths = torch.randint(shortest, longest + 1, (count,), generator=g).tolist()
+        prompts = [torch.randint(10, CONFIG["vocab_size"], (n,), generator=g).tolist() for n in lengths]
+        seconds = best(prompts, SamplingParams(temperature=0, max_tokens=1))
+        rows.append(f"| prefill: {count} prompts of {shortest}-{longest} tokens ({sum(lengths)} in "
+                    f"all), 1 output token each | {seconds:.3f} | {sum(lengths) / seconds:.0f} prompt |")
+    for count in (8, 32):
+        prompts = torch.randint(10, CONFIG["vocab_size"], (count, 16), generator=g).tolist()
+        seconds = best(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+        rows.append(f"| decode: {count} sequences (16-token prompts), 64 tokens each | {seconds:.3f} | "
+                    f"{count * 64 / seconds:.0f} output |")
+    return "\n".join(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true", help="print only")
-    parser.add_argument("--prefill-only", action="store_true", help="the prefill figure alone (print only)")
+    parser.add_argument("--steps-only", action="store_true",
+                        help="the many-sequence steps alone (print only; for A/B runs of two commits)")
     args = parser.parse_args()
-    table, prefill = figures(prefill_only=args.prefill_only)
-    if args.prefill_only:
-        print(prefill)
+    table, steps = figures(steps_only=args.steps_only)
+    if args.steps_only:
+        print(steps)
         return
     body = f"""## DeepSeek-V4 end to end (benchmarks/bench_deepseek_v4.py)
 
 A random DeepSeek-V4 (4 layers: sliding, CSA, HCA, CSA; hidden 256, 8 heads of 64, window 32,
 CSA ratio 4 with a 4-head indexer, HCA ratio 16, 8 experts top-2, float32), 8 prompts of 128
 tokens, 32 greedy tokens each. transformers' V4 compressors do not take padded batches, so it
-generates one sequence at a time; openinfer batches the step (decodes attend together,
-prefill chunks one sequence at a time, all in torch: no fused V4 kernel yet).
+generates one sequence at a time; openinfer batches the step (its decodes attend in one padded
+batch, its prefill chunks in groups of similar length, all in torch: no fused V4 kernel yet).
 
 {table}
+
+Steps of many sequences (openinfer alone; `max_num_batched_tokens` 4096, so a prefill load
+takes one or two steps):
+
+{steps}
 """
     print(body)
     if not args.no_write:
