@@ -109,11 +109,11 @@ def main() -> None:
 A random DeepSeek-V4.1 at the sizes of the DeepSeek-V4 benchmark above (hidden 256, 8 heads
 of 64, window 32, 8 experts top-2, 4 layers: window with Engram, C2 with its indexer, two C1
 consumers sharing one KV source's entries) beside that V4 (sliding, CSA, HCA, CSA), 8 prompts
-of 128 tokens, 32 greedy tokens each, float32 compute. Both attend in torch per sequence (no
-fused kernel). transformers has no V4.1: its V4 generates one sequence at a time. KV: the
-bytes one request of 32k tokens (30k prefilled in 2048-token chunks, then decoded) holds in
-each model's slots: V4.1's consumers keep one entry per token (C1) of their shared source,
-where V4's compressed layers keep one per 4 or 16.
+of 128 tokens, 32 greedy tokens each, float32 compute. Both attend in torch, over padded
+batches of the step's sequences (no fused kernel). transformers has no V4.1: its V4 generates
+one sequence at a time. KV: the bytes one request of 32k tokens (30k prefilled in 2048-token
+chunks, then decoded) holds in each model's slots: V4.1's consumers keep one entry per token
+(C1) of their shared source, where V4's compressed layers keep one per 4 or 16.
 
 {table}
 """
