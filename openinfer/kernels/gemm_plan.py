@@ -37,8 +37,8 @@ cached for the process, so a model's 30 identical layers are timed once:
      that noise does not flip choices between equals (weights under ``MIN_TIMED_WEIGHT``
      elements are not timed: ``torch`` everywhere). In 129..1024 rows a path that builds a
      kernel per row count (oneDNN's) must also be ``BUILD_MARGIN`` faster than one that does
-     not: there, timed alone, it looks faster than it runs in the model, and each prompt
-     length it has not seen costs a build (``Bucket.build_margin``);
+     not, for 16-bit weights: there, timed alone, it looks faster than it runs in the model,
+     and each prompt length it has not seen costs a build (``Bucket.build_margin``);
   4. memory: a layer holds one copy of its weight, plain or packed (for oneDNN, amx or MKL),
      whichever format's paths are faster over the buckets (``choose_paths``). A packed weight
      replaces the plain one: the layer's ``weight`` becomes a meta tensor of the same shape
@@ -114,6 +114,13 @@ in the model a 512-token prefill ran 1.05x faster on amx, and a prompt length se
 first time 1.2x faster (oneDNN builds a primitive per new row count and shape, 3-10 ms each).
 Above 1024 rows the timed choice stands: there oneDNN ran 32 x 256-token prefills 1.18x faster
 than amx (docs/benchmarks.md, bench_prefill_plans)."""
+BUILD_MARGIN_DTYPES = frozenset({torch.bfloat16, torch.float16})
+"""The weight dtypes BUILD_MARGIN applies to. Not float32: there the competitor is MKL's sgemm,
+and timing alone was right. On 2 Intel cores a plan from timing alone ran float32 prefills as
+fast as the plan with the margin (0.94-1.03x, bench_prefill_plans); on 2 AMD EPYC cores
+(AVX-512, no AMX), where MKL runs 512 rows 15-20% behind oneDNN, the margin kept MKL, and a
+512-token prefill of the peers model took 1.25 s against 1.03 s with oneDNN (a prompt length
+seen for the first time, oneDNN's builds included: 1.0-1.15 s against 0.84 s)."""
 MIN_TIMED_WEIGHT = 1 << 17
 """Weights with fewer elements (256 x 512) run F.linear in every bucket, untimed: their calls
 are mostly overhead, which timing cannot tell from noise, and so the tiny models of tests
@@ -264,8 +271,9 @@ def plan_weight(weight: torch.Tensor, bias: torch.Tensor | None, mode: str, shar
     elif mode == "auto":
         times = [_timed(weight, bias, b, weight_in, flush if b.timed_rows <= COLD_MAX_ROWS else None)
                  for b in buckets]
-        weighed = [{p: s * (b.build_margin if weight.dtype in PATHS[p].builds_per_rows else 1.0)
-                    for p, s in t.items()} for b, t in zip(buckets, times)]
+        margin = weight.dtype in BUILD_MARGIN_DTYPES
+        weighed = [{p: s * (b.build_margin if margin and weight.dtype in PATHS[p].builds_per_rows
+                            else 1.0) for p, s in t.items()} for b, t in zip(buckets, times)]
         chosen = choose_paths(weighed, kept=frozenset({PLAIN}) if shared else frozenset(),
                               may_copy=may_copy)
     else:

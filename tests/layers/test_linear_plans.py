@@ -529,25 +529,29 @@ def test_second_copies_stop_at_the_memory_budget(monkeypatch):
     assert gemm_plan.extra_copy_budget() == 2**20
 
 
-def test_paths_that_build_per_row_count_need_a_margin_up_to_1024_rows(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paths_that_build_per_row_count_need_a_margin_up_to_1024_rows(monkeypatch, dtype):
     """In 129..1024 rows oneDNN (which builds a primitive per row count) must be BUILD_MARGIN
-    faster than a path that builds nothing; above 1024 rows the timed fastest runs."""
+    faster than a path that builds nothing, for 16-bit weights; above 1024 rows, and for
+    float32 weights everywhere, the timed fastest runs."""
     def fake_times(paths, weight, bias, rows, weight_in, **kwargs):
-        # float32: F.linear (MKL) builds nothing per row count; oneDNN's packed linear does.
-        return {"torch": 1.0, "onednn_packed": 0.5 if rows <= 128 else 0.85}
+        # oneDNN's packed linear builds per row count; the widened path (MKL) never does, nor
+        # F.linear in float32 (MKL; in bf16 it is oneDNN's).
+        return {"torch": 1.0, "widened": 1.0, "onednn_packed": 0.5 if rows <= 128 else 0.85}
 
     monkeypatch.setattr(gemm_plan, "time_paths", fake_times)
     monkeypatch.setenv(gemm_plan.EXTRA_MEMORY_ENV, "1GiB")
-    layer, w, _ = _linear(64, 96, False, torch.float32, seed=0)
+    layer, w, _ = _linear(64, 96, False, dtype, seed=0)
     try:
         plan_gemms(nn.Sequential(layer), "auto")
-    except RuntimeError as e:  # oneDNN cannot pack here
+    except RuntimeError as e:  # oneDNN cannot pack this dtype here
         pytest.skip(str(e))
     assert 0.85 * gemm_plan.BUILD_MARGIN > 1.0 * gemm_plan.EXTRA_COPY_MARGIN
     assert [str(b) for b in BUCKETS[3:]] == ["M=129-1024", "M>1024"]
-    assert layer.plan.paths == ["onednn_packed"] * 3 + ["torch", "onednn_packed"]
+    middle = "widened" if dtype in gemm_plan.BUILD_MARGIN_DTYPES else "onednn_packed"
+    assert layer.plan.paths == ["onednn_packed"] * 3 + [middle, "onednn_packed"]
     for rows in (200, 1024, 1025, 1100):
-        x = torch.randn(rows, 64)
+        x = torch.randn(rows, 64, dtype=dtype)
         _check(layer(x), x, w, None)
 
 
