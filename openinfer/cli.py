@@ -95,6 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from openinfer.engine.async_llm import AsyncLLM
     from openinfer.server.app import build_app
     from openinfer.server.limits import ServerLimits
+    from openinfer.server.response_store import ResponseStore, default_path
     from openinfer.server.sampling_defaults import load_chat_template, sampling_defaults
 
     warn_if_demo_model(args.model)
@@ -121,7 +122,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     reasoning_parser=args.reasoning_parser,
                     answer_ids_cache_tokens=args.answer_ids_cache_tokens,
                     tool_call_kv_retention_s=args.tool_call_kv_retention,
-                    chat_template_content_format=args.chat_template_content_format)
+                    chat_template_content_format=args.chat_template_content_format,
+                    response_store=None if args.responses_store == "none" else ResponseStore(
+                        args.responses_store or default_path(), args.responses_store_max))
     # SIGINT/SIGTERM: uvicorn stops accepting, waits for in-flight requests (bounded), then
     # the app's lifespan shuts the engine-core process down.
     serve(app, sock, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
@@ -227,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an answer that ends in a tool call pins its conversation's KV for "
                             "this long (kept in the host and file tiers while the client runs "
                             "the tool; under --kv-pin-memory); 0: off")
+    serve.add_argument("--responses-store", metavar="PATH",
+                       help="the SQLite file where the Responses API keeps stored responses "
+                            "(previous_response_id; they outlive a restart); default "
+                            "~/.cache/openinfer/responses.sqlite3; none: store nothing")
+    serve.add_argument("--responses-store-max", type=int, default=10_000, metavar="N",
+                       help="keep at most N stored responses (the oldest go first)")
     serve.add_argument("--generation-config", default="auto",
                        help="sampling defaults for fields a request leaves unset: auto (the "
                             "model's generation_config.json), vllm (none: OpenAI's), or a folder "

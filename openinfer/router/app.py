@@ -10,6 +10,7 @@ together.
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -24,9 +25,10 @@ from openinfer.server.anthropic_protocol import MessagesRequest
 from openinfer.server.disconnect import CancelOnDisconnect
 from openinfer.server.error_bodies import document_errors
 from openinfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from openinfer.server.responses_protocol import ResponsesRequest
 
 __all__ = ["GENERATE_PATHS", "RouterState", "build_router_app", "prompt_ids"]
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 
 
 def build_router_app(state: RouterState, admin_api_key: str | None = None) -> FastAPI:
@@ -71,12 +73,26 @@ def _install_status_routes(app: FastAPI, state: RouterState) -> None:
     async def models(request: Request) -> Response:
         return await forward_get(state, "/v1/models", request)
 
+    @app.get("/v1/responses/{response_id}")
+    async def response(response_id: str, request: Request) -> Response:
+        return await forward_get(state, f"/v1/responses/{quote(response_id, safe='')}", request)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> Response:
+        return await forward_get(state, f"/v1/responses/{quote(response_id, safe='')}", request,
+                                 "DELETE")
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, request: Request) -> Response:
+        return await forward_get(state, f"/v1/responses/{quote(response_id, safe='')}/input_items",
+                                 request)
+
 
 def _openapi_with_bodies(app: FastAPI) -> dict:
     """The schema FastAPI makes, plus the request bodies of the generate routes (which read
     the raw body to relay it, so FastAPI cannot see their models): the server's own."""
     models = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-              "/v1/messages": MessagesRequest}
+              "/v1/messages": MessagesRequest, "/v1/responses": ResponsesRequest}
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     refs, defs = models_json_schema([(m, "validation") for m in models.values()],
                                     ref_template="#/components/schemas/{model}")

@@ -218,11 +218,13 @@ async def _relay(upstream: ReplicaResponse, first: bytes | None,
         await upstream.close()
 
 
-async def forward_get(state: RouterState, path: str, request: Request) -> Response:
-    """A GET relayed to the first healthy replica that answers (``/v1/models``)."""
+async def forward_get(state: RouterState, path: str, request: Request,
+                      method: str = "GET") -> Response:
+    """A GET (or ``method``) relayed to the first healthy replica that answers
+    (``/v1/models``; stored responses, which replicas sharing a store file all hold)."""
     for worker in state.router.healthy():
         try:
-            resp = await state.http.get(worker.url + path, headers=worker.forwarded_headers({
+            resp = await state.http.request(method, worker.url + path, headers=worker.forwarded_headers({
                 k: v for k, v in request.headers.items() if k.lower() == "authorization"}))
             return Response(resp.content, status_code=resp.status_code,
                             media_type=resp.headers.get("content-type"))

@@ -26,6 +26,7 @@ from openinfer.server.anthropic_protocol import MessagesRequest, openai_tools
 from openinfer.server.limits import tenant_salt, within_tenant
 from openinfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from openinfer.server.prompt import PromptRenderer
+from openinfer.server.responses_protocol import ResponsesRequest
 
 disable_created_metrics()  # no *_created series (see server/metrics.py)
 
@@ -242,6 +243,11 @@ def prompt_ids(renderer: PromptRenderer, path: str, body: dict) -> list[int]:
         none = (messages.tool_choice or {}).get("type") == "none"
         ids = renderer.anthropic_messages(
             messages, tools=None if none else openai_tools(messages) or None)
+    elif path == "/v1/responses":  # its own input (earlier turns are in a replica's store)
+        responses = ResponsesRequest.model_validate(body)
+        chat = responses.chat_request(responses.input_items(), 0)
+        tools = chat.tools if chat.tool_choice != "none" else None
+        ids = renderer.openai_chat(chat, tools=tools)
     else:
         raise ValueError(f"no prompt on {path}")
     if limit is not None and limit >= 1:  # -1 depends on max_model_len: not known here

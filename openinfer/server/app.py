@@ -27,6 +27,8 @@ from openinfer.server.openai_protocol import (
     TokenizeRequest,
 )
 from openinfer.server.prompt import PromptRenderer
+from openinfer.server.response_store import ResponseStore
+from openinfer.server.responses_api import install_responses_routes
 from openinfer.server.serving import OpenAIServing
 
 
@@ -38,7 +40,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
               reasoning_parser: str | None = None,
               answer_ids_cache_tokens: int = 0,
               tool_call_kv_retention_s: float = 0.0,
-              chat_template_content_format: str = "auto") -> FastAPI:
+              chat_template_content_format: str = "auto",
+              response_store: ResponseStore | None = None) -> FastAPI:
     """The API over ``llm``. ``sampling_defaults`` fill the sampling fields a request leaves
     unset (the model's generation config under ``--generation-config auto``); ``on_ready``
     runs once the engine has loaded and requests are served. /metrics names its series
@@ -46,7 +49,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
     ``tool_call_parser``, ``enable_auto_tool_choice`` and ``reasoning_parser`` are vLLM's
     serve options of those names (server/chat_output.py), ``chat_template_content_format``
     too (server/chat_content.py). ``answer_ids_cache_tokens``: server/answer_ids.py;
-    ``tool_call_kv_retention_s``: ``OpenAIServing.retain``."""
+    ``tool_call_kv_retention_s``: ``OpenAIServing.retain``; ``response_store``: where the
+    Responses API keeps responses (None: ``store`` is refused)."""
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await llm.start()
@@ -80,6 +84,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
     _install_engine_routes(app, llm, metrics)
     _install_openai_routes(app, serving)
     install_anthropic_routes(app, serving)
+    install_responses_routes(app, serving, response_store)
 
     def openapi() -> dict:
         if app.openapi_schema is None:

@@ -206,7 +206,10 @@ class OpenAIServing:
                            total_sources([out.prompt_sources for out in finals])),
             **kv_transfer_field(finals[0])})
 
-    async def chat(self, body: ChatCompletionRequest):
+    def prepare_chat(self, body: ChatCompletionRequest, prompt_param: str = "messages") -> PreparedChat:
+        """A chat request checked and rendered: its prompt ids (answers it resends spliced
+        in as generated), parameters, and how its output reads. ``prompt_param``: the field
+        a too-long prompt is named by (the Responses API's ``input``)."""
         self.check_model(body.model)
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
                           self.tool_call_parser, self.enable_auto_tool_choice)
@@ -216,27 +219,39 @@ class OpenAIServing:
         prompt_tail = (self.llm.tokenizer.decode(token_ids[-16:]) if self.reasoning is not None
                        else None)
         params, source = self._chat_params(body, plan, prompt_tail)
-        _, token_ids = self.tokenized(token_ids, params, source, "messages")
+        _, token_ids = self.tokenized(token_ids, params, source, prompt_param)
+        choices = ChatChoices(plan, self.tool_parser, self.reasoning, prompt_tail,
+                               bool(body.logprobs), body.top_logprobs or 0)
+        return PreparedChat(token_ids, params, encoding.text, choices)
+
+    def generate_chat(self, chat: PreparedChat, request_id: str) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for a prepared chat (its answer remembered at the end)."""
+        return self.answer_ids.remembering(self.llm.generate(chat.token_ids, chat.params, request_id),
+                                           chat.prompt_text, chat.params.cache_salt)
+
+    def retain_after(self, chat: PreparedChat, ids: list[int]) -> None:
+        """``retain`` the chat's prompt and an answer of it (``ids``) that called a tool."""
+        self.retain(chat.token_ids + ids, chat.params.cache_salt, chat.params.cache_pin_owner)
+
+    async def chat(self, body: ChatCompletionRequest):
+        chat = self.prepare_chat(body)
+        token_ids, choices = chat.token_ids, chat.choices
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         header = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                   "model": self.model_name}
-        stream = self.answer_ids.remembering(self.llm.generate(token_ids, params, request_id),
-                                             encoding.text, params.cache_salt)
-        choices = _ChatChoices(plan, self.tool_parser, self.reasoning, prompt_tail,
-                               bool(body.logprobs), body.top_logprobs or 0)
+        stream = self.generate_chat(chat, request_id)
         if body.stream:
             return StreamingResponse(
                 with_error_event(_chat_events(
                     stream, header, choices, body.include_usage, token_ids,
-                    body.return_token_ids, lambda ids: self.retain(
-                        token_ids + ids, params.cache_salt, params.cache_pin_owner))),
+                    body.return_token_ids, lambda ids: self.retain_after(chat, ids))),
                 media_type="text/event-stream")
         whole = await final(stream)
         ids = body.return_token_ids
         answers = [choices.whole(c) for c in whole.outputs]
         for c, answer in zip(whole.outputs, answers):
             if answer["finish_reason"] == "tool_calls":
-                self.retain(token_ids + c.token_ids, params.cache_salt, params.cache_pin_owner)
+                self.retain_after(chat, c.token_ids)
         return JSONResponse({**header, "choices": [
             {**answer, **({"token_ids": c.token_ids} if ids else {})}
             for c, answer in zip(whole.outputs, answers)],
@@ -264,6 +279,16 @@ class OpenAIServing:
                                       structured_outputs=structured_param(fields, source))
         self.keep_tool_markers(params, plan)
         return params, source
+
+
+@dataclass
+class PreparedChat:
+    """A chat ready for the engine (``OpenAIServing.prepare_chat``)."""
+    token_ids: list[int]
+    params: SamplingParams
+    prompt_text: str
+    """The rendered prompt (the answer-ids cache keys answers by it)."""
+    choices: ChatChoices
 
 
 @dataclass
@@ -323,7 +348,7 @@ async def _completion_events(streams: list[AsyncIterator[RequestOutput]], header
 
 
 @dataclass
-class _ChatChoices:
+class ChatChoices:
     """How a chat's choices read: each sample's text parsed into an assistant message (tool
     calls, reasoning), with its logprobs when asked."""
     plan: ToolPlan
@@ -350,7 +375,7 @@ class _ChatChoices:
                 "logprobs": self.logprobs_of(c), "finish_reason": self.finish_reason(c, out)}
 
 
-async def _chat_events(stream: AsyncIterator[RequestOutput], header: dict, choices: _ChatChoices,
+async def _chat_events(stream: AsyncIterator[RequestOutput], header: dict, choices: ChatChoices,
                        include_usage: bool, prompt_ids: list[int],
                        return_token_ids: bool = False,
                        on_tool_calls: Callable[[list[int]], None] | None = None,
