@@ -77,6 +77,7 @@ async def create_response(serving: OpenAIServing, store: ResponseStore | None,
     if body.store and store is None:
         raise APIError(400, "store: this server keeps no responses (--responses-store none); "
                        "send store: false", "store", code="unsupported_parameter")
+    owner = PIN_OWNER.get()  # (read here: a stream's body runs after this handler returns)
     history = (_stored(store, body.previous_response_id, "previous_response_id")[1]
                if body.previous_response_id else [])
     items = history + body.input_items()
@@ -91,7 +92,7 @@ async def create_response(serving: OpenAIServing, store: ResponseStore | None,
             serving.retain_after(chat, ids)
         done = _finished(response, output, finish_reason, len(chat.token_ids), len(ids), out)
         if body.store:
-            store.put(done, items + [_as_input(item) for item in output], PIN_OWNER.get())
+            store.put(done, items + [_as_input(item) for item in output], owner)
         return done
 
     if body.stream:

@@ -205,5 +205,10 @@ def test_a_stored_response_is_visible_only_to_the_api_key_that_made_it(checkpoin
         with pytest.raises(openai.NotFoundError):
             b.responses.delete(made.id)
         assert a.responses.retrieve(made.id).id == made.id
+        streamed = list(a.responses.create(model=MODEL, input="Mine too.", max_output_tokens=3,
+                                           stream=True))[-1].response
+        assert a.responses.retrieve(streamed.id).output_text == streamed.output_text
+        with pytest.raises(openai.NotFoundError):
+            b.responses.retrieve(streamed.id)
     finally:
         stop(proc)
