@@ -104,7 +104,7 @@ def test_previous_response_id_continues_the_conversation_from_the_cache(client):
 def test_an_agent_loop_calls_a_tool_and_answers_from_its_output(client):
     forced = {"type": "function", "name": "get_weather"}
     response = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER],
-                                       tool_choice=forced, max_output_tokens=60)
+                                       tool_choice=forced, max_output_tokens=120, temperature=0)
     calls = [item for item in response.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
@@ -117,7 +117,7 @@ def test_an_agent_loop_calls_a_tool_and_answers_from_its_output(client):
 
     # Streamed: the call's arguments arrive as function_call_arguments events.
     with client.responses.stream(model=MODEL, input="Weather in Rome?", tools=[WEATHER],
-                                 tool_choice=forced, max_output_tokens=60) as stream:
+                                 tool_choice=forced, max_output_tokens=120, temperature=0) as stream:
         events = list(stream)
         final = stream.get_final_response()
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
