@@ -61,6 +61,16 @@ class ProcessedOutputs:
     """Core request ids ended here by a stop string: the core must drop them."""
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """A request the front end is serving: its size so far."""
+    request_id: str
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    arrival_time: float
+    params: SamplingParams
+
+
 @dataclass
 class _RequestState:
     request_id: str
@@ -108,6 +118,14 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def in_flight(self) -> list[InFlight]:
+        """The requests not yet finished, oldest first (what llama.cpp's /slots lists)."""
+        return [InFlight(state.request_id, len(state.prompt_token_ids),
+                         sum(len(s.token_ids) for s in state.samples.values()),
+                         state.metrics.arrival_time, state.params)
+                for state in sorted(self._requests.values(),
+                                    key=lambda state: state.metrics.arrival_time)]
 
     def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         result = ProcessedOutputs()

@@ -19,6 +19,7 @@ from openinfer.server.disconnect import CancelOnDisconnect
 from openinfer.server.error_bodies import document_errors
 from openinfer.server.errors import install_error_handlers
 from openinfer.server.limits import Admission, EngineLoad, ServerLimits
+from openinfer.server.llamacpp_api import install_llamacpp_routes
 from openinfer.server.metrics import ServerMetrics
 from openinfer.server.openai_protocol import (
     ChatCompletionRequest,
@@ -85,6 +86,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, limits: ServerLimits | None
     _install_openai_routes(app, serving)
     install_anthropic_routes(app, serving)
     install_responses_routes(app, serving, response_store)
+    install_llamacpp_routes(app, llm, served_model_name, sampling_defaults)
 
     def openapi() -> dict:
         if app.openapi_schema is None:

@@ -116,8 +116,8 @@ class OpenAIServing:
     def tokenize(self, body: TokenizeRequest) -> dict:
         self.check_model(body.model)
         tokenizer = self.llm.tokenizer
-        if body.messages is not None:
-            tokens = self.renderer.openai_chat(body)
+        if body.messages is not None:  # as a chat runs it: resent answers as their ids
+            tokens = self.renderer.openai_chat(body, encode=self.chat_encoding(None))
         elif body.prompt is not None and tokenizer is not None:
             tokens = tokenizer.encode(body.prompt,
                                       add_special_tokens=body.add_special_tokens is not False)

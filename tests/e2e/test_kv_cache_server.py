@@ -11,6 +11,7 @@ import sys
 import urllib.error
 import urllib.request
 
+import httpx
 import msgpack
 import openai
 import pytest
@@ -149,6 +150,8 @@ def _conversation(base: str, turns: int) -> list[dict]:
     for turn in range(turns):
         # Ten sampled ids of a random model: their text encodes to other ids. (Special
         # tokens it samples stay in the text, as the ids hold them.) The second turn streams.
+        # /tokenize counts the turn as the engine will run it (resent answers as their ids).
+        counted = httpx.post(f"{base}/tokenize", json={"messages": history}, timeout=60).json()
         request = dict(model=MODEL, messages=history, max_tokens=10, temperature=0,
                        extra_body={"ignore_eos": True, "return_token_ids": True,
                                    "skip_special_tokens": False})
@@ -164,7 +167,8 @@ def _conversation(base: str, turns: int) -> list[dict]:
             out = client.chat.completions.create(**request).model_dump()
             choice = out["choices"][0]
         results.append({"prompt": out["prompt_token_ids"], "answer": choice["token_ids"],
-                        "cached": out["usage"]["prompt_tokens_details"]["cached_tokens"]})
+                        "cached": out["usage"]["prompt_tokens_details"]["cached_tokens"],
+                        "counted": counted["tokens"]})
         history += [{"role": "assistant", "content": choice["message"]["content"]},
                     {"role": "user", "content": f"And after step {turn}?"}]
     return results
@@ -184,6 +188,7 @@ def test_a_conversation_hits_through_the_answers_it_was_given(qwen3_checkpoint, 
         ran = last["prompt"] + last["answer"][:-1]
         assert turn["prompt"][:len(ran)] == ran
         assert turn["cached"] == len(ran)
+    assert [t["counted"] for t in turns] == [t["prompt"] for t in turns]
     # Re-encoding the answers' text instead would have missed: their ids are not the text's.
     assert any(tokenizer.encode(tokenizer.decode(t["answer"][:-1]), add_special_tokens=False)
                != t["answer"][:-1] for t in turns[:-1])

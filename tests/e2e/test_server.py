@@ -455,6 +455,33 @@ def test_tokenize_and_detokenize(server, offline):
     assert code == 400 and err["error"]["param"] == "tokens"
 
 
+def test_llamacpp_props_and_slots(server, client, offline):
+    """llama.cpp's /props (model, context, template, tokens, defaults, capacity) and /slots
+    (one entry per request in flight, gone when it ends)."""
+    base, _ = server
+    with urllib.request.urlopen(base + "/props", timeout=30) as resp:
+        props = json.loads(resp.read())
+    tok = offline.get_tokenizer()
+    assert props["model_alias"] == MODEL and props["chat_template"] == tok.chat_template
+    assert props["eos_token"] == tok.eos_token and props["total_slots"] >= 1
+    assert props["default_generation_settings"]["n_ctx"] == offline.engine.config.model.max_model_len
+    stream = client.chat.completions.create(model=MODEL, max_tokens=200, stream=True, temperature=1.0,
+                                            messages=[{"role": "user", "content": "Count."}],
+                                            extra_body={"ignore_eos": True})
+    next(iter(stream))
+    with urllib.request.urlopen(base + "/slots", timeout=30) as resp:
+        slots = json.loads(resp.read())
+    assert len(slots) == 1 and slots[0]["is_processing"]
+    assert slots[0]["params"]["n_predict"] == 200 and slots[0]["params"]["temperature"] == 1.0
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Count."}], tokenize=False,
+                                      add_generation_prompt=True)
+    assert slots[0]["n_prompt_tokens"] == len(tok.encode(prompt, add_special_tokens=False))
+    stream.close()
+    _wait_idle(base)
+    with urllib.request.urlopen(base + "/slots", timeout=30) as resp:
+        assert json.loads(resp.read()) == []
+
+
 async def _burst(base: str, count: int) -> tuple[int, int]:
     """Send ``count`` long streams at once; (admitted, refused with 503 + Retry-After)."""
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 450, "ignore_eos": True,
