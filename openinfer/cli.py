@@ -17,6 +17,7 @@ from openinfer.engine_flags import (
     parse_bytes,
     resolve_model_arg,
 )
+from openinfer.env_flags import apply_env_defaults
 from openinfer.logger import configure_logging
 from openinfer.model_source import resolve_model
 from openinfer.server.chat_content import CONTENT_FORMATS
@@ -343,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     try:
+        apply_env_defaults(parser)
         argv = expand_config_file(parser, argv)
     except ValueError as e:
         parser.error(str(e))

@@ -233,3 +233,39 @@ def test_gpu_memory_utilization_is_vllms_and_cuda_only(qwen3_checkpoint):
         create_engine_config(model, gpu_memory_utilization=1.5)
     args = build_parser().parse_args(["serve", "--model", model, "--gpu-memory-utilization", "0.8"])
     assert engine_kwargs(args)["gpu_memory_utilization"] == 0.8
+
+
+def test_flags_have_environment_mirrors_the_command_line_overrides(qwen3_checkpoint):
+    from openinfer.env_flags import apply_env_defaults
+
+    def parse(environ: dict[str, str], *argv: str) -> argparse.Namespace:
+        parser = build_parser()
+        apply_env_defaults(parser, environ)
+        return parser.parse_args(list(argv))
+
+    environ = {"OPENINFER_MAX_MODEL_LEN": "96", "OPENINFER_ENABLE_PREFIX_CACHING": "false",
+               "OPENINFER_PORT": "9123", "OPENINFER_TOOL_CALL_PARSER": "hermes",
+               "OPENINFER_ENABLE_AUTO_TOOL_CHOICE": "yes", "OPENINFER_KV_CACHE_MEMORY": "3MiB",
+               "OPENINFER_POLICY": "round_robin", "OPENINFER_WORKER": "http://a:1",
+               "OPENINFER_API_KEY": "k1,k2"}
+    args = parse(environ, "serve", "--model", str(qwen3_checkpoint))
+    assert (args.max_model_len, args.enable_prefix_caching, args.port) == (96, False, 9123)
+    assert args.tool_call_parser == "hermes" and args.enable_auto_tool_choice
+    assert args.kv_cache_memory == 3 * 2**20 and args.api_key == []  # (read when serving)
+    assert parse(environ, "serve", "--model", "m", "--max-model-len", "64",
+                 "--enable-prefix-caching").max_model_len == 64  # the command line wins
+    router = parse(environ, "router", "--tokenizer", "t")
+    assert router.policy == "round_robin"
+    assert router.worker == []  # repeatable: not mirrored (argparse would add the flag's to it)
+    # What the flag would refuse is refused naming the variable.
+    for bad in ({"OPENINFER_PORT": "high"}, {"OPENINFER_POLICY": "random"},
+                {"OPENINFER_ENABLE_PREFIX_CACHING": "maybe"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            parse(bad, "serve")
+    with pytest.raises(SystemExit):  # a refused switch is refused from its variable too
+        parse({"OPENINFER_TRUST_REMOTE_CODE": "1"}, "serve")
+    # A launcher's own flags and the secrets are not mirrored (replicas inherit the
+    # environment: a mirrored --data-parallel-size would make each launch replicas again).
+    args = parse({"OPENINFER_DATA_PARALLEL_SIZE": "4", "OPENINFER_ADMIN_API_KEY": "s"},
+                 "serve", "--model", "m")
+    assert args.data_parallel_size == 1 and args.admin_api_key is None

@@ -1,5 +1,5 @@
 """`openinfer serve` start-up options, as a new user meets them: the socket bound before the
-model loads, on the address --host names, keys from the environment, a chat template and
+model loads, on the address --host names, keys and flags from the environment, a chat template and
 sampling defaults from flags, help with defaults, `--version` and `python -m openinfer`."""
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ def test_keys_template_generation_defaults_and_async_scheduling(qwen3_checkpoint
     (defaults / "generation_config.json").write_text(json.dumps({"temperature": 0.0,
                                                                  "max_new_tokens": 5}))
     monkeypatch.setenv("OPENINFER_API_KEY", "from-env")
+    # Environment mirrors of flags: one the command line also gives (it wins), one it does not.
+    monkeypatch.setenv("OPENINFER_SERVED_MODEL_NAME", "named-by-env")
+    monkeypatch.setenv("OPENINFER_MAX_MODEL_LEN", "200")
     base, proc = start_server(qwen3_checkpoint, "--chat-template", str(template),
                               "--generation-config", str(defaults),
                               "--disable-uvicorn-access-log", "--async-scheduling",
@@ -80,6 +83,8 @@ def test_keys_template_generation_defaults_and_async_scheduling(qwen3_checkpoint
         assert json.loads(urllib.request.urlopen(reset, timeout=30).read())["reset"]
 
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="from-env", max_retries=0)
+        served = client.models.list().data[0]
+        assert served.id == MODEL and served.max_model_len == 200
         offline = LLM(str(qwen3_checkpoint), progress=False)
         tokenizer = offline.get_tokenizer()
         messages = [{"role": "user", "content": "Hi"}]
