@@ -23,7 +23,8 @@ from typing import Any
 
 PREFIX = "OPENINFER_"
 COMMANDS = ("serve", "router")
-OWN_HANDLING = frozenset({"api_key", "admin_api_key", "kv_transfer_secret", "config", "help"})
+OWN_HANDLING = frozenset({"api_key", "admin_api_key", "kv_transfer_secret", "kv_transfer_host",
+                          "config", "help"})
 LAUNCHER_SET = frozenset({"data_parallel_size", "data_parallel_rank", "data_parallel_rpc_port",
                           "data_parallel_address", "backend", "disaggregate", "role",
                           "metrics_engine_index", "listen_fd"})
