@@ -15,8 +15,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from openinfer.server.error_bodies import error_response
 
-# Paths anyone may call (probes, scrapers) even when an API key is set.
-PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/kv_events"})
+# Paths anyone may call (probes, scrapers; the chat page's two static files, which ask for
+# the key themselves) even when an API key is set.
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/kv_events", "/", "/chat.js"})
 # Paths that change the server's state for everyone: they need the admin key.
 ADMIN_PATHS = frozenset({"/v1/cache/reset"})
 

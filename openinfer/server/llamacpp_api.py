@@ -1,18 +1,24 @@
-"""llama.cpp's server introspection, for its users' tools and scripts: ``GET /props`` (the
-model, its context, chat template and special tokens, the default sampling settings, how
-many requests run at once) and ``GET /slots`` (the requests in flight). openinfer batches
-continuously and has no fixed slots: ``total_slots`` is the most requests it runs at once
-(``--max-num-seqs``), and ``/slots`` lists one entry per request in flight, without its text."""
+"""What llama.cpp's server users reach for: a chat page at ``GET /`` (static/chat.html and
+chat.js: a streamed conversation over /v1/chat/completions), and the introspection their
+tools and scripts read: ``GET /props`` (the model, its context, chat template and special
+tokens, the default sampling settings, how many requests run at once) and ``GET /slots``
+(the requests in flight). openinfer batches continuously and has no fixed slots:
+``total_slots`` is the most requests it runs at once (``--max-num-seqs``), and ``/slots``
+lists one entry per request in flight, without its text."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.responses import FileResponse
 
 import openinfer
 from openinfer.engine.async_llm import AsyncLLM
 from openinfer.sampling_params import SamplingParams
+
+STATIC = Path(__file__).parent / "static"
 
 
 def _sampling(params: SamplingParams | None, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -31,6 +37,14 @@ def _sampling(params: SamplingParams | None, defaults: dict[str, Any]) -> dict[s
 def install_llamacpp_routes(app: FastAPI, llm: AsyncLLM, served_model_name: str,
                             sampling_defaults: dict[str, Any] | None) -> None:
     config, defaults = llm.config, sampling_defaults or {}
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page() -> FileResponse:
+        return FileResponse(STATIC / "chat.html", media_type="text/html")
+
+    @app.get("/chat.js", include_in_schema=False)
+    async def chat_script() -> FileResponse:
+        return FileResponse(STATIC / "chat.js", media_type="text/javascript")
 
     @app.get("/props")
     async def props() -> dict:
