@@ -1,7 +1,9 @@
 """The chat page at ``/`` (llama.cpp's server has one): its two files are served without the
 API key, and the page's protocol, ``streamChat`` in the served chat.js, run in node against
-the real server, streams the text of the chat completion the official client gets; a wrong
-key is an error with the server's message."""
+the real server, streams the text of the chat completion the official client gets and the
+usage the page shows (the next turn's cached tokens); a wrong key is an error with the
+server's message. (No headless browser runs the page's DOM code here: see the gap in
+docs/serving.md.)"""
 
 from __future__ import annotations
 
@@ -18,11 +20,13 @@ NODE = shutil.which("node")
 RUN = """
 const {streamChat} = require(process.argv[2]);
 (async () => {
-  let text = "";
+  let text = "", usage = null;
   try {
-    for await (const piece of streamChat(process.argv[3], process.argv[4], JSON.parse(process.argv[5])))
-      text += piece;
-    console.log(JSON.stringify({text}));
+    for await (const piece of streamChat(process.argv[3], process.argv[4], JSON.parse(process.argv[5]))) {
+      if (piece.text) text += piece.text;
+      if (piece.usage) usage = piece.usage;
+    }
+    console.log(JSON.stringify({text, usage}));
   } catch (error) {
     console.log(JSON.stringify({error: error.message}));
   }
@@ -56,7 +60,14 @@ def test_the_chat_page_streams_what_the_api_answers(qwen3_checkpoint, tmp_path):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="page-key", max_retries=0)
         want = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
                                               temperature=0, extra_body={"ignore_eos": True})
-        assert node("page-key") == {"text": want.choices[0].message.content}
+        first = node("page-key")
+        assert first["text"] == want.choices[0].message.content
+        assert first["usage"]["prompt_tokens"] == want.usage.prompt_tokens
+        # The turn after it: the page shows how much of its prompt was a cache hit.
+        messages += [{"role": "assistant", "content": first["text"]},
+                     {"role": "user", "content": "More."}]
+        second = node("page-key")
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= want.usage.prompt_tokens
         refused = node("wrong-key")
         assert "error" in refused and "key" in refused["error"].lower()
     finally:

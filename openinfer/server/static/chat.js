@@ -1,13 +1,16 @@
 // openinfer's chat page (GET /): a conversation with the served model over
-// /v1/chat/completions, streamed. streamChat is the page's whole protocol; it runs in a
-// browser and in node (tests/e2e/test_chat_page.py drives it against a real server).
+// /v1/chat/completions, streamed, each turn's prompt tokens (and how many were a prefix-cache
+// hit) shown under its answer. streamChat is the page's whole protocol: it yields {text} pieces,
+// then {usage}; it runs in a browser and in node (tests/e2e/test_chat_page.py drives it
+// against a real server).
 "use strict";
 
 async function* streamChat(base, apiKey, body, signal) {
   const headers = {"Content-Type": "application/json"};
   if (apiKey) headers.Authorization = "Bearer " + apiKey;
   const response = await fetch(base + "/v1/chat/completions", {
-    method: "POST", headers, signal, body: JSON.stringify({...body, stream: true})});
+    method: "POST", headers, signal,
+    body: JSON.stringify({...body, stream: true, stream_options: {include_usage: true}})});
   if (!response.ok) {
     const error = await response.json().catch(() => ({}));
     throw new Error((error.error && error.error.message) || response.statusText);
@@ -30,7 +33,8 @@ async function* streamChat(base, apiKey, body, signal) {
         const chunk = JSON.parse(data);
         if (chunk.error) throw new Error(chunk.error.message);
         const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
-        if (delta && delta.content) yield delta.content;
+        if (delta && delta.content) yield {text: delta.content};
+        if (chunk.usage) yield {usage: chunk.usage};
       }
     }
   }
@@ -71,18 +75,25 @@ if (typeof document !== "undefined") {
     history.push({role: "user", content: text});
     bubble("user", text);
     const out = bubble("assistant", "");
+    let usage = null;
     running = new AbortController();
     $("send").textContent = "Stop";
     const body = {model, messages: history, temperature: Number($("temperature").value)};
     if ($("max").value) body.max_tokens = Number($("max").value);
     try {
       for await (const piece of streamChat("", $("key").value, body, running.signal)) {
-        out.textContent += piece;
+        if (piece.text) out.textContent += piece.text;
+        if (piece.usage) usage = piece.usage;
       }
     } catch (error) {
       if (error.name !== "AbortError") bubble("error", String(error.message || error));
     }
     history.push({role: "assistant", content: out.textContent});
+    if (usage) {
+      const cached = (usage.prompt_tokens_details || {}).cached_tokens || 0;
+      bubble("usage", `prompt ${usage.prompt_tokens} tokens (${cached} cached) · ` +
+                      `${usage.completion_tokens} generated`);
+    }
     running = null;
     $("send").textContent = "Send";
   }
