@@ -2,18 +2,20 @@
 API key, and the page's protocol, ``streamChat`` in the served chat.js, run in node against
 the real server, streams the text of the chat completion the official client gets and the
 usage the page shows (the next turn's cached tokens); a wrong key is an error with the
-server's message. (No headless browser runs the page's DOM code here: see the gap in
-docs/serving.md.)"""
+server's message. And the page itself runs in a headless Chromium (Debian's package, driven
+over the DevTools protocol: tests/e2e/browser.py)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 
 import httpx
 import openai
 import pytest
+from browser import Browser, chromium
 from server_process import MODEL, start_server, stop
 
 NODE = shutil.which("node")
@@ -71,4 +73,41 @@ def test_the_chat_page_streams_what_the_api_answers(qwen3_checkpoint, tmp_path):
         refused = node("wrong-key")
         assert "error" in refused and "key" in refused["error"].lower()
     finally:
+        stop(proc)
+
+
+MESSAGES_JS = ("JSON.stringify([...document.querySelectorAll('#log .msg')]"
+               ".map(d => [d.className, d.textContent]))")
+
+
+def test_the_chat_page_in_a_headless_browser(qwen3_checkpoint, tmp_path):
+    """The page itself, in Chromium: a link's first message is sent and streamed into the
+    conversation with its usage line; a second turn, typed in, shows its cached tokens."""
+    executable = chromium()
+    if executable is None:
+        pytest.skip("no Chromium here, and none can be installed (apt-get install chromium, as root)")
+    base, proc = start_server(qwen3_checkpoint)
+    browser = Browser(executable, tmp_path / "profile")
+    try:
+        browser.open(f"{base}/?q=Say%20something.&temperature=0&max_tokens=12")
+        log = json.loads(browser.wait_for(f"document.querySelector('#log .usage') && {MESSAGES_JS}"))
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "Say something."}]
+        want = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                              temperature=0)
+        answer = want.choices[0].message.content
+        assert log[:2] == [["msg user", "Say something."], ["msg assistant", answer]]
+        assert log[2][0] == "msg usage" and log[2][1].startswith(
+            f"prompt {want.usage.prompt_tokens} tokens")
+        assert browser.evaluate("document.getElementById('model').textContent") == MODEL
+
+        browser.evaluate("document.getElementById('input').value = 'More.';"
+                         "document.getElementById('form').requestSubmit(); true")
+        log = json.loads(browser.wait_for(
+            f"document.querySelectorAll('#log .usage').length == 2 && {MESSAGES_JS}"))
+        assert [kind for kind, _ in log] == ["msg user", "msg assistant", "msg usage"] * 2
+        cached = int(re.search(r"\((\d+) cached\)", log[5][1]).group(1))
+        assert cached >= want.usage.prompt_tokens  # the first turn was a prefix-cache hit
+    finally:
+        browser.close()
         stop(proc)

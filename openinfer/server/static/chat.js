@@ -103,5 +103,13 @@ if (typeof document !== "undefined") {
     $("form").addEventListener("submit", send);
     $("clear").addEventListener("click", () => { history.length = 0; $("log").textContent = ""; });
     loadModel();
+    // A link may carry a first message: /?q=...&temperature=0&max_tokens=32 sends it.
+    const link = new URLSearchParams(location.search);
+    if (link.get("temperature")) $("temperature").value = link.get("temperature");
+    if (link.get("max_tokens")) $("max").value = link.get("max_tokens");
+    if (link.get("q")) {
+      $("input").value = link.get("q");
+      $("form").requestSubmit();
+    }
   });
 }
