@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     # Leaves: no openinfer import.
     ("openinfer", "openinfer.procs", "openinfer.units", "openinfer.logger", "openinfer.cpu_features",
      "openinfer.huge_pages", "openinfer.gc_heap", "openinfer.cpu_allocator", "openinfer.model_source",
-     "openinfer.gguf_file", "openinfer.tokenizer", "openinfer.config_file"),
+     "openinfer.gguf_file", "openinfer.tokenizer", "openinfer.config_file", "openinfer.env_flags"),
     # What a request asks for, and what it gets back.
     ("openinfer.sampling_params", "openinfer.outputs", "openinfer.structured.params",
      "openinfer.kv.remote", "openinfer.spec.config"),
