@@ -176,8 +176,8 @@ def _as_input(item: dict) -> dict:
 class _Events:
     """The Responses stream's events, numbered, with the output items they build."""
 
-    def __init__(self, response: dict) -> None:
-        self.response, self.sequence = response, 0
+    def __init__(self) -> None:
+        self.sequence = 0
         self.output: list[dict] = []
         self.message: dict | None = None
         """The message item being streamed, if one is open."""
@@ -212,8 +212,7 @@ class _Events:
     def call(self, call: dict) -> list[str]:
         item = _call_item(call)
         events = self.flush_reasoning() + self.close_message()
-        events += [self._added({**item, "arguments": "",
-                                                      "status": "in_progress"})]
+        events += [self._added({**item, "arguments": "", "status": "in_progress"})]
         where = {"item_id": item["id"], "output_index": len(self.output) - 1}
         events += [self.event("response.function_call_arguments.delta", **where,
                               delta=item["arguments"]),
@@ -248,7 +247,7 @@ class _Events:
 
 async def _events(stream: AsyncIterator[RequestOutput], response: dict, chat: PreparedChat,
                   finish: Callable[..., dict]) -> AsyncIterator[str]:
-    events = _Events(response)
+    events = _Events()
     yield events.event("response.created", response=response)
     yield events.event("response.in_progress", response=response)
     output = chat.choices.output()
